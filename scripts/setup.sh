@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Idempotent setup of .venv in the repo root: CPU torch 2.13.0 unless a torch is already there (GPU users:
+# create .venv and install your CUDA torch first, this script keeps it), then specquant with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q "torch==2.13.0"
+fi
+# editable install; the marker skips the (slow) resolver when pyproject.toml has not changed
+marker=.venv/.specquant-installed
+if [ ! -f "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
+  .venv/bin/pip install -q -e ".[test]"
+  touch "$marker"
+fi

@@ -1,0 +1,53 @@
+"""`specquant VERB ...`: one module per verb; each exposes add_parser(subparsers) and run(args)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from specquant.errors import SpecquantError
+
+# verb -> module with add_parser()/run(); a module that does not exist yet is simply not offered
+VERBS = {
+    "generate": "specquant.decode.cli",
+    "models": "specquant.model.cli",
+    "quantize": "specquant.quant.cli",
+    "bench": "specquant.bench.cli",
+    "demo": "specquant.bench.demo",
+}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(prog="specquant", description=__doc__)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    modules = {}
+    for verb, mod_name in VERBS.items():
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            if e.name == mod_name:
+                continue
+            raise
+        mod.add_parser(sub)
+        modules[verb] = mod
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, modules = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return modules[args.verb].run(args) or 0
+    except SpecquantError as e:
+        print(f"specquant {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, default=float))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

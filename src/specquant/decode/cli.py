@@ -1,0 +1,75 @@
+"""`specquant generate`: prompt in, text out; target-only or speculative with a draft model."""
+
+from __future__ import annotations
+
+import torch
+
+from specquant.cliutil import add_config_flags, config_from_args
+from specquant.decode.generate import generate
+from specquant.decode.sampling import SamplingConfig
+from specquant.errors import SpecquantError
+from specquant.model.checkpoint import DTYPES, load_model, load_tokenizer, resolve
+from specquant.spec.config import SpecConfig
+
+DEFAULT_PROMPT = "The meaning of the word"
+
+
+def add_parser(sub):
+    p = sub.add_parser("generate", help="generate text (speculative when a draft is given)")
+    p.add_argument("--target", default="tiny-target", help="checkpoint directory or bundled name (default: tiny-target)")
+    p.add_argument("--draft", default=None,
+                   help="draft checkpoint or bundled name, or 'none' (default: tiny-draft for the bundled target)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_config_flags(p, SamplingConfig, {"temperature": "sampling temperature; 0 = greedy", "top_p": "nucleus mass",
+                                         "top_k": "keep the k most likely tokens; 0 = off", "seed": "sampling seed"})
+    add_config_flags(p, SpecConfig, {"draft_len": "draft tokens per verify step (k)",
+                                     "adaptive": "adapt k to acceptance and stop drafting on low draft confidence",
+                                     "draft_window": "drafter sliding window W (attend to the last W positions)"})
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def pick_draft(target: str, draft: str | None) -> str | None:
+    if draft is None:
+        return "tiny-draft" if target == "tiny-target" else None
+    return None if draft.lower() == "none" else draft
+
+
+def run(args):
+    from specquant.cli import print_json
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SpecquantError("--device cuda requested but no CUDA device is visible; use --device cpu")
+    sampling = config_from_args(SamplingConfig, args).validate()
+    draft_name = pick_draft(args.target, args.draft)
+    resolve(args.target)
+    if draft_name is not None:
+        resolve(draft_name)
+    tokenizer = load_tokenizer(args.target)
+    ids = tokenizer.encode(args.prompt, add_special_tokens=False)
+    prompt = torch.tensor([ids], device=args.device)
+    target = load_model(args.target, args.dtype, args.device)
+    if draft_name is None:
+        result = generate(target, prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
+    else:
+        from specquant.spec.engine import SpecEngine
+
+        spec = config_from_args(SpecConfig, args).validate()
+        draft = load_model(draft_name, args.dtype, args.device)
+        engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name))
+        result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
+    new = result.token_ids[0]
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    if args.json:
+        print_json({"text": text, "token_ids": new, "stats": result.stats})
+    else:
+        print(args.prompt + text)
+        s = result.stats
+        line = f"[{s['new_tokens']} tokens, ttft {s['prefill_s'] * 1e3:.1f} ms, {s['tokens_per_s']:.1f} tok/s"
+        if "mean_acceptance_length" in s:
+            line += f", mean acceptance length {s['mean_acceptance_length']:.2f}"
+        print(line + "]")
+    return 0

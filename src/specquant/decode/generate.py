@@ -1,0 +1,95 @@
+"""Target-only decoding on the static KV cache: one prefill, then one token per forward.
+
+Timing convention (shared with speculative decoding): the prefill forward yields the first new token and is
+`prefill_s` (time to first token); every later token is decode time; `tokens_per_s` = (new_tokens - 1) / decode_s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specquant.decode.sampling import SamplingConfig, next_token
+from specquant.errors import SpecquantError
+from specquant.model.decoder import Transformer
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # new tokens per batch row (prompt excluded)
+    stats: dict = field(default_factory=dict)
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_context(model: Transformer, prompt_len: int, max_new_tokens: int, role: str = "target") -> int:
+    """Validate lengths against the model's context; returns the cache length needed."""
+    if prompt_len < 1:
+        raise SpecquantError("the prompt is empty; give at least one token")
+    if max_new_tokens < 1:
+        raise SpecquantError(f"max_new_tokens {max_new_tokens} must be at least 1")
+    limit = model.config.max_position_embeddings
+    need = prompt_len + max_new_tokens
+    if need > limit:
+        raise SpecquantError(
+            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = {need} exceeds the {role} model's "
+            f"context of {limit} tokens; shorten the prompt or lower --max-new-tokens"
+        )
+    return need
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig | None = None,
+             stop_on_eos: bool = True, extra_cache: int = 0) -> GenerationResult:
+    """prompt_ids [batch, prompt_len] (rows share one length) -> new tokens and timing stats."""
+    sampling = (sampling or SamplingConfig()).validate()
+    device = prompt_ids.device
+    batch, plen = prompt_ids.shape
+    need = check_context(model, plen, max_new_tokens)
+    model.setup_cache(batch, need + extra_cache)
+    gen = torch.Generator(device=device).manual_seed(sampling.seed)
+    eos = torch.tensor(model.config.eos_ids or [-1], device=device)
+
+    sync(device)
+    t0 = time.perf_counter()
+    logits = model(prompt_ids, 0, last_only=True)
+    tok = next_token(logits[:, -1], sampling, gen)  # [batch]
+    sync(device)
+    t1 = time.perf_counter()
+    out = [tok]
+    done = torch.isin(tok, eos) if stop_on_eos else torch.zeros_like(tok, dtype=torch.bool)
+    pos = plen
+    while len(out) < max_new_tokens and not bool(done.all()):
+        logits = model(tok[:, None], pos, last_only=True)
+        tok = next_token(logits[:, -1], sampling, gen)
+        out.append(tok)
+        pos += 1
+        if stop_on_eos:
+            done |= torch.isin(tok, eos)
+    sync(device)
+    t2 = time.perf_counter()
+    tokens = torch.stack(out, dim=1).tolist()
+    if stop_on_eos:
+        tokens = [_cut_after_eos(row, set(model.config.eos_ids)) for row in tokens]
+    n = len(out)
+    decode_s = t2 - t1
+    stats = {
+        "new_tokens": n,
+        "prefill_s": t1 - t0,
+        "decode_s": decode_s,
+        "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+        "target_forwards": n,
+    }
+    return GenerationResult(tokens, stats)
+
+
+def _cut_after_eos(row: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[: i + 1]
+    return row

@@ -1,0 +1,49 @@
+"""`specquant models`: the bundled models, their paths, sizes and parameter counts."""
+
+from __future__ import annotations
+
+from specquant.model.checkpoint import BUNDLED, BUNDLED_DIR, read_config
+
+
+def add_parser(sub):
+    p = sub.add_parser("models", help="list the bundled models")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def param_count(cfg) -> int:
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    layer = attn + 3 * h * f + 2 * h + (2 * d if cfg.qk_norm else 0)
+    emb = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return cfg.num_hidden_layers * layer + emb + h
+
+
+def describe() -> list[dict]:
+    rows = []
+    for name in BUNDLED:
+        path = BUNDLED_DIR / name
+        if not (path / "config.json").exists():
+            rows.append({"name": name, "path": str(path), "available": False})
+            continue
+        cfg = read_config(name)
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        rows.append({"name": name, "path": str(path), "available": True, "bytes": size,
+                     "parameters": param_count(cfg), "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+                     "vocab": cfg.vocab_size, "context": cfg.max_position_embeddings})
+    return rows
+
+
+def run(args):
+    from specquant.cli import print_json
+
+    rows = describe()
+    if args.json:
+        print_json({"models": rows})
+        return 0
+    print(f"{'name':<12} {'params':>10} {'size':>10}  path")
+    for r in rows:
+        if r["available"]:
+            print(f"{r['name']:<12} {r['parameters'] / 1e6:>9.2f}M {r['bytes'] / 2**20:>8.1f}MB  {r['path']}")
+        else:
+            print(f"{r['name']:<12} {'-':>10} {'-':>10}  {r['path']} (not built: run scripts/train_bundled.py)")
+    return 0

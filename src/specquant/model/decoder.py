@@ -1,0 +1,222 @@
+"""Lean decoder for the Llama / Qwen2 / Qwen3 dense families, with a static KV cache and explicit positions.
+
+Module names mirror transformers' (`model.layers.N.self_attn.q_proj`, ...), so HF state dicts load as they are.
+
+Cache contract: `forward(tokens, start_pos)` writes K/V for positions start_pos .. start_pos+T-1 and attends to
+every earlier position still held. The model keeps no length counter: the caller owns the sequence length, so
+rolling back to any earlier length L is O(1) — pass start_pos=L next time; stale entries past L are overwritten
+before they are read. With `sliding_window=W` the cache is a ring of W + max_block - 1 slots: position p lives in
+slot p % capacity, each query sees only (p-W, p], and memory and per-step attention cost stay bounded by W.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specquant.model.config import ModelConfig
+from specquant.model.rope import apply_rope, rope_tables
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class KVCache(nn.Module):
+    """Per-layer static K/V buffers [batch, kv_heads, capacity, head_dim]; full (slot = position) or ring."""
+
+    def __init__(self, batch, kv_heads, capacity, head_dim, dtype, device, window: int | None):
+        super().__init__()
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.capacity = capacity
+        self.window = window
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k/v [batch, kv_heads, T, head_dim] at positions start..start+T-1.
+
+        Returns (keys, values, first_key_position): the keys a query at start..start+T-1 may need, in position
+        order, starting at first_key_position.
+        """
+        t = k.shape[2]
+        end = start + t
+        if self.window is None:
+            if end > self.capacity:
+                raise ValueError(f"KV cache holds {self.capacity} positions; asked to write up to {end}")
+            self.k[:, :, start:end] = k
+            self.v[:, :, start:end] = v
+            return self.k[:, :, :end], self.v[:, :, :end], 0
+        if t > self.capacity - self.window + 1:
+            raise ValueError(f"block of {t} tokens exceeds the ring cache's block limit")
+        slots = torch.arange(start, end, device=k.device) % self.capacity
+        self.k.index_copy_(2, slots, k)
+        self.v.index_copy_(2, slots, v)
+        first = max(0, start - self.window + 1)
+        idx = torch.arange(first, end, device=k.device) % self.capacity
+        return self.k.index_select(2, idx), self.v.index_select(2, idx), first
+
+
+def attention_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean [t, k_len] mask: query at q_start+i sees key at k_start+j iff causal and inside the window."""
+    if t == 1 and (window is None or k_len <= window):
+        return None  # a single query sees every key handed to it
+    qpos = torch.arange(q_start, q_start + t, device=device)[:, None]
+    kpos = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.window = cfg.sliding_window
+        self.cache: KVCache | None = None
+
+    def forward(self, x, cos, sin, start_pos: int):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        if self.cache is None:  # training / cache-free scoring: the whole sequence is in this call
+            keys, values, k_start = k, v, start_pos
+        else:
+            keys, values, k_start = self.cache.update(start_pos, k, v)
+        mask = attention_mask(start_pos, t, k_start, keys.shape[2], self.window, x.device)
+        if mask is None and self.cache is None and t > 1:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, f, bias=bias)
+        self.up_proj = nn.Linear(h, f, bias=bias)
+        self.down_proj = nn.Linear(f, h, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, start_pos):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. `forward(tokens [batch, T], start_pos) -> logits [batch, T or 1, vocab]`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_block = None  # largest T one cached forward may take (ring caches only)
+        self._set_rope(cfg.max_position_embeddings)
+
+    def _set_rope(self, length: int):
+        cfg = self.config
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, length)
+        device = self.model.embed_tokens.weight.device
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, max_block: int = 64, dtype=None, device=None,
+                    window: int | None = -1):
+        """Allocate static K/V buffers once.
+
+        window: attend to the last W positions (-1: the config's sliding_window; None: full attention). A windowed
+        model gets a ring of W + max_block - 1 slots; it takes at most max_block tokens per forward, and a caller
+        may roll back by up to max_block - 1 positions past what it wrote since.
+        """
+        w = self.model.embed_tokens.weight
+        dtype, device = dtype or w.dtype, device or w.device
+        cfg = self.config
+        window = cfg.sliding_window if window == -1 else window
+        window = window if window and window < max_seq_len else None
+        capacity = max_seq_len if window is None else window + max_block - 1
+        self.max_block = None if window is None else max_block
+        for layer in self.model.layers:
+            layer.self_attn.window = window
+            layer.self_attn.cache = KVCache(
+                batch_size, cfg.num_key_value_heads, capacity, cfg.head_dim, dtype, device, window
+            )
+        if self.rope_cos.shape[0] < max_seq_len or self.rope_cos.device != torch.device(device):
+            self._set_rope(max(max_seq_len, cfg.max_position_embeddings))
+            self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
+        self.cache_len = max_seq_len
+
+    def clear_cache(self):
+        for layer in self.model.layers:
+            layer.self_attn.cache = None
+            layer.self_attn.window = self.config.sliding_window
+        self.max_block = None
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False) -> torch.Tensor:
+        t = tokens.shape[1]
+        if self.max_block is not None and t > self.max_block:  # ring cache: feed long prompts in blocks
+            outs = [
+                self.forward(tokens[:, i : i + self.max_block], start_pos + i, last_only)
+                for i in range(0, t, self.max_block)
+            ]
+            return outs[-1] if last_only else torch.cat(outs, dim=1)
+        x = self.model.embed_tokens(tokens)
+        cos = self.rope_cos[start_pos : start_pos + t].to(x.dtype)
+        sin = self.rope_sin[start_pos : start_pos + t].to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, start_pos)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -1,0 +1,70 @@
+"""Verification rules of speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+Terms, used throughout specquant:
+- draft tokens: the k tokens x_1..x_k the draft model proposes, x_i ~ draft_probs_i.
+- accepted tokens: the longest prefix the verifier keeps. In sampling mode x_i is kept with probability
+  min(1, target_probs_i(x_i) / draft_probs_i(x_i)); in greedy mode iff x_i == argmax target_probs_i.
+- recovered token: at the first rejected position j, a token drawn from normalize(max(0, target_probs_j -
+  draft_probs_j)) (greedy: the target's argmax). Accepted + recovered tokens are distributed exactly as the target.
+- bonus token: when all k are accepted, one more token drawn from target_probs_{k+1} for free.
+Every verify step therefore emits accepted + 1 tokens.
+
+Randomness is passed in (uniforms and exponential noise), so the vectorised sampler and the plain reference can
+be compared exactly on the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """draft_tokens [k], target_logits [k+1, vocab] -> (accepted count, recovered-or-bonus token)."""
+    k = draft_tokens.shape[0]
+    target_tokens = target_logits.argmax(dim=-1)  # [k+1]
+    matches = (target_tokens[:k] == draft_tokens).int()
+    accepted = int(matches.cumprod(0).sum())
+    return accepted, int(target_tokens[accepted])
+
+
+def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                     uniforms: torch.Tensor, noise: torch.Tensor) -> tuple[int, int]:
+    """Sampling-mode verification.
+
+    draft_tokens [k]; draft_probs [k, vocab]; target_probs [k+1, vocab]; uniforms [k] in [0, 1);
+    noise [vocab] Exp(1) draws for the recovered/bonus token (exponential race: argmax probs / noise).
+    Returns (accepted count, recovered-or-bonus token).
+    """
+    k = draft_tokens.shape[0]
+    idx = torch.arange(k, device=draft_tokens.device)
+    p = target_probs[idx, draft_tokens]  # [k] target prob of each draft token
+    q = draft_probs[idx, draft_tokens]  # [k] draft prob of each draft token (> 0: the token was drawn from it)
+    keep = (uniforms * q <= p).int()  # u < p/q without a division
+    accepted = int(keep.cumprod(0).sum())
+    if accepted == k:
+        dist = target_probs[k]
+    else:
+        residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
+        total = residual.sum()
+        # p == q up to rounding cannot reject in exact arithmetic; if it did, p itself is the right law
+        dist = residual / total if total > 0 else target_probs[accepted]
+    return accepted, int((dist / noise).argmax())
+
+
+def rejection_sample_reference(draft_tokens, draft_probs, target_probs, uniforms, noise) -> tuple[int, int]:
+    """The same rule written as a plain loop over Python numbers; the test oracle for rejection_sample."""
+    k = len(draft_tokens)
+    for i in range(k):
+        x = int(draft_tokens[i])
+        p_x, q_x = float(target_probs[i][x]), float(draft_probs[i][x])
+        if not float(uniforms[i]) * q_x <= p_x:
+            residual = [max(0.0, float(a) - float(b)) for a, b in zip(target_probs[i], draft_probs[i])]
+            total = sum(residual)
+            dist = [r / total for r in residual] if total > 0 else [float(a) for a in target_probs[i]]
+            return i, _race(dist, noise)
+    return k, _race([float(a) for a in target_probs[k]], noise)
+
+
+def _race(dist, noise) -> int:
+    scores = [d / float(e) for d, e in zip(dist, noise)]
+    return max(range(len(scores)), key=lambda j: scores[j])
