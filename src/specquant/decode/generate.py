@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specquant.decode.compiled import Stepper
 from specquant.decode.sampling import SamplingConfig, next_token
 from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
@@ -44,20 +45,25 @@ def check_context(model: Transformer, prompt_len: int, max_new_tokens: int, role
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig | None = None,
-             stop_on_eos: bool = True, extra_cache: int = 0) -> GenerationResult:
-    """prompt_ids [batch, prompt_len] (rows share one length) -> new tokens and timing stats."""
+def generate(model: Transformer | Stepper, prompt_ids: torch.Tensor, max_new_tokens: int,
+             sampling: SamplingConfig | None = None, stop_on_eos: bool = True) -> GenerationResult:
+    """prompt_ids [batch, prompt_len] (rows share one length) -> new tokens and timing stats.
+
+    Pass a `Stepper(model, compile=True)` instead of the model for the compiled decode step.
+    """
+    step = model if isinstance(model, Stepper) else Stepper(model)
+    model = step.model
     sampling = (sampling or SamplingConfig()).validate()
     device = prompt_ids.device
     batch, plen = prompt_ids.shape
     need = check_context(model, plen, max_new_tokens)
-    model.setup_cache(batch, need + extra_cache)
+    step.setup(batch, need)
     gen = torch.Generator(device=device).manual_seed(sampling.seed)
     eos = torch.tensor(model.config.eos_ids or [-1], device=device)
 
     sync(device)
     t0 = time.perf_counter()
-    logits = model(prompt_ids, 0, last_only=True)
+    logits = step(prompt_ids, 0, last_only=True)
     tok = next_token(logits[:, -1], sampling, gen)  # [batch]
     sync(device)
     t1 = time.perf_counter()
@@ -65,7 +71,7 @@ def generate(model: Transformer, prompt_ids: torch.Tensor, max_new_tokens: int, 
     done = torch.isin(tok, eos) if stop_on_eos else torch.zeros_like(tok, dtype=torch.bool)
     pos = plen
     while len(out) < max_new_tokens and not bool(done.all()):
-        logits = model(tok[:, None], pos, last_only=True)
+        logits = step(tok[:, None], pos, last_only=True)
         tok = next_token(logits[:, -1], sampling, gen)
         out.append(tok)
         pos += 1

@@ -35,13 +35,34 @@ class RMSNorm(nn.Module):
 class KVCache(nn.Module):
     """Per-layer static K/V buffers [batch, kv_heads, capacity, head_dim]; full (slot = position) or ring."""
 
-    def __init__(self, batch, kv_heads, capacity, head_dim, dtype, device, window: int | None):
+    def __init__(self, batch, kv_heads, capacity, head_dim, dtype, device, window: int | None, static: bool = False):
         super().__init__()
         shape = (batch, kv_heads, capacity, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.capacity = capacity
         self.window = window
+        self.static = static
+        if static:  # which position each slot holds (-1: empty); lets attention run over the whole buffer
+            self.register_buffer("slot_pos", torch.full((capacity,), -1, dtype=torch.long, device=device),
+                                 persistent=False)
+
+    def update_static(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Shape-static variant for compiled steps: input_pos [T] (tensor, so no recompiles per position).
+
+        Writes slot = position % capacity and returns the whole buffer with a [T, capacity] mask built from
+        slot_pos: causal, inside the window, and never an empty slot. Stale slots past a rollback hold later
+        positions, which the causal test masks out.
+        """
+        slots = input_pos % self.capacity
+        self.k.index_copy_(2, slots, k)
+        self.v.index_copy_(2, slots, v)
+        self.slot_pos.index_copy_(0, slots, input_pos)
+        kpos, qpos = self.slot_pos[None, :], input_pos[:, None]
+        mask = (kpos >= 0) & (kpos <= qpos)
+        if self.window is not None:
+            mask &= kpos > qpos - self.window
+        return self.k, self.v, mask
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store k/v [batch, kv_heads, T, head_dim] at positions start..start+T-1.
@@ -96,7 +117,7 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         self.cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, start_pos: int):
+    def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
@@ -105,11 +126,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        if self.cache is None:  # training / cache-free scoring: the whole sequence is in this call
-            keys, values, k_start = k, v, start_pos
+        if self.cache is not None and self.cache.static:
+            keys, values, mask = self.cache.update_static(input_pos, k, v)
         else:
-            keys, values, k_start = self.cache.update(start_pos, k, v)
-        mask = attention_mask(start_pos, t, k_start, keys.shape[2], self.window, x.device)
+            if self.cache is None:  # training / cache-free scoring: the whole sequence is in this call
+                keys, values, k_start = k, v, start_pos
+            else:
+                keys, values, k_start = self.cache.update(start_pos, k, v)
+            mask = attention_mask(start_pos, t, k_start, keys.shape[2], self.window, x.device)
         if mask is None and self.cache is None and t > 1:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:
@@ -137,8 +161,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, start_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos)
+    def forward(self, x, cos, sin, start_pos, input_pos=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -161,6 +185,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_block = None  # largest T one cached forward may take (ring caches only)
+        self.static_cache = False
         self._set_rope(cfg.max_position_embeddings)
 
     def _set_rope(self, length: int):
@@ -171,12 +196,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def setup_cache(self, batch_size: int, max_seq_len: int, max_block: int = 64, dtype=None, device=None,
-                    window: int | None = -1):
+                    window: int | None = -1, static: bool = False):
         """Allocate static K/V buffers once.
 
         window: attend to the last W positions (-1: the config's sliding_window; None: full attention). A windowed
         model gets a ring of W + max_block - 1 slots; it takes at most max_block tokens per forward, and a caller
         may roll back by up to max_block - 1 positions past what it wrote since.
+        static: attention always spans the whole buffer under a mask built from tensors, so a step's shapes do
+        not depend on the position (what torch.compile / CUDA graphs need); the sliced path is its reference.
         """
         w = self.model.embed_tokens.weight
         dtype, device = dtype or w.dtype, device or w.device
@@ -188,20 +215,24 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.window = window
             layer.self_attn.cache = KVCache(
-                batch_size, cfg.num_key_value_heads, capacity, cfg.head_dim, dtype, device, window
+                batch_size, cfg.num_key_value_heads, capacity, cfg.head_dim, dtype, device, window, static
             )
+        self.static_cache = static
         if self.rope_cos.shape[0] < max_seq_len or self.rope_cos.device != torch.device(device):
             self._set_rope(max(max_seq_len, cfg.max_position_embeddings))
             self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
         self.cache_len = max_seq_len
 
     def clear_cache(self):
+        self.static_cache = False
         for layer in self.model.layers:
             layer.self_attn.cache = None
             layer.self_attn.window = self.config.sliding_window
         self.max_block = None
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, T] at positions start_pos.. (or input_pos [T], static caches) -> logits."""
         t = tokens.shape[1]
         if self.max_block is not None and t > self.max_block:  # ring cache: feed long prompts in blocks
             outs = [
@@ -210,10 +241,15 @@ class Transformer(nn.Module):
             ]
             return outs[-1] if last_only else torch.cat(outs, dim=1)
         x = self.model.embed_tokens(tokens)
-        cos = self.rope_cos[start_pos : start_pos + t].to(x.dtype)
-        sin = self.rope_sin[start_pos : start_pos + t].to(x.dtype)
+        if getattr(self, "static_cache", False):
+            if input_pos is None:
+                input_pos = torch.arange(start_pos, start_pos + t, device=tokens.device)
+            cos, sin = self.rope_cos[input_pos].to(x.dtype), self.rope_sin[input_pos].to(x.dtype)
+        else:
+            cos = self.rope_cos[start_pos : start_pos + t].to(x.dtype)
+            sin = self.rope_sin[start_pos : start_pos + t].to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, start_pos)
+            x = layer(x, cos, sin, start_pos, input_pos)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))

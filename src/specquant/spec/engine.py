@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from specquant.decode.compiled import Stepper
 from specquant.decode.generate import GenerationResult, check_context, sync
 from specquant.decode.sampling import SamplingConfig, logits_to_probs, next_token, sample
 from specquant.errors import SpecquantError
@@ -43,10 +44,11 @@ class SpecEngine:
     """Holds a target/draft pair and the engine-wide metrics; `generate` runs one request."""
 
     def __init__(self, target: Transformer, draft: Transformer, config: SpecConfig | None = None,
-                 target_tokenizer=None, draft_tokenizer=None):
+                 target_tokenizer=None, draft_tokenizer=None, compile: bool = False):
         self.config = (config or SpecConfig()).validate()
         check_vocab(target, draft, target_tokenizer, draft_tokenizer)
         self.target, self.draft = target, draft
+        self.target_step, self.draft_step = Stepper(target, compile), Stepper(draft, compile)
         self.metrics = SpecMetrics()  # accumulated over requests
 
     @torch.no_grad()
@@ -63,9 +65,9 @@ class SpecEngine:
         window = cfg.draft_window
         if window is None and draft.config.sliding_window is None:
             check_context(draft, plen, max_new_tokens, role="draft")
-        target.setup_cache(1, need)
+        self.target_step.setup(1, need)
         # the ring cache must survive a rollback of a whole draft (longest + 1 positions)
-        draft.setup_cache(1, need, max_block=max(64, longest + 2), window=window if window else -1)
+        self.draft_step.setup(1, need, max_block=max(64, longest + 2), window=window if window else -1)
         gen = torch.Generator(device=device).manual_seed(sampling.seed)
         eos = set(target.config.eos_ids) if stop_on_eos else set()
         m = SpecMetrics()
@@ -76,7 +78,7 @@ class SpecEngine:
 
         def run_draft(ids: list[int], start: int) -> torch.Tensor:
             t = time.perf_counter()
-            out = draft(torch.tensor([ids], device=device), start - off, last_only=True)[0, -1]
+            out = self.draft_step(torch.tensor([ids], device=device), start - off, last_only=True)[0, -1]
             sync(device)
             m.draft_s += time.perf_counter() - t
             m.draft_forwards += 1
@@ -84,7 +86,7 @@ class SpecEngine:
 
         def run_target(ids: list[int], start: int, last_only: bool) -> torch.Tensor:
             t = time.perf_counter()
-            out = target(torch.tensor([ids], device=device), start, last_only=last_only)[0]
+            out = self.target_step(torch.tensor([ids], device=device), start, last_only=last_only)[0]
             sync(device)
             m.target_s += time.perf_counter() - t
             m.target_forwards += 1

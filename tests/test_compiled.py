@@ -1,0 +1,49 @@
+"""Fast paths against their references: the shape-static cache vs the sliced cache, compiled vs eager steps."""
+
+import pytest
+import torch
+
+from specquant.decode.compiled import Stepper
+from specquant.decode.generate import generate
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Transformer
+from specquant.spec.config import SpecConfig
+from specquant.spec.engine import SpecEngine
+
+
+def _model(seed, layers=2, window=None):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=80, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      sliding_window=window)
+    return Transformer(cfg).eval()
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_static_cache_matches_sliced_cache_with_rollback(window):
+    m = _model(0, window=window)
+    tokens = torch.randint(0, 80, (1, 60), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for static in (False, True):
+        with torch.no_grad():
+            m.setup_cache(1, 128, max_block=16, static=static)
+            logits = [m(tokens[:, :20], 0)]
+            logits += [m(tokens[:, i : i + 1], i) for i in range(20, 35)]
+            logits += [m(tokens[:, 35:40], 35)]  # a verify-shaped block ...
+            logits += [m(tokens[:, 37:45], 37)]  # ... rolled back by 3 positions and overwritten
+            logits += [m(tokens[:, i : i + 1], i) for i in range(45, 60)]
+        outs[static] = torch.cat(logits, 1)
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_generate_and_spec_match_eager():
+    target, draft = _model(0, layers=2), _model(1, layers=1)
+    prompt = torch.randint(0, 80, (1, 17), generator=torch.Generator().manual_seed(2))
+    eager = generate(target, prompt, 24, stop_on_eos=False).token_ids
+    compiled = generate(Stepper(target, compile=True), prompt, 24, stop_on_eos=False).token_ids
+    assert compiled == eager
+    cfg = SpecConfig(draft_len=3, draft_window=8)
+    spec_eager = SpecEngine(target, draft, cfg).generate(prompt, 24, stop_on_eos=False)
+    spec_compiled = SpecEngine(target, draft, cfg, compile=True).generate(prompt, 24, stop_on_eos=False)
+    assert spec_compiled.token_ids == spec_eager.token_ids == eager
+    assert spec_compiled.stats["accepted"] == spec_eager.stats["accepted"]
