@@ -1,0 +1,84 @@
+"""Shared helpers: tiny random HF configs, an HF model and our decoder holding the same weights, bundled-model checks.
+
+Random weights are drawn at "trained-model" scale (unit-variance activations, non-zero biases, norm weights away
+from 1) rather than HF's 0.02-std init, which leaves logits near zero and would let real differences hide under a
+1e-4 tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from specquant.model.checkpoint import BUNDLED_DIR, load_dense_into
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Transformer
+
+VOCAB = 101
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_config(model_type: str, **overrides):
+    """A small transformers config (vocab 101, hidden 64, 2 layers, 4 heads / 2 kv heads, head_dim 16)."""
+    return AutoConfig.for_model(model_type, **{**TINY, **overrides})
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Fill every parameter in place: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), biases ~ N(0, 0.1^2),
+    norm weights ~ 1 + N(0, 0.1^2). Tied weights are visited once."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # duplicates (tied lm_head) are skipped by default
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            elif p.dim() == 1:  # RMSNorm weights
+                p.copy_(1.0 + 0.1 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+    return model
+
+
+def ours_from_hf(hf_model, dtype=torch.float32, **config_changes) -> Transformer:
+    """Our decoder built from the HF model's config.json dict, holding its weights (via load_dense_into)."""
+    cfg = dataclasses.replace(ModelConfig.from_hf(hf_model.config.to_dict()), **config_changes)
+    model = Transformer(cfg)
+    load_dense_into(model, hf_model.state_dict())
+    return model.to(dtype).eval()
+
+
+def build_pair(model_type: str, seed: int = 0, dtype=torch.float32, attn_implementation: str = "eager", **overrides):
+    """(transformers model, our Transformer) with identical random weights, both in eval mode and `dtype`.
+
+    HF's eager attention is the reference: plain softmax(QK^T/sqrt(d) + mask) V.
+    """
+    hf_cfg = tiny_config(model_type, **overrides)
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation=attn_implementation)
+    randomize_(hf, seed)
+    ours = ours_from_hf(hf)
+    return hf.to(dtype).eval(), ours.to(dtype).eval()
+
+
+def random_model(model_type: str = "qwen3", seed: int = 0, **config_changes) -> Transformer:
+    """Our decoder alone with tiny random weights (for tests that need no HF reference)."""
+    cfg = ModelConfig.from_hf(tiny_config(model_type).to_dict())
+    model = Transformer(dataclasses.replace(cfg, **config_changes))
+    return randomize_(model, seed).eval()
+
+
+def bundled_available(name: str) -> bool:
+    """True when the bundled model has both its config and its weights (tiny-target may still be training)."""
+    path = BUNDLED_DIR / name
+    return (path / "config.json").exists() and (path / "model.safetensors").exists()
+
+
+def needs_bundled(name: str):
+    return pytest.mark.skipif(not bundled_available(name), reason=f"bundled {name} not built yet (no config/weights)")

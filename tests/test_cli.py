@@ -1,0 +1,117 @@
+"""The `specquant` command line: the models listing, generate's JSON contract, errors as one stderr line with exit
+code 2, and the installed console script.
+
+The JSON contract runs on a temporary random checkpoint that carries the bundled tokenizer (so it does not wait for
+tiny-target to finish training) and again on tiny-target itself once it is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import needs_bundled, randomize_
+
+from specquant.cli import main
+from specquant.decode.generate import generate
+from specquant.model.checkpoint import BUNDLED_DIR, load_model, load_tokenizer, save_model
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Transformer
+
+NEW_TOKENS = 8
+GENERATE_JSON = ["--json", "--draft", "none", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos"]
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 with the bundled tokenizer's 8192-token vocabulary, saved with its tokenizer files."""
+    cfg = ModelConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    model = randomize_(Transformer(cfg), seed=0)
+    return save_model(model, tmp_path_factory.mktemp("cli") / "random", tokenizer_from=BUNDLED_DIR / "tiny-target")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_models_json_lists_both_bundled(capsys):
+    rc, out, err = run_cli(capsys, "models", "--json")
+    assert rc == 0 and err == ""
+    assert len(out.splitlines()) == 1
+    rows = json.loads(out)["models"]
+    assert [r["name"] for r in rows] == ["tiny-target", "tiny-draft"]
+    for r in rows:
+        assert Path(r["path"]) == BUNDLED_DIR / r["name"]
+        assert r["available"] == (Path(r["path"]) / "config.json").exists()
+        if r["available"]:
+            assert r["parameters"] > 0 and r["layers"] > 0
+
+
+def test_generate_missing_target_is_one_error_line(capsys, tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    rc, out, err = run_cli(capsys, "generate", "--target", str(missing), "--draft", "none")
+    assert rc == 2 and out == ""
+    assert len(err.splitlines()) == 1
+    assert err.startswith("specquant generate: error:") and str(missing) in err
+
+
+def test_generate_negative_temperature_is_one_error_line(capsys):
+    rc, out, err = run_cli(capsys, "generate", "--temperature", "-1")
+    assert rc == 2 and out == ""
+    assert len(err.splitlines()) == 1
+    assert "temperature -1.0 is negative" in err
+
+
+def check_generate_json(out: str) -> dict:
+    lines = out.splitlines()
+    assert len(lines) == 1, out
+    obj = json.loads(lines[0])
+    assert set(obj) == {"text", "token_ids", "stats"}
+    assert {"new_tokens", "prefill_s", "decode_s", "tokens_per_s"} <= set(obj["stats"])
+    assert obj["stats"]["new_tokens"] == NEW_TOKENS == len(obj["token_ids"])
+    assert isinstance(obj["text"], str) and all(isinstance(t, int) for t in obj["token_ids"])
+    assert obj["stats"]["tokens_per_s"] > 0
+    return obj
+
+
+def test_generate_json_random_checkpoint(capsys, random_checkpoint):
+    rc, out, err = run_cli(capsys, "generate", "--target", str(random_checkpoint), *GENERATE_JSON)
+    assert rc == 0, err
+    obj = check_generate_json(out)
+    # the CLI prints what the engine generates (greedy by default) and decodes it with the checkpoint's tokenizer
+    tokenizer = load_tokenizer(random_checkpoint)
+    prompt = torch.tensor([tokenizer.encode("The meaning of the word", add_special_tokens=False)])
+    expected = generate(load_model(random_checkpoint), prompt, NEW_TOKENS, stop_on_eos=False).token_ids[0]
+    assert obj["token_ids"] == expected
+    assert obj["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@needs_bundled("tiny-target")
+def test_generate_json_tiny_target(capsys):
+    rc, out, err = run_cli(capsys, "generate", "--target", "tiny-target", *GENERATE_JSON)
+    assert rc == 0, err
+    check_generate_json(out)
+
+
+def test_console_script_is_registered():
+    (ep,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "specquant"]
+    assert ep.value == "specquant.cli:main"
+
+
+def test_console_script_generate(random_checkpoint):
+    """The installed entry point end to end, in a fresh process."""
+    script = Path(sys.executable).parent / "specquant"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(script), "generate", "--target", str(random_checkpoint), *GENERATE_JSON],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    check_generate_json(proc.stdout)
