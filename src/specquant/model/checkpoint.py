@@ -165,6 +165,10 @@ class _AtomicDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
+        # mkdtemp and some writers create owner-only files; a checkpoint is ordinary readable data
+        os.chmod(self.tmp, 0o755)
+        for f in self.tmp.rglob("*"):
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
         if self.out.exists():
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
             self.out.rename(old)
