@@ -1,0 +1,96 @@
+"""`specquant quantize`: flags are generated from QuantConfig's fields, so defaults live only there."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from specquant.errors import SpecquantError
+from specquant.quant.config import QuantConfig
+
+# Fields whose flag is not simply --field-name.
+FLAG_OVERRIDES = {"symmetric": "--asymmetric"}
+
+
+def _add_config_flags(p: argparse.ArgumentParser):
+    defaults = QuantConfig()
+    for f in dataclasses.fields(QuantConfig):
+        default = getattr(defaults, f.name)
+        meta = dict(f.metadata)
+        help_ = meta.get("help", "")
+        if f.name == "symmetric":
+            p.add_argument("--asymmetric", dest="symmetric", action="store_false", default=default,
+                           help="asymmetric codes with per-group zero points (default: symmetric)")
+        elif isinstance(default, bool):
+            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=default, help=help_)
+        elif isinstance(default, list):
+            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, nargs="+", default=list(default),
+                           metavar="PATTERN", help=f"{help_}; replaces the default {' '.join(default)}")
+        else:
+            kind = type(default) if default is not None else str
+            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=default,
+                           choices=meta.get("choices"), help=f"{help_} (default: {default})")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("quantize", help="quantize a checkpoint's Linears to INT4/INT8 (compressed-tensors)",
+                              description="Weight-only RTN / AWQ / GPTQ quantization to a compressed-tensors "
+                                          "pack-quantized checkpoint that vLLM and transformers load.")
+    p.add_argument("--model", required=True, help="checkpoint directory or bundled name (tiny-target, tiny-draft)")
+    p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="dtype of scales and dense weights in the output (default: the checkpoint's torch_dtype)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _add_config_flags(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _table(report: dict) -> str:
+    lines = [f"{'layer':<36} {'shape':>11} {'W SQNR dB':>10} {'out SQNR dB':>12} {'out rel MSE':>12}"]
+    for r in report["layers"]:
+        shape = "x".join(str(v) for v in r["shape"])
+        out = r.get("output_sqnr_db")
+        rel = r.get("output_rel_mse")
+        lines.append(f"{r['name']:<36} {shape:>11} {r['weight_sqnr_db']:>10.2f} "
+                     f"{'-' if out is None else f'{out:.2f}':>12} {'-' if rel is None else f'{rel:.2e}':>12}")
+    b0, b1 = report["bytes_before"], report["bytes_after"]
+    lines.append(f"bytes: {b0:,} -> {b1:,} ({b1 / b0:.1%}); {report['quantized_linears']} Linears, "
+                 f"{report['method']}, {report['seconds']} s")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import torch
+
+    from specquant.model.checkpoint import DTYPES, load_model, load_tokenizer, read_hf_config, resolve
+    from specquant.quant.checkpoint import save_quantized
+    from specquant.quant.pipeline import quantize, tensor_bytes
+
+    cfg = QuantConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuantConfig)}).validate()
+    src = resolve(args.model)
+    out = Path(args.out).expanduser()
+    if out.resolve() == src.resolve():
+        raise SpecquantError(f"--out {str(out)!r} is the input checkpoint; choose a new directory")
+    hf = read_hf_config(src)
+    if hf.get("quantization_config"):
+        raise SpecquantError(f"{src} is already quantized; quantize the unquantized checkpoint")
+    dtype_name = args.dtype or hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    if dtype_name not in DTYPES:
+        raise SpecquantError(f"checkpoint torch_dtype {dtype_name!r} is not supported; pass --dtype float32|bfloat16")
+    dtype = DTYPES[dtype_name]
+    # Calibrate in float32 (bf16 GEMMs are slow on many CPUs) but round scales to the output dtype first.
+    model = load_model(src, dtype=torch.float32)
+    tokenizer = load_tokenizer(src) if cfg.method != "rtn" or (src / "tokenizer.json").exists() else None
+    bytes_before = tensor_bytes(model) * dtype.itemsize // 4  # every tensor of the fp32 copy, at the output dtype
+    report = quantize(model, cfg, tokenizer, scale_dtype=dtype, progress=not args.json)
+    model.to(dtype)
+    report["bytes_before"], report["bytes_after"] = bytes_before, tensor_bytes(model)
+    save_quantized(model, out, tokenizer_from=src, cfg=cfg)
+    report["out"] = str(out)
+    report["dtype"] = dtype_name
+    print(json.dumps(report) if args.json else _table(report))
+    return 0

@@ -1,0 +1,111 @@
+"""QuantConfig: the one home of weight-quantization defaults; the CLI flags are built from its fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specquant.errors import SpecquantError
+
+METHODS = ("rtn", "awq", "gptq")
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128, -1)  # -1: one scale per output channel (compressed-tensors strategy "channel")
+BUNDLED_CALIB = Path(__file__).resolve().parent.parent / "data" / "calib.txt"
+
+
+@dataclass
+class QuantConfig:
+    """Weight-only integer quantization of every targeted nn.Linear (W4A16 / W8A16)."""
+
+    method: str = field(default="awq", metadata={"help": "algorithm", "choices": METHODS})
+    bits: int = field(default=4, metadata={"help": "bits per weight", "choices": BITS})
+    group_size: int = field(
+        default=128,
+        metadata={"help": "input channels sharing one scale; -1 = per output channel", "choices": GROUP_SIZES},
+    )
+    # Symmetric: codes in [-2^(b-1), 2^(b-1)-1], scale = absmax / (2^(b-1)-1), no zero point.
+    # Asymmetric: same signed code range plus a signed zero point per group (compressed-tensors' convention).
+    symmetric: bool = field(default=True, metadata={"help": "symmetric codes without zero points"})
+    ignore: list[str] = field(
+        default_factory=lambda: ["lm_head", "embed_tokens"],
+        metadata={"help": "module-name patterns left unquantized (fnmatch; 're:' prefix = regex); a bare name "
+                          "also matches as the last name component(s)"},
+    )
+    calib: str | None = field(default=None, metadata={"help": "calibration text file (default: bundled calib.txt)"})
+    calib_samples: int = field(default=64, metadata={"help": "calibration sequences"})
+    seq_len: int = field(default=256, metadata={"help": "tokens per calibration sequence"})
+    seed: int = field(default=0, metadata={"help": "seed for token subsampling"})
+    awq_grid: int = field(default=20, metadata={"help": "AWQ: alpha grid points over [0, 1)"})
+    awq_block_samples: int = field(default=8, metadata={"help": "AWQ: calibration sequences scoring q/k/v scales "
+                                                                 "on the attention output"})
+    awq_clip: bool = field(default=True, metadata={"help": "AWQ: per-group clipping search"})
+    awq_clip_grid: int = field(default=20, metadata={"help": "AWQ: clip shrink step = 1/awq_clip_grid"})
+    awq_clip_max_shrink: float = field(default=0.5, metadata={"help": "AWQ: largest fraction of the max cut away"})
+    gptq_damp: float = field(default=0.01, metadata={"help": "GPTQ: dampening, fraction of mean(diag H)"})
+    gptq_act_order: bool = field(default=False, metadata={"help": "GPTQ: process columns by descending diag(H)"})
+    gptq_block: int = field(default=128, metadata={"help": "GPTQ: columns per lazy-update block"})
+
+    def __post_init__(self):
+        if self.group_size is None:
+            self.group_size = -1
+
+    def validate(self) -> "QuantConfig":
+        """Check every field that does not depend on the model; raises SpecquantError."""
+        if self.method not in METHODS:
+            raise SpecquantError(f"unknown quantization method {self.method!r}; use one of {', '.join(METHODS)}")
+        if self.bits not in BITS:
+            raise SpecquantError(f"bits={self.bits} is not supported; use 4 or 8 (--bits 4|8)")
+        if self.group_size not in GROUP_SIZES:
+            raise SpecquantError(
+                f"group_size={self.group_size} is not supported; use one of 32, 64, 128 or -1 (per channel)"
+            )
+        for name in ("calib_samples", "seq_len", "awq_grid", "awq_block_samples", "awq_clip_grid",
+                     "gptq_block"):
+            if getattr(self, name) < 1:
+                raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
+        if not 0.0 <= self.awq_clip_max_shrink < 1.0:
+            raise SpecquantError(f"awq_clip_max_shrink={self.awq_clip_max_shrink} must be in [0, 1)")
+        if self.gptq_damp <= 0:
+            raise SpecquantError(f"gptq_damp={self.gptq_damp} must be > 0 (typical 0.01)")
+        if self.method != "rtn" or self.calib:
+            self.calib_path()
+        return self
+
+    def calib_path(self) -> Path:
+        path = Path(self.calib).expanduser() if self.calib else BUNDLED_CALIB
+        if not path.is_file():
+            raise SpecquantError(f"calibration file {str(path)!r} does not exist; pass an existing text file (--calib)")
+        return path
+
+    def group_for(self, name: str, in_features: int) -> int:
+        """The group size for a layer: in_features when per-channel; raises if it does not divide in_features."""
+        if self.group_size == -1:
+            return in_features
+        if in_features % self.group_size:
+            divisors = [g for g in (32, 64, 128) if in_features % g == 0]
+            hint = f"use --group-size {divisors[-1]}" if divisors else "use --group-size -1 (per channel)"
+            raise SpecquantError(
+                f"group_size={self.group_size} does not divide {name}.in_features={in_features}; {hint}, or add "
+                f"{name!r} to --ignore"
+            )
+        if (in_features * self.bits) % 32:
+            raise SpecquantError(f"{name}.in_features={in_features} cannot be packed into int32 at {self.bits} bits")
+        return self.group_size
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict | str, strict: bool = True) -> "QuantConfig":
+        """From to_json's dict (or its JSON text); strict=False drops fields this version does not know."""
+        if isinstance(d, str):
+            d = json.loads(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if not strict:
+            d = {k: v for k, v in d.items() if k in known}
+        elif unknown:
+            raise SpecquantError(f"unknown QuantConfig field(s) {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**d)

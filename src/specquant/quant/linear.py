@@ -1,0 +1,225 @@
+"""QuantLinear: a weight-only quantized nn.Linear whose buffers are exactly the compressed-tensors tensors.
+
+Buffers (names = checkpoint names, so `state_dict()` is the pack-quantized checkpoint as is):
+  weight_packed      int32 [out, in·bits/32]          codes + 2^(bits-1), low bits first (see pack.py)
+  weight_scale       [out, in/group] model dtype
+  weight_zero_point  int32 [ceil(out·bits/32), in/group]  asymmetric only, packed along dim 0
+  weight_shape       int64 [2] = (out, in)
+
+`forward` dispatches to a backend from BACKENDS. Every backend computes x @ dequant(W)ᵀ + b and is tested
+against `reference` (tests/test_quant_linear.py):
+  reference       dequantize on every call, then matmul in x's dtype. Slow, obviously correct.
+  dequant_cached  dequantize once per (dtype, device) and keep the dense weight: dense-GEMM speed, but memory
+                  returns to the unquantized size (plus the packed copy), so it suits small models / CPU
+                  experiments, not memory-bound serving.
+  int4pack_cpu    torch's tinygemm-style CPU kernel (aten._weight_int4pack_mm_for_cpu) on a weight repacked once
+                  by aten._convert_weight_to_int4pack_for_cpu. Needs 4 bits, group 32/64/128/256, out % 16 == 0.
+                  Layout/zero convention (established by testing against `reference`): it takes unsigned codes
+                  u = c + 8 as int32 [out, in] and scale_and_zeros [in/group, out, 2] in x's dtype, and computes
+                  w = (u - 8)·scale + zero; ours is w = (c - zp)·scale, so zero = -zp·scale (0 when symmetric).
+                  It runs in fp32, bf16 or fp16 activations as long as scale_and_zeros has the same dtype.
+A future Triton/CUDA kernel plugs in with `register_backend("triton_cuda", Backend(...))`.
+
+`backend="auto"` (default) follows the measurement in benchmarks/quant_backends.py; see `auto_backend`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specquant.errors import SpecquantError
+from specquant.quant.grid import dequantize
+from specquant.quant.pack import pack_codes, packed_cols, unpack_codes
+
+log = logging.getLogger(__name__)
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, symmetric: bool = True,
+                 bias: bool = False, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        assert in_features % group_size == 0 and (in_features * bits) % 32 == 0
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        groups = in_features // group_size
+        dtype = dtype or torch.get_default_dtype()
+        self.register_buffer("weight_packed", torch.zeros(out_features, packed_cols(in_features, bits),
+                                                          dtype=torch.int32, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=dtype, device=device))
+        self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int64,
+                                                          device=device))
+        if not symmetric:
+            self.register_buffer("weight_zero_point", torch.zeros(packed_cols(out_features, bits), groups,
+                                                                  dtype=torch.int32, device=device))
+        else:
+            self.weight_zero_point = None
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.backend = "auto"  # or a key of BACKENDS
+        self._cache: dict = {}
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+                   bias: torch.Tensor | None = None) -> "QuantLinear":
+        """codes int8 [out, in], scale [out, groups] (its dtype is the model dtype), zero int8 [out, groups]."""
+        out, inp = codes.shape
+        m = cls(inp, out, bits, inp // scale.shape[1], zero is None, bias is not None, scale.dtype, codes.device)
+        m.weight_packed.copy_(pack_codes(codes, bits))
+        m.weight_scale.copy_(scale)
+        if zero is not None:
+            m.weight_zero_point.copy_(pack_codes(zero, bits, dim=0))
+        if bias is not None:
+            m.bias.data.copy_(bias.detach().to(scale.dtype))
+        return m
+
+    def codes(self) -> torch.Tensor:
+        return unpack_codes(self.weight_packed, self.bits, self.in_features)  # int8 [out, in]
+
+    def zero_point(self) -> torch.Tensor | None:
+        if self.weight_zero_point is None:
+            return None
+        return unpack_codes(self.weight_zero_point, self.bits, self.out_features, dim=0)  # int8 [out, groups]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """Dense weight [out, in] in the scale dtype, bit-identical to compressed-tensors' decompression."""
+        return dequantize(self.codes(), self.weight_scale, self.zero_point())
+
+    def invalidate(self):
+        """Drop backend caches (after the buffers change)."""
+        self._cache.clear()
+
+    def _apply(self, fn, recurse=True):
+        self._cache.clear()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._cache.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        key = ("backend", x.dtype, x.device.type)
+        name = self._cache.get(key)
+        if name is None:
+            name = self._cache[key] = resolve_backend(self, x)
+        return BACKENDS[name].forward(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, symmetric={self.symmetric}, backend={self.backend}")
+
+
+# --- backends -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backend:
+    forward: Callable[[QuantLinear, torch.Tensor], torch.Tensor]
+    supports: Callable[[QuantLinear, torch.Tensor], bool]
+
+
+def _reference(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    w = m.dequantized_weight().to(x.dtype)
+    return F.linear(x, w, None if m.bias is None else m.bias.to(x.dtype))
+
+
+def _dequant_cached(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    key = ("dense", x.dtype, x.device)
+    w = m._cache.get(key)
+    if w is None:
+        w = m._cache[key] = m.dequantized_weight().to(device=x.device, dtype=x.dtype)
+    return F.linear(x, w, None if m.bias is None else m.bias.to(x.dtype))
+
+
+INT4PACK_GROUPS = (32, 64, 128, 256)
+INT4PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _int4pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:
+    return (m.bits == 4 and x.device.type == "cpu" and m.group_size in INT4PACK_GROUPS
+            and m.out_features % 16 == 0 and x.dtype in INT4PACK_DTYPES
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
+def _int4pack_cpu(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    packed = m._cache.get("int4pack")
+    if packed is None:
+        unsigned = m.codes().to(torch.int32) + 8  # [out, in] in 0..15
+        packed = m._cache["int4pack"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
+    key = ("int4pack_sz", x.dtype)
+    scale_and_zeros = m._cache.get(key)
+    if scale_and_zeros is None:
+        scale = m.weight_scale.float()
+        zp = m.zero_point()
+        zero = torch.zeros_like(scale) if zp is None else -zp.float() * scale
+        scale_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(x.dtype).contiguous()  # [groups, out, 2]
+        m._cache[key] = scale_and_zeros
+    x2 = x.reshape(-1, m.in_features).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, m.group_size, scale_and_zeros)
+    if m.bias is not None:
+        y = y + m.bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], m.out_features)
+
+
+BACKENDS: dict[str, Backend] = {
+    "reference": Backend(_reference, lambda m, x: True),
+    "dequant_cached": Backend(_dequant_cached, lambda m, x: True),
+    "int4pack_cpu": Backend(_int4pack_cpu, _int4pack_supports),
+}
+
+
+def register_backend(name: str, backend: Backend):
+    """Add a kernel (e.g. a future Triton CUDA W4A16 GEMM); `auto_backend` must be taught when to pick it."""
+    BACKENDS[name] = backend
+
+
+@functools.lru_cache(maxsize=None)
+def _log_choice(choice: str, why: str):
+    log.info("QuantLinear backend: %s (%s)", choice, why)  # lru_cache: logged once per distinct decision
+
+
+def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
+    """Pick the backend for this layer and input, following benchmarks/quant_backends.py's measurement.
+
+    Measured on the 2-core AMD EPYC (AVX2, no fast bf16 GEMM) that CI uses; see that script's docstring:
+      * fp32 activations: dequant_cached (dense fp32 GEMM) was fastest at every shape and row count 1..16.
+      * bf16 activations: int4pack_cpu beat dense bf16 GEMM (slow on this CPU) at every row count 1..16.
+    The decision depends only on dtype/device/layer, so each layer makes it once per (dtype, device).
+    """
+    if x.dtype in (torch.bfloat16, torch.float16) and _int4pack_supports(m, x):
+        choice, why = "int4pack_cpu", f"{x.dtype} activations on CPU: the int4 kernel beats a {x.dtype} dense GEMM"
+    else:
+        choice, why = "dequant_cached", f"{x.dtype} activations on {x.device.type}: dense GEMM on cached weights"
+    _log_choice(choice, why)
+    return choice
+
+
+def resolve_backend(m: QuantLinear, x: torch.Tensor) -> str:
+    if m.backend == "auto":
+        return auto_backend(m, x)
+    if m.backend not in BACKENDS:
+        raise SpecquantError(f"unknown QuantLinear backend {m.backend!r}; use auto or one of {', '.join(BACKENDS)}")
+    if not BACKENDS[m.backend].supports(m, x):
+        raise SpecquantError(
+            f"backend {m.backend!r} cannot run this layer ({m.bits} bits, group {m.group_size}, "
+            f"out {m.out_features}) on {x.dtype} {x.device.type} input; use backend 'auto' or 'reference'"
+        )
+    return m.backend
+
+
+def set_backend(model: nn.Module, name: str) -> int:
+    """Force one backend on every QuantLinear in model ("auto" restores automatic choice). Returns the count."""
+    if name != "auto" and name not in BACKENDS:
+        raise SpecquantError(f"unknown QuantLinear backend {name!r}; use auto or one of {', '.join(BACKENDS)}")
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.backend = name
+            mod.invalidate()
+            n += 1
+    return n

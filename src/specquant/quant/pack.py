@@ -1,0 +1,57 @@
+"""compressed-tensors `pack-quantized` bit layout (what vLLM and transformers read).
+
+Read from compressed_tensors 0.20 (`compressors/pack_quantized/helpers.py`), not copied:
+  * a signed b-bit code c is stored as the unsigned value c + 2^(b-1) (offset binary, +8 at 4 bits);
+  * 32/b values share one int32 along the packed dim; element i of a word sits at bits [b·i, b·i + b), i.e. the
+    first element in the low nibble ("low nibble first");
+  * weights are packed along the input dim: codes [out, in] -> weight_packed int32 [out, in·b/32];
+  * asymmetric zero points are packed the same way but along dim 0: [out, groups] -> [ceil(out·b/32), groups]
+    (a ragged tail is zero-padded);
+  * 8-bit weight-only uses the same format (four codes per int32); the library reserves `int-quantized` for
+    schemes that also quantize activations.
+Only b in {4, 8} is needed here; both divide 32, so values never straddle words.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
+
+
+def pack_codes(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
+    """Signed int8 codes [rows, cols] -> int32, packing 32/bits values per word along `dim` (0 or 1)."""
+    assert bits in (4, 8) and codes.dim() == 2
+    if dim == 0:
+        return pack_codes(codes.t(), bits, 1).t().contiguous()
+    per = 32 // bits
+    rows, cols = codes.shape
+    u = codes.to(torch.int32) + (1 << (bits - 1))
+    assert int(u.min()) >= 0 and int(u.max()) < (1 << bits), "codes outside the signed range for this bit width"
+    pad = (-cols) % per
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad))
+    u = u.reshape(rows, -1, per) << _shifts(bits, codes.device)
+    # The top value overflows int32's sign bit (e.g. 15 << 28); two's-complement wrap gives the right bit pattern.
+    out = u[..., 0]
+    for i in range(1, per):
+        out = out | u[..., i]
+    return out.contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, size: int, dim: int = 1) -> torch.Tensor:
+    """Inverse of pack_codes: int32 -> signed int8 codes with `size` elements along `dim`."""
+    assert packed.dtype == torch.int32 and bits in (4, 8)
+    if dim == 0:
+        return unpack_codes(packed.t(), bits, size, 1).t().contiguous()
+    mask = (1 << bits) - 1
+    u = (packed.unsqueeze(-1) >> _shifts(bits, packed.device)) & mask  # arithmetic shift; the mask drops sign bits
+    u = u.reshape(packed.shape[0], -1)[:, :size]
+    return (u - (1 << (bits - 1))).to(torch.int8)
+
+
+def packed_cols(n: int, bits: int) -> int:
+    per = 32 // bits
+    return (n + per - 1) // per

@@ -1,0 +1,157 @@
+"""quantize(model, config): pick the target Linears, calibrate layer by layer, swap in QuantLinear, report."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import time
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from specquant.errors import SpecquantError
+from specquant.quant import awq, gptq, rtn
+from specquant.quant.calib import calibration_tokens, run_sequential, subsample
+from specquant.quant.config import QuantConfig
+from specquant.quant.grid import QuantizedWeight, dequantize, sqnr_db
+from specquant.quant.linear import QuantLinear
+
+METHODS: dict[str, ModuleType] = {"rtn": rtn, "awq": awq, "gptq": gptq}
+REPORT_TOKENS = 2048  # calibration tokens per Linear for the output-error report
+
+
+def is_ignored(name: str, patterns: list[str]) -> bool:
+    """fnmatch on the full name or on its trailing components ("lm_head", "mlp.*"); 're:' = regex (re.match)."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p):
+            return True
+    return False
+
+
+def target_linears(model: nn.Module, cfg: QuantConfig) -> dict[str, nn.Linear]:
+    """{full name: nn.Linear} to quantize; checks every group size before any work is done."""
+    targets = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and not is_ignored(name, cfg.ignore):
+            cfg.group_for(name, m.in_features)
+            targets[name] = m
+    if not targets and any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise SpecquantError("model is already quantized; start from the unquantized checkpoint")
+    if not targets:
+        raise SpecquantError(f"--ignore patterns {cfg.ignore} leave no Linear to quantize; ignore fewer modules")
+    return targets
+
+
+def tensor_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and persistent buffer (what a checkpoint holds), tied tensors counted once."""
+    unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _swap(root: nn.Module, name: str, res: QuantizedWeight, linear: nn.Linear, bits: int):
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, QuantLinear.from_codes(res.codes, res.scale, res.zero, bits, linear.bias))
+
+
+def _error_row(name: str, res: QuantizedWeight, x: torch.Tensor | None, seed: int) -> dict:
+    deq = dequantize(res.codes, res.scale.float(), res.zero)
+    row = {"name": name, "shape": list(res.codes.shape), "weight_sqnr_db": round(sqnr_db(res.reference, deq), 2)}
+    if x is not None:
+        xs = subsample(x, REPORT_TOKENS, seed)
+        y = xs @ res.reference.t()
+        row["output_sqnr_db"] = round(sqnr_db(y, xs @ deq.t()), 2)
+        row["output_rel_mse"] = float((xs @ deq.t() - y).pow(2).mean() / y.pow(2).mean().clamp_min(1e-30))
+    return row
+
+
+def _tokenizer_for(model):
+    src = getattr(model, "source_path", None)
+    if src is None:
+        raise SpecquantError("calibration needs a tokenizer: pass tokenizer= or calib_tokens=, or load the model "
+                             "from a checkpoint directory that has tokenizer files")
+    from specquant.model.checkpoint import load_tokenizer
+
+    return load_tokenizer(src)
+
+
+@torch.no_grad()
+def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.Tensor | None = None,
+             scale_dtype: torch.dtype | None = None, progress: bool = False) -> dict:
+    """Quantize model's Linears in place with config.method; returns a report (per-layer error, bytes).
+
+    calib_tokens [samples, seq_len] overrides reading config.calib with tokenizer. scale_dtype defaults to the
+    model's dtype (pass bfloat16 to calibrate an fp32 model but store bf16 scales). RTN needs no calibration;
+    given a tokenizer or tokens it still captures inputs to report output errors.
+    Linears outside the decoder layers (lm_head when not ignored) are quantized with RTN.
+    """
+    cfg = config.validate()
+    started = time.perf_counter()
+    method = METHODS[cfg.method]
+    model.eval()
+    targets = target_linears(model, cfg)
+    dtype = model.model.embed_tokens.weight.dtype
+    scale_dtype = scale_dtype or dtype
+    bytes_before = tensor_bytes(model)
+    if calib_tokens is None and (method.NEEDS_CALIBRATION or tokenizer is not None):
+        tokenizer = tokenizer or _tokenizer_for(model)
+        calib_tokens = calibration_tokens(tokenizer, cfg.calib_path(), cfg.calib_samples, cfg.seq_len)
+    if calib_tokens is not None and int(calib_tokens.max()) >= model.config.vocab_size:
+        raise SpecquantError(f"calibration token id {int(calib_tokens.max())} >= vocab_size "
+                             f"{model.config.vocab_size}; the tokenizer does not match the model")
+    # Every input is checked; from here on the model is modified.
+    if "lm_head" in targets and model.config.tie_word_embeddings:
+        # A quantized lm_head cannot share storage with the (dense) embedding: untie and record it.
+        model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+        targets["lm_head"] = model.lm_head
+    rows, stats = [], {}
+    n_layers = len(model.model.layers)
+
+    def per_layer(i, layer, capture, rope=None):
+        prefix = f"model.layers.{i}."
+        local = {n[len(prefix):]: m for n, m in targets.items() if n.startswith(prefix)}
+        if not local:
+            return
+        inputs = capture(local) if capture is not None else {}
+        results = method.quantize_layer(layer, local, inputs, cfg, scale_dtype, model_type=model.config.model_type,
+                                        stats=stats.setdefault(prefix[:-1], {}), rope=rope,
+                                        seq_len=None if calib_tokens is None else calib_tokens.shape[1])
+        for name, res in results.items():
+            rows.append(_error_row(prefix + name, res, inputs.get(name), cfg.seed))
+            _swap(layer, name, res, local[name], cfg.bits)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_layers, desc=f"{cfg.method} {cfg.bits}-bit", unit="layer")
+    if calib_tokens is not None:
+        run_sequential(model, calib_tokens, per_layer, progress=bar)
+    else:
+        for i, layer in enumerate(model.model.layers):
+            per_layer(i, layer, None)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    for name, lin in targets.items():
+        if not name.startswith("model.layers."):
+            res = rtn.quantize_linear(name, lin, cfg, scale_dtype)
+            rows.append(_error_row(name, res, None, cfg.seed))
+            _swap(model, name, res, lin, cfg.bits)
+    model.quant_config = cfg
+    return {
+        "method": cfg.method,
+        "config": cfg.to_json(),
+        "layers": rows,
+        "search": {k: v for k, v in stats.items() if v},  # AWQ: per layer, per group: chosen vs RTN loss
+        "quantized_linears": len(rows),
+        "bytes_before": bytes_before,
+        "bytes_after": tensor_bytes(model),
+        "seconds": round(time.perf_counter() - started, 2),
+    }

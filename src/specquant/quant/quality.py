@@ -1,0 +1,50 @@
+"""Quality of a quantized model against its unquantized twin on the same tokens: KL, perplexity, top-1 match."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def logprobs(model, tokens: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
+    """Per-batch float32 log-probabilities [b, T, vocab] for tokens [samples, T] (cache once, compare many)."""
+    return [F.log_softmax(model(tokens[i : i + batch_size]).float(), dim=-1)
+            for i in range(0, len(tokens), batch_size)]
+
+
+@torch.no_grad()
+def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4) -> dict:
+    """KL(reference ‖ model) per position (nats, mean over samples·T), perplexity of both on next-token
+    prediction, and the fraction of positions whose argmax agrees. `reference` is a model or logprobs(...) of
+    one on the same tokens and batch_size. `nll_tokens` (a tensor, per predicted token, model minus reference)
+    is there for paired significance tests."""
+    ref_batches = reference if isinstance(reference, list) else logprobs(reference, tokens, batch_size)
+    kl_sum, agree, n_pos = 0.0, 0, 0
+    nll_ref, nll_model = [], []
+    for i, ref_logp in zip(range(0, len(tokens), batch_size), ref_batches):
+        batch = tokens[i : i + batch_size]
+        logp = F.log_softmax(model(batch).float(), dim=-1)  # [b, T, vocab]
+        kl_sum += float((ref_logp.exp() * (ref_logp - logp)).sum())
+        agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+        n_pos += batch.numel()
+        target = batch[:, 1:].unsqueeze(-1)
+        nll_ref.append(-ref_logp[:, :-1].gather(-1, target).flatten())
+        nll_model.append(-logp[:, :-1].gather(-1, target).flatten())
+    nll_ref, nll_model = torch.cat(nll_ref), torch.cat(nll_model)
+    return {
+        "kl": kl_sum / n_pos,
+        "ppl": math.exp(float(nll_model.mean())),
+        "ppl_ref": math.exp(float(nll_ref.mean())),
+        "top1_agree": agree / n_pos,
+        "nll_tokens": nll_model - nll_ref,
+    }
+
+
+def heldout_tokens(tokenizer, path, samples: int, seq_len: int) -> torch.Tensor:
+    """Evaluation blocks from held-out text, cut the same way as calibration blocks."""
+    from specquant.quant.calib import calibration_tokens
+
+    return calibration_tokens(tokenizer, path, samples, seq_len)
