@@ -14,12 +14,13 @@ p = pathlib.Path(sys.argv[1]) / "ckpt.safetensors"
 print(int(safe_open(str(p), "pt").metadata()["step"]) if p.exists() else 0)
 PYEOF
 }
-# phase: <stop at step> <args>
-phase() { local stop=$1; shift; local s; s=$(step runs/target); [ "$s" -ge "$stop" ] || $T "$@" --stop-after $((stop - s)); }
-phase 200 --steps 1400 --seq-len 256 --batch-size 8
-phase 300 --steps 750 --seq-len 1024 --batch-size 2
-phase 400 --steps 450 --seq-len 256 --batch-size 8
+# phase: <run dir> <stop at step> <command...>
+phase() { local dir=$1 stop=$2; shift 2; local s; s=$(step "$dir"); [ "$s" -ge "$stop" ] || "$@" --stop-after $((stop - s)); }
+phase runs/target 200 $T --steps 1400 --seq-len 256 --batch-size 8
+phase runs/target 300 $T --steps 750 --seq-len 1024 --batch-size 2
+phase runs/target 400 $T --steps 450 --seq-len 256 --batch-size 8
 $T --steps 700 --seq-len 256 --batch-size 8 --export src/specquant/models/tiny-target
 # the draft imitates the target: forward KL to its logits at T=1 over the full vocabulary
-$PY scripts/train_bundled.py --role draft --teacher src/specquant/models/tiny-target --run-dir runs/draft \
-    --steps 500 --seq-len 256 --batch-size 8 --lr 3e-3 --export src/specquant/models/tiny-draft
+D="$PY scripts/train_bundled.py --role draft --teacher src/specquant/models/tiny-target --run-dir runs/draft"
+phase runs/draft 200 $D --steps 500 --seq-len 256 --batch-size 8 --lr 3e-3
+$D --steps 300 --seq-len 256 --batch-size 8 --lr 3e-3 --export src/specquant/models/tiny-draft
