@@ -1,0 +1,190 @@
+"""Timing primitives shared by `specquant bench` and benchmarks/spec.py: one generate call, one forward, the
+environment.
+
+A sample is one whole generate call, fixed length (EOS ignored), timed around the call after a device sync:
+latency_s is end to end (cache setup, prefill, decode); ttft_s is the time to the first new token (the prefill
+forward, plus the draft's prefill for speculative rows — both are needed before the first draft); tpot_s is
+(latency_s - ttft_s) / (new_tokens - 1); tokens_per_s = new_tokens / latency_s.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from specquant.decode.generate import generate, sync
+from specquant.decode.sampling import SamplingConfig
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "platform": platform.platform(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+           "threads": torch.get_num_threads(), "device": str(device),
+           "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def sample_from(latency: float, ttft: float, new_tokens: int, tokens: list[int], spec: dict | None = None) -> dict:
+    tpot = (latency - ttft) / (new_tokens - 1) if new_tokens > 1 else 0.0
+    return {"latency_s": latency, "ttft_s": ttft, "tpot_s": tpot, "new_tokens": new_tokens,
+            "tokens_per_s": new_tokens / latency if latency > 0 else 0.0, "tokens": tokens, "spec": spec}
+
+
+SPEC_KEYS = ("drafts", "draft_tokens", "accepted", "accepted_per_pos", "histogram")
+
+
+def ours_target_only(model, max_new_tokens: int, sampling: SamplingConfig):
+    """A runner: prompt_ids [1, L] -> sample, for the target decoding alone."""
+
+    def run(prompt_ids: torch.Tensor) -> dict:
+        sync(prompt_ids.device)
+        t0 = time.perf_counter()
+        res = generate(model, prompt_ids, max_new_tokens, sampling, stop_on_eos=False)
+        sync(prompt_ids.device)
+        latency = time.perf_counter() - t0
+        return sample_from(latency, latency - res.stats["decode_s"], res.stats["new_tokens"], res.token_ids[0])
+
+    return run
+
+
+def ours_speculative(engine, max_new_tokens: int, sampling: SamplingConfig):
+    """A runner for SpecEngine; the sample carries this request's acceptance counters."""
+
+    def run(prompt_ids: torch.Tensor) -> dict:
+        sync(prompt_ids.device)
+        t0 = time.perf_counter()
+        res = engine.generate(prompt_ids, max_new_tokens, sampling, stop_on_eos=False)
+        sync(prompt_ids.device)
+        latency = time.perf_counter() - t0
+        spec = {k: res.stats[k] for k in SPEC_KEYS}
+        return sample_from(latency, latency - res.stats["decode_s"], res.stats["new_tokens"], res.token_ids[0], spec)
+
+    return run
+
+
+class _FirstTokenClock:
+    """transformers streamer that stamps the first put() after the prompt (the first new tokens)."""
+
+    def __init__(self):
+        self.puts, self.first_time, self.first_count = 0, None, 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.first_time, self.first_count = time.perf_counter(), int(value.numel())
+
+    def end(self):
+        pass
+
+
+def hf_assisted(hf_target, hf_draft, max_new_tokens: int, draft_len: int, sampling: SamplingConfig):
+    """A runner for transformers' generate(assistant_model=...): fixed k (constant schedule, no confidence stop),
+    EOS disabled on both models so exactly max_new_tokens come out, as in our rows.
+
+    transformers has no separate prefill: its first target forward takes the prompt and the first k draft tokens,
+    so ttft_s is the time to that first verified block (the streamer's first put after the prompt).
+    """
+    for m in (hf_target, hf_draft):
+        m.generation_config.eos_token_id = None  # None in generate() kwargs would fall back to this default
+    hf_draft.generation_config.num_assistant_tokens = draft_len
+    hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+    hf_draft.generation_config.assistant_confidence_threshold = 0.0
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy, pad_token_id=0)
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)  # 0 = off in both
+
+    def run(prompt_ids: torch.Tensor) -> dict:
+        torch.manual_seed(sampling.seed)
+        clock = _FirstTokenClock()
+        sync(prompt_ids.device)
+        t0 = time.perf_counter()
+        out = hf_target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), assistant_model=hf_draft,
+                                 streamer=clock, **kwargs)
+        sync(prompt_ids.device)
+        t1 = time.perf_counter()
+        new = out[0, prompt_ids.shape[1]:].tolist()
+        ttft = (clock.first_time or t1) - t0
+        # its first block carried several tokens: TPOT over the rest
+        rest = len(new) - max(clock.first_count, 1)
+        s = sample_from(t1 - t0, ttft, len(new), new)
+        s["tpot_s"] = (t1 - t0 - ttft) / rest if rest > 0 else 0.0
+        return s
+
+    return run
+
+
+@torch.no_grad()
+def forward_times(model, context: int, n_tokens: tuple[int, ...], reps: int, window: int | None = None,
+                  device=None) -> dict[int, float]:
+    """Median seconds of one cached forward of n tokens at `context` earlier positions, for each n in n_tokens.
+
+    The cache is prefilled once (untimed); every timed call writes the same positions again, which the cache
+    contract allows (model.decoder), so each repetition sees exactly `context` earlier tokens. window: a sliding
+    window for the draft (None = the checkpoint's own attention).
+    """
+    device = device or model.model.embed_tokens.weight.device
+    longest = max(n_tokens)
+    # as SpecEngine sets up its draft: None = the checkpoint's own attention (full unless its config has a window)
+    model.setup_cache(1, context + longest, max_block=max(64, longest + 2), window=window if window else -1)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    model(torch.randint(0, vocab, (1, context), generator=gen).to(device), 0, last_only=True)
+    out = {}
+    for n in n_tokens:
+        x = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+        for _ in range(2):
+            model(x, context, last_only=n == 1)
+        samples = []
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            model(x, context, last_only=n == 1)  # verify forwards return every position's logits
+            sync(device)
+            samples.append(time.perf_counter() - t0)
+        out[n] = statistics.median(samples)
+    model.clear_cache()
+    return out
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+TIMING_KEYS = ("latency_s", "ttft_s", "tpot_s", "tokens_per_s")
+
+
+def summarize(per_prompt: dict[str, list[dict]]) -> dict:
+    """{prompt id: samples} -> each timing key as the median over a prompt's runs, then the mean over prompts."""
+    return {key: sum(median([s[key] for s in ss]) for ss in per_prompt.values()) / len(per_prompt)
+            for key in TIMING_KEYS}
+
+
+def merged_spec(specs) -> "SpecMetrics":
+    """Acceptance counters (the `spec` dicts of samples; None for target-only samples) added up."""
+    from specquant.spec.metrics import SpecMetrics
+
+    total = SpecMetrics()
+    for d in specs:
+        if d:
+            total.merge(SpecMetrics(drafts=d["drafts"], draft_tokens=d["draft_tokens"], accepted=d["accepted"],
+                                    accepted_per_pos=list(d["accepted_per_pos"]), histogram=list(d["histogram"])))
+    return total

@@ -1,0 +1,88 @@
+"""Predicted speedup of speculative decoding from measured acceptance and measured forward costs.
+
+Leviathan et al. 2023 (Fast Inference from Transformers via Speculative Decoding), with k draft tokens per step:
+- α: the chance that one draft token is accepted (taken i.i.d. across positions).
+- Each verify step emits the accepted tokens plus one (recovered or bonus), so the expected tokens per target
+  forward is E = (1 - α^(k+1)) / (1 - α). Its empirical version is the mean acceptance length
+  1 + accepted / drafts = Σ_a (a + 1)·histogram[a] / Σ_a histogram[a].
+- One step costs k draft forwards plus one target forward over k+1 tokens. Leviathan counts that verify forward as
+  one decode step (T_verify = T_target) and writes c = T_draft / T_target, so the wall-time speedup over decoding
+  with the target alone is S = E / (k·c + 1) = (1 - α^(k+1)) / ((1 - α)(k·c + 1)).
+
+A (k+1)-token forward is not free on real hardware (on a CPU it is compute-bound sooner than a GPU is), so we
+measure it: verify_ratio = T_target(k+1 tokens) / T_target(1 token), and predict
+
+    S_predicted = E / (k·c + verify_ratio)
+
+with E from the measured histogram. `leviathan_speedup` keeps the paper's closed form (α backed out of the mean
+acceptance length, verify_ratio = 1) beside it. Both predict the decode phase only (time per output token);
+end-to-end latency adds the prefill, which speculation does not speed up, and the engine's own overhead
+(sampling, host-side bookkeeping) that neither formula counts — the gap between predicted and measured is that
+overhead. When the row's target is not the baseline's (a W4 target), the prediction is rescaled to the baseline:
+S_vs_baseline = S_predicted · T_baseline_step / T_row_target_step.
+"""
+
+from __future__ import annotations
+
+
+def mean_tokens_per_step(histogram: list[int]) -> float:
+    """E from a histogram of accepted counts per verify step (index = accepted): the mean acceptance length."""
+    steps = sum(histogram)
+    if steps == 0:
+        return 1.0  # no step carried a draft: one token per target forward
+    return sum((a + 1) * n for a, n in enumerate(histogram)) / steps
+
+
+def expected_tokens(alpha: float, k: float) -> float:
+    """Leviathan's E = (1 - α^(k+1)) / (1 - α); k may be a mean (adaptive drafting)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def alpha_from_mal(mal: float, k: float, iters: int = 60) -> float:
+    """The α whose expected tokens per step equals the measured mean acceptance length (bisection; E rises in α)."""
+    if mal <= 1.0:
+        return 0.0
+    if mal >= k + 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < mal else (lo, mid)
+    return (lo + hi) / 2
+
+
+def leviathan_speedup(alpha: float, k: float, c: float) -> float:
+    """S = (1 - α^(k+1)) / ((1 - α)(k·c + 1)): the paper's formula (verify forward costs one decode step)."""
+    return expected_tokens(alpha, k) / (k * c + 1.0)
+
+
+def predicted_speedup(histogram: list[int], k: float, c: float, verify_ratio: float) -> float:
+    """S = E / (k·c + verify_ratio), E from the measured histogram; speedup of the decode phase over the row's target
+    decoding alone."""
+    return mean_tokens_per_step(histogram) / (k * c + verify_ratio)
+
+
+def predict_row(histogram: list[int], draft_tokens: int, drafts: int, costs: dict) -> dict:
+    """All predicted numbers for one speculative row in one category.
+
+    costs: target_step_s (the row's target, 1 token), verify_s ((k+1)-token forward), draft_step_s and
+    baseline_step_s (the baseline target, 1 token), all at the category's context. k is the mean number of draft
+    tokens per step (= draft_len unless adaptive or cut by max_new_tokens).
+    """
+    k = draft_tokens / drafts if drafts else 0.0
+    c = costs["draft_step_s"] / costs["target_step_s"]
+    verify_ratio = costs["verify_s"] / costs["target_step_s"]
+    e = mean_tokens_per_step(histogram)
+    alpha = alpha_from_mal(e, k) if k else 0.0
+    s_row = predicted_speedup(histogram, k, c, verify_ratio)
+    rescale = costs["baseline_step_s"] / costs["target_step_s"]
+    return {
+        "k": k, "alpha": alpha, "c": c, "verify_ratio": verify_ratio, "expected_tokens": e,
+        "expected_tokens_leviathan": expected_tokens(alpha, k),
+        "speedup_vs_own_target": s_row,
+        "leviathan_speedup_vs_own_target": leviathan_speedup(alpha, k, c),
+        "speedup": s_row * rescale,  # vs the baseline row (a)
+        "leviathan_speedup": leviathan_speedup(alpha, k, c) * rescale,
+    }

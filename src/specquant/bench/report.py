@@ -1,0 +1,286 @@
+"""Outputs of a bench run: results.json, report.md (tables), three PNG plots; each file written to a temp name and
+renamed, so a reader never sees half a file. `consistency_problems` re-derives the report's ratios from its own
+raw numbers (the tests use it, and `bench` refuses to write a report that fails it)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+FILES = ("results.json", "report.md", "speedup.png", "acceptance_by_position.png", "drafter_latency.png")
+REL_TOL = 1e-9
+
+
+def _write_atomic(path: Path, data: bytes):
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def ok_rows(results: dict) -> list[dict]:
+    return [r for r in results["rows"] if r["status"] == "ok"]
+
+
+def consistency_problems(results: dict) -> list[str]:
+    """Every way the report could disagree with itself; [] when consistent."""
+    problems = []
+    rows = {r["id"]: r for r in results["rows"]}
+    base = rows.get("a")
+    if base is None or base["status"] != "ok":
+        return ["baseline row (a) is missing or was skipped"]
+
+    def close(x, y):
+        return math.isclose(x, y, rel_tol=REL_TOL, abs_tol=1e-12)
+
+    for r in results["rows"]:
+        if r["status"] == "skipped":
+            if not r.get("reason"):
+                problems.append(f"row {r['id']} is skipped without a reason")
+            continue
+        if set(r["categories"]) != set(base["categories"]):
+            problems.append(f"row {r['id']} covers categories {sorted(r['categories'])}, baseline "
+                            f"{sorted(base['categories'])}")
+            continue
+        for cat, e in r["categories"].items():
+            want = base["categories"][cat]["latency_s"] / e["latency_s"]
+            if not close(e["speedup"], want):
+                problems.append(f"row {r['id']} {cat}: speedup {e['speedup']} != baseline latency / latency {want}")
+            acc = e.get("acceptance")
+            if acc:
+                mal = 1 + acc["accepted"] / acc["drafts"] if acc["drafts"] else 0.0
+                if not close(acc["mean_acceptance_length"], mal):
+                    problems.append(f"row {r['id']} {cat}: mean acceptance length {acc['mean_acceptance_length']} "
+                                    f"!= 1 + accepted/drafts {mal}")
+        avg = sum(e["speedup"] for e in r["categories"].values()) / len(r["categories"])
+        if not close(r["speedup_avg"], avg):
+            problems.append(f"row {r['id']}: speedup_avg {r['speedup_avg']} != mean of category speedups {avg}")
+        for name, acc in {**r.get("acceptance", {}), "all": r.get("acceptance_all")}.items():
+            if not acc:
+                continue
+            mal = 1 + acc["accepted"] / acc["drafts"] if acc["drafts"] else 0.0
+            if not close(acc["mean_acceptance_length"], mal):
+                problems.append(f"row {r['id']} {name}: mean acceptance length {acc['mean_acceptance_length']} "
+                                f"!= 1 + accepted/drafts {mal}")
+            if sum(acc["histogram"]) != acc["drafts"] or sum(a * n for a, n in enumerate(acc["histogram"])) != \
+                    acc["accepted"]:
+                problems.append(f"row {r['id']} {name}: histogram disagrees with drafts/accepted")
+    return problems
+
+
+def _ms(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 1e3:.1f}"
+
+
+def _x(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}x"
+
+
+def _f(x, digits=2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def content_sets(results: dict) -> list[str]:
+    seen = []
+    for p in results["prompts"]:
+        if p["kind"] == "content" and p["category"] not in seen:
+            seen.append(p["category"])
+    return seen
+
+
+def summary_table(results: dict) -> str:
+    """The main table (markdown): per row, averages over length categories, speedup per category, acceptance."""
+    cats, sets = list(results["lengths"]), content_sets(results)
+    head = (["row", "TTFT ms", "TPOT ms", "latency ms", "tok/s"] + [f"speedup {c}" for c in cats]
+            + ["speedup avg", "predicted avg"] + [f"MAL {s}" for s in sets])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results["rows"]:
+        label = f"({r['id']}) {r['name']}"
+        if r["status"] != "ok":
+            lines.append(f"| {label} | skipped: {r['reason']} |" + " |" * (len(head) - 2))
+            continue
+        cells = [label, _ms(r["ttft_avg_s"]), _ms(r["tpot_avg_s"]), _ms(r["latency_avg_s"]),
+                 _f(r["tokens_per_s_avg"], 1)]
+        cells += [_x(r["categories"][c]["speedup"]) if c in r["categories"] else "-" for c in cats]
+        cells += [_x(r["speedup_avg"]), _x(r.get("predicted_speedup_avg"))]
+        acc = r.get("acceptance", {})
+        cells += [_f(acc[s]["mean_acceptance_length"]) if s in acc else "-" for s in sets]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def detail_table(results: dict) -> str:
+    head = ["row", "category", "prompt tokens", "latency ms", "TTFT ms", "TPOT ms", "speedup", "decode speedup",
+            "predicted", "Leviathan", "MAL", "alpha", "k", "c", "verify ratio", "same tokens as"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in ok_rows(results):
+        for cat, e in r["categories"].items():
+            p = e.get("predicted", {})
+            acc = e.get("acceptance")
+            same = e.get("same_tokens_as")
+            lines.append("| " + " | ".join([
+                f"({r['id']})", cat, str(results["lengths"][cat]), _ms(e["latency_s"]), _ms(e["ttft_s"]),
+                _ms(e["tpot_s"]), _x(e["speedup"]), _x(e["decode_speedup"]), _x(p.get("speedup")),
+                _x(p.get("leviathan_speedup")), _f(acc["mean_acceptance_length"]) if acc else "-",
+                _f(p.get("alpha")), _f(p.get("k"), 1),
+                _f(p.get("c"), 3), _f(p.get("verify_ratio")),
+                f"({same['row']}): {'yes' if same['match'] else 'no'}" if same else "-"]) + " |")
+    return "\n".join(lines)
+
+
+def position_table(results: dict) -> str:
+    spec = [r for r in ok_rows(results) if r.get("acceptance_all")]
+    if not spec:
+        return "(no speculative row ran on the content sets)"
+    k = max(len(r["acceptance_all"]["per_position_rate"]) for r in spec)
+    head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL (all sets)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in spec:
+        rates = r["acceptance_all"]["per_position_rate"]
+        lines.append("| " + " | ".join([f"({r['id']}) {r['name']}"] + [_f(x) for x in rates]
+                                        + ["-"] * (k - len(rates))
+                                        + [_f(r["acceptance_all"]["mean_acceptance_length"])]) + " |")
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    cfg, env = results["config"], results["environment"]
+    lengths = ", ".join(f"{c} {n}" for c, n in results["lengths"].items())
+    quant = results.get("quantized", {})
+    qlines = "\n".join(f"- {role}: `{q['path']}` ({q['method']}, "
+                       f"{'produced in this run' if q['produced'] else 'reused from the cache'})"
+                       if isinstance(q, dict) else f"- {role}: `{q}` (given)" for role, q in quant.items())
+    return f"""# specquant bench
+
+Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['dtype']} activations;
+{'greedy' if cfg['temperature'] == 0 else f"temperature {cfg['temperature']}"}; {cfg['max_new_tokens']} new tokens
+per prompt with EOS ignored; {cfg['warmup']} warm-up + {cfg['runs']} timed runs per prompt and row, interleaved;
+k = {cfg['draft_len']} draft tokens per step; draft window {cfg['draft_window']} (row e).
+Prompt lengths (target tokens): {lengths}.
+
+{qlines}
+
+## Summary
+
+Latency is end to end (prefill + decode) per request, the median over runs per prompt, then the mean over a
+category's prompts; TTFT / TPOT / latency / tok/s columns are means over the length categories. speedup = baseline
+(a) latency / row latency per length category; "avg" is the mean of the per-category speedups. "predicted" is the
+decode-phase speedup from measured acceptance and forward costs (see predict.py): S = E / (k·c + verify_ratio),
+rescaled to the baseline's step time. MAL = mean acceptance length = 1 + accepted / drafts, per content set.
+
+{summary_table(results)}
+
+## Per length category
+
+"decode speedup" compares TPOT; "predicted" and "Leviathan" predict it (Leviathan: α from the MAL, verify
+forward = one decode step). c = draft step / target step; verify ratio = (k+1)-token target forward / 1-token
+forward; both timed at prompt + max_new_tokens/2 context. "same tokens as": greedy output identical to the target's
+own output (row a for the high-precision target, b for the W4 one).
+
+{detail_table(results)}
+
+## Acceptance by draft position (content sets merged)
+
+Rate at position i = steps whose i-th draft token was accepted / steps (cumulative, so ≈ α^i).
+
+{position_table(results)}
+
+## Environment
+
+torch {env['torch']}, transformers {env['transformers']}, {env['threads']} threads, {env['cpu']}
+({env['cpu_count']} logical CPUs), {env['device']}; 1-minute load average at the start {env.get('load_avg_1m')}.
+
+Plots: `speedup.png`, `acceptance_by_position.png`, `drafter_latency.png`. All numbers: `results.json`.
+"""
+
+
+def _plots(results: dict) -> dict[str, bytes]:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = {}
+
+    def save(fig, name):
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        out[name] = buf.getvalue()
+
+    rows = ok_rows(results)
+    cats = list(results["lengths"])
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / (len(cats) + 1)
+    for j, cat in enumerate(cats + ["avg"]):
+        values = [r["speedup_avg"] if cat == "avg" else r["categories"][cat]["speedup"] for r in rows]
+        ax.bar([i + j * width for i in range(len(rows))], values, width, label=f"measured {cat}")
+    predicted = [r.get("predicted_speedup_avg", float("nan")) for r in rows]
+    ax.scatter([i + len(cats) * width for i in range(len(rows))], predicted, color="black", marker="_", s=400,
+               zorder=3, label="predicted avg (decode)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks([i + len(cats) * width / 2 for i in range(len(rows))])
+    ax.set_xticklabels([f"({r['id']})" for r in rows])
+    ax.set_ylabel("speedup vs (a)")
+    ax.set_title("End-to-end speedup per row and length category")
+    ax.legend(fontsize=8)
+    save(fig, "speedup.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        rates = (r.get("acceptance_all") or {}).get("per_position_rate")
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"({r['id']}) {r['name']}")
+    longest = max((len((r.get("acceptance_all") or {}).get("per_position_rate") or []) for r in rows), default=0)
+    ax.set_xticks(range(1, longest + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / steps (cumulative)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Acceptance by draft position (content sets)")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    save(fig, "acceptance_by_position.png")
+
+    curve = results["draft_latency"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(curve["contexts"], [t * 1e3 for t in curve["full_s"]], marker="o", label="full attention")
+    ax.plot(curve["contexts"], [t * 1e3 for t in curve["window_s"]], marker="s",
+            label=f"sliding window {curve['window']}")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("W4 draft one-token forward (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Drafter per-step latency vs context")
+    ax.legend(fontsize=8)
+    save(fig, "drafter_latency.png")
+    return out
+
+
+def _finite(obj):
+    """NaN / inf -> None, so results.json is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_report(results: dict, out: Path) -> list[Path]:
+    """Write every output file into `out` (created if needed); returns their paths."""
+    problems = consistency_problems(results)
+    assert not problems, "report disagrees with itself: " + "; ".join(problems)
+    files = {"results.json": (json.dumps(_finite(results), indent=1) + "\n").encode(),
+             "report.md": markdown(results).encode(), **_plots(results)}
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in FILES:
+        _write_atomic(out / name, files[name])
+        written.append(out / name)
+    return written

@@ -1,0 +1,304 @@
+"""`specquant bench` / `demo`: the report agrees with itself and with its raw samples, every output file is written,
+the prediction formula matches Leviathan et al.'s worked example, prompts hit their lengths exactly, and bad input
+fails with exit code 2 before anything is written.
+
+Models: a small random target and a noisy copy of it as the draft (weights + 10% noise: greedy acceptance lands
+between 1 and k+1, so the acceptance bookkeeping is exercised), saved with the bundled tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+
+import pytest
+import torch
+from conftest import randomize_
+
+from specquant.bench.ablation import ROWS, quantized_checkpoint
+from specquant.bench.config import BenchConfig
+from specquant.bench.predict import (alpha_from_mal, expected_tokens, leviathan_speedup, mean_tokens_per_step,
+                                     predicted_speedup)
+from specquant.bench.prompts import DEFAULT_PROMPTS, fit_lengths, load_prompts, read_jsonl
+from specquant.bench.report import FILES, consistency_problems
+from specquant.cli import main
+from specquant.errors import SpecquantError
+from specquant.model.checkpoint import BUNDLED_DIR, load_model, save_model
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Transformer
+from specquant.quant import QuantConfig, quantize, save_quantized
+
+TOKENIZER = BUNDLED_DIR / "tiny-target"
+# smallest settings that still run every row on every category and content set
+SMALL = ["--max-new-tokens", "8", "--runs", "1", "--warmup", "1", "--draft-window", "16", "--prompts-per-length", "1",
+         "--prompts-per-set", "1"]
+SMALL_CFG = dict(max_new_tokens=8, runs=1, warmup=1, draft_window=16, prompts_per_length=1, prompts_per_set=1,
+                 cost_reps=3, curve_fractions=(1 / 8, 1 / 2))
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TOKENIZER), local_files_only=True)  # tiny-target may lack weights
+
+
+def _config(layers: int) -> ModelConfig:
+    # hidden 128 so the default group size (128) divides every Linear; context 256 shrinks the bench lengths
+    return ModelConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                       tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_models")
+    target = randomize_(Transformer(_config(2)), seed=0).eval()
+    draft = Transformer(_config(2)).eval()
+    draft.load_state_dict(target.state_dict())
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.add_(0.1 * p.std() * torch.randn(p.shape, generator=g))
+    paths = {"target": save_model(target, root / "target", tokenizer_from=TOKENIZER),
+             "draft": save_model(draft, root / "draft", tokenizer_from=TOKENIZER)}
+    for role in ("target", "draft"):  # RTN: the quick way to hand bench ready-made quantized inputs
+        m = load_model(paths[role])
+        quantize(m, QuantConfig(method="rtn"))
+        paths[f"q{role}"] = save_quantized(m, root / f"q{role}", tokenizer_from=TOKENIZER)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def bench_run(pair, tmp_path_factory):
+    """One `specquant bench --json` run with ready-made quantized inputs; (stdout lines, results, out dir)."""
+    out = tmp_path_factory.mktemp("bench") / "out"
+    argv = ["bench", "--target", str(pair["target"]), "--draft", str(pair["draft"]),
+            "--quantized-target", str(pair["qtarget"]), "--quantized-draft", str(pair["qdraft"]),
+            "--out", str(out), "--json", *SMALL]
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    assert rc == 0
+    lines = buf.getvalue().strip().splitlines()
+    return lines, json.loads((out / "results.json").read_text()), out
+
+
+# --- the formula ----------------------------------------------------------------------------------------------
+
+
+def test_leviathan_worked_example():
+    # Leviathan et al. via REFERENCE.md: alpha 0.8, gamma 4 -> E 3.36; c 0.10 -> 2.40x; c 0.25 -> 1.68x
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616, abs=1e-4)
+    assert leviathan_speedup(0.8, 4, 0.10) == pytest.approx(2.40, abs=0.005)
+    assert leviathan_speedup(0.8, 4, 0.25) == pytest.approx(1.68, abs=0.005)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.75, 0.95])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_alpha_from_mal_inverts_expected_tokens(alpha, k):
+    assert alpha_from_mal(expected_tokens(alpha, k), k) == pytest.approx(alpha, abs=1e-9)
+
+
+def test_histogram_prediction_equals_closed_form_for_geometric_acceptance():
+    # steps accepting exactly a of k: alpha^a (1 - alpha) for a < k, alpha^k for a = k (i.i.d. acceptance)
+    alpha, k, c = 0.7, 4, 0.2
+    probs = [alpha**a * (1 - alpha) for a in range(k)] + [alpha**k]
+    histogram = [round(p * 10**7) for p in probs]
+    assert mean_tokens_per_step(histogram) == pytest.approx(expected_tokens(alpha, k), rel=1e-6)
+    # with a verify forward as cheap as one decode step, the histogram form is Leviathan's formula
+    assert predicted_speedup(histogram, k, c, 1.0) == pytest.approx(leviathan_speedup(alpha, k, c), rel=1e-6)
+    assert predicted_speedup(histogram, k, c, 1.5) < predicted_speedup(histogram, k, c, 1.0)
+
+
+# --- prompts --------------------------------------------------------------------------------------------------
+
+
+def test_packaged_prompts_hit_lengths_exactly_and_are_small():
+    assert DEFAULT_PROMPTS.stat().st_size < 100_000
+    tok = _tokenizer()
+    cfg = BenchConfig()
+    lengths = fit_lengths(cfg.lengths, 2048, cfg.max_new_tokens)
+    assert lengths == cfg.lengths  # the bundled 2048-token context holds long (1024) + 128 new tokens
+    prompts = load_prompts(tok, lengths, cfg.content_sets, 99, 99, cfg.content_max_tokens)
+    cats = {p.category for p in prompts}
+    assert cats == set(cfg.lengths) | set(cfg.content_sets)
+    for p in prompts:
+        if p.kind == "length":
+            assert len(p.ids) == lengths[p.category]
+        else:
+            assert 0 < len(p.ids) <= cfg.content_max_tokens
+    # a smaller context shrinks every length by one factor, leaving room for the new tokens
+    small = fit_lengths(cfg.lengths, 512, 8)
+    assert max(small.values()) + 8 <= 512 and small["short"] < small["medium"] < small["long"]
+
+
+def test_content_prompts_keep_their_end(tmp_path):
+    tok = _tokenizer()
+    f = tmp_path / "p.jsonl"
+    rows = [{"id": "L", "category": "short", "text": "one two three four five six seven eight nine ten"},
+            {"id": "Q", "category": "qa", "text": "filler " * 50 + "Question: why?\nAnswer:"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = load_prompts(tok, {"short": 4}, ("qa",), 1, 1, 12, f)
+    q = next(p for p in prompts if p.id == "Q")
+    assert len(q.ids) == 12 and tok.decode(q.ids).endswith("Question: why?\nAnswer:")
+    assert next(p for p in prompts if p.id == "L").ids == tok.encode(rows[0]["text"], add_special_tokens=False)[:4]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"id": "a", "category": "short", "text": "x"}\nnot json\n', ":2 is not valid JSON"),
+    ('{"id": "a", "category": "short"}\n', 'needs a non-empty string "text"'),
+    ('{"id": "a", "category": "short", "text": "x"}\n{"id": "a", "category": "long", "text": "y"}\n', "repeats"),
+])
+def test_bad_prompt_files_name_the_line(tmp_path, content, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    with pytest.raises(SpecquantError, match=message):
+        read_jsonl(f)
+
+
+def test_too_short_length_prompt_is_an_error(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": "tiny", "category": "long", "text": "too short"}) + "\n")
+    with pytest.raises(SpecquantError, match="'tiny' has .* tokens, fewer than the 1024"):
+        load_prompts(_tokenizer(), {"long": 1024}, (), 1, 1, 64, f)
+
+
+# --- the report -----------------------------------------------------------------------------------------------
+
+
+def test_bench_cli_writes_every_file_and_json_last(bench_run):
+    lines, results, out = bench_run
+    for name in FILES:
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last = json.loads(lines[-1])
+    assert last["benchmark"] == "bench" and {r["id"] for r in last["rows"]} == {r["id"] for r in results["rows"]}
+    assert results["environment"]["torch"] == torch.__version__
+    assert "| (a) baseline: target |" in (out / "report.md").read_text()
+
+
+def test_report_is_consistent_with_itself(bench_run):
+    _, results, _ = bench_run
+    assert consistency_problems(results) == []
+    ids = [r["id"] for r in results["rows"]]
+    assert ids == [r.id for r in ROWS] + ["hf"]
+    for r in results["rows"]:
+        assert r["status"] == "ok" or r["reason"], r["id"]
+    base = results["rows"][0]["categories"]
+    for r in results["rows"]:
+        if r["status"] != "ok":
+            continue
+        for cat, e in r["categories"].items():
+            # recomputed from the raw samples: median over runs per prompt, mean over prompts, ratio to (a)
+            per_prompt = [statistics.median(s["latency_s"] for s in ss) for ss in e["samples"].values()]
+            assert e["latency_s"] == pytest.approx(sum(per_prompt) / len(per_prompt), rel=1e-12)
+            assert e["speedup"] == pytest.approx(base[cat]["latency_s"] / e["latency_s"], rel=1e-12)
+            assert all(n == results["config"]["max_new_tokens"] for n in e["new_tokens"])  # EOS ignored
+        for name, acc in r.get("acceptance", {}).items():
+            assert acc["drafts"] > 0
+            assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["accepted"] / acc["drafts"])
+            assert 1.0 <= acc["mean_acceptance_length"] <= results["config"]["draft_len"] + 1
+    spec = [r for r in results["rows"] if r["id"] in "cde"]
+    assert all(set(r["acceptance"]) == {"prose", "code", "qa"} for r in spec)
+    # the noisy-copy draft is neither always right nor always wrong
+    assert any(1.0 < r["acceptance_all"]["mean_acceptance_length"] < 5.0 for r in spec)
+
+
+def test_consistency_check_catches_a_tampered_report(bench_run):
+    _, results, _ = bench_run
+    bad = json.loads(json.dumps(results))
+    row = bad["rows"][2]
+    cat = next(iter(row["categories"]))
+    row["categories"][cat]["speedup"] *= 1.1
+    row["acceptance_all"]["accepted"] += 1
+    bad["rows"][-1] = {**bad["rows"][-1], "status": "skipped", "reason": ""}
+    problems = consistency_problems(bad)
+    assert any("speedup" in p and cat in p for p in problems)
+    assert any("mean acceptance length" in p for p in problems)
+    assert any("without a reason" in p for p in problems)
+
+
+def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
+    from specquant.bench.demo import NOT_YET, run_demo
+
+    logged = []
+    tiny_quant = {"calib_samples": 2, "seq_len": 32, "awq_grid": 2, "awq_clip": False}
+    results = run_demo(str(tmp_path / "demo"), quick=True, target=str(pair["target"]), draft=str(pair["draft"]),
+                       log=logged.append, hf_compare=False, quant_overrides=tiny_quant,
+                       **SMALL_CFG)
+    for name in FILES:
+        assert (tmp_path / "demo" / name).exists()
+    assert all(any(name in line and "not built yet" in line for line in logged) for name in NOT_YET)
+    assert results["quantized"]["quantized_target"]["produced"] and results["quantized"]["quantized_target"][
+        "method"] == "awq"
+    assert results["quantized"]["quantized_draft"]["method"] == "gptq"
+    hf = next(r for r in results["rows"] if r["id"] == "hf")
+    assert hf["status"] == "skipped" and "disabled" in hf["reason"]
+    assert consistency_problems(results) == []
+    cache = tmp_path / "demo" / "cache"
+    _, info = quantized_checkpoint(pair["draft"], "draft", "gptq", tiny_quant, cache)
+    assert not info["produced"]  # same source, same QuantConfig: reused
+    _, info = quantized_checkpoint(pair["draft"], "draft", "gptq", {**tiny_quant, "calib_samples": 3}, cache)
+    assert info["produced"]  # another QuantConfig: quantized again
+    assert json.loads((cache / "draft" / "config.json").read_text())["quantization_config"]["specquant"][
+        "calib_samples"] == 3
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bad_cases(pair, tmp_path):
+    not_a_dir = tmp_path / "file.txt"
+    not_a_dir.write_text("x")
+    t, d = str(pair["target"]), str(pair["draft"])
+    return {
+        "missing target": (["--target", str(tmp_path / "nope"), "--draft", d], "does not exist"),
+        "missing prompts": (["--target", t, "--draft", d, "--prompts", str(tmp_path / "p.jsonl")], "prompts file"),
+        "zero runs": (["--target", t, "--draft", d, "--runs", "0"], "runs 0 must be at least 1"),
+        "zero window": (["--target", t, "--draft", d, "--draft-window", "0"], "draft window 0"),
+        "out is a file": (["--target", t, "--draft", d, "--out", str(not_a_dir)], "is a file"),
+        "unquantized W4 input": (["--target", t, "--draft", d, "--quantized-target", t], "no quantization_config"),
+        "quantized baseline": (["--target", str(pair["qtarget"]), "--draft", d], "already quantized"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing target", "missing prompts", "zero runs", "zero window", "out is a file",
+                                  "unquantized W4 input", "quantized baseline"])
+def test_bad_input_is_one_error_line_and_writes_nothing(bad_cases, tmp_path, capsys, case):
+    argv, message = bad_cases[case]
+    out = tmp_path / "out"
+    if "--out" not in argv:
+        argv = [*argv, "--out", str(out)]
+    rc = main(["bench", *argv])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert err.startswith("specquant bench: error:") and message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_unknown_option_exits_2_and_writes_nothing(pair, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--target", str(pair["target"]), "--draft", str(pair["draft"]), "--out", str(out),
+              "--no-such-flag"])
+    assert e.value.code == 2 and "--no-such-flag" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--out", str(out), "--fast"])
+    assert e.value.code == 2 and not out.exists()
+
+
+def test_cli_flag_defaults_come_from_bench_config():
+    from specquant.cli import build_parser
+
+    parser, _ = build_parser()
+    args = parser.parse_args(["bench", "--target", "x", "--draft", "y"])
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    from_flags = {k: v for k, v in vars(args).items() if k in fields}
+    defaults = BenchConfig()
+    assert from_flags and all(getattr(defaults, k) == v for k, v in from_flags.items())
