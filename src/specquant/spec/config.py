@@ -11,7 +11,8 @@ MAX_DRAFT_LEN = 32
 
 @dataclass
 class SpecConfig:
-    # k: draft tokens per verify step. 4 measured best on the bundled pair (benchmarks/spec.py sweep).
+    # k: draft tokens per verify step. 4 is provisional: the benchmarks/spec.py k sweep on the bundled pair has not
+    # been run on an idle machine yet (acceptance at k=4: 0.81/0.67/0.56/0.47 per position, MAL 3.5).
     draft_len: int = 4
     # adaptive k: +2 after a fully accepted step, -1 after a rejection, within [1, max_draft_len]; and drafting
     # stops early when the draft's top probability falls below draft_confidence.
