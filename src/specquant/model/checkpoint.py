@@ -119,10 +119,11 @@ def load_model(name_or_dir, dtype: torch.dtype | str = torch.float32, device: st
 
 
 def load_dense_into(model: Transformer, tensors: dict[str, torch.Tensor]):
-    """Copy tensors into the model's parameters, checking names and shapes; tied lm_head may be absent."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    """Copy tensors into the model's parameters and persistent buffers (e.g. QuantLinear's packed codes), checking
+    names, shapes and integer dtypes; a tied lm_head may be absent."""
+    expected = model.state_dict(keep_vars=True)
     tied = model.config.tie_word_embeddings
-    for name, p in params.items():
+    for name, p in expected.items():
         if name == "lm_head.weight" and tied:
             continue
         if name not in tensors:
@@ -130,9 +131,11 @@ def load_dense_into(model: Transformer, tensors: dict[str, torch.Tensor]):
         t = tensors[name]
         if tuple(t.shape) != tuple(p.shape):
             raise SpecquantError(f"tensor {name!r} has shape {list(t.shape)}; the config implies {list(p.shape)}")
+        if not p.is_floating_point() and t.dtype != p.dtype:
+            raise SpecquantError(f"tensor {name!r} has dtype {t.dtype}; this layer needs {p.dtype}")
         with torch.no_grad():
-            p.copy_(t.to(p.dtype))
-    unexpected = set(tensors) - set(params) - {"lm_head.weight"}
+            p.data.copy_(t.to(p.dtype))
+    unexpected = set(tensors) - set(expected) - {"lm_head.weight"}
     unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
     if unexpected:
         raise SpecquantError(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from specquant.errors import SpecquantError
+from specquant.model.checkpoint import load_dense_into
 from specquant.quant.config import QuantConfig
 from specquant.quant.linear import QuantLinear
 
@@ -166,24 +167,7 @@ def load_quantized_into(model: nn.Module, tensors: dict[str, torch.Tensor], qc: 
     _swap_meta(model, plan, dtype)
     model.to_empty(device=device)
     model.to(dtype)  # floating tensors only: packed codes stay int32
-    expected = model.state_dict(keep_vars=True)
-    for name, t in expected.items():
-        if name == "lm_head.weight" and tied:
-            continue
-        if name not in tensors:
-            raise SpecquantError(f"tensor {name!r} is missing from the checkpoint (shape {list(t.shape)} expected)")
-        src = tensors[name]
-        if tuple(src.shape) != tuple(t.shape):
-            raise SpecquantError(f"tensor {name!r} has shape {list(src.shape)}; the config implies {list(t.shape)}")
-        if not t.is_floating_point() and src.dtype != t.dtype:
-            raise SpecquantError(f"tensor {name!r} has dtype {src.dtype}; pack-quantized needs {t.dtype}")
-        t.data.copy_(src.to(t.dtype))
-    unexpected = set(tensors) - set(expected) - {"lm_head.weight"}
-    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
-    if unexpected:
-        raise SpecquantError(
-            f"checkpoint has {len(unexpected)} tensors this model does not use, e.g. {sorted(unexpected)[0]!r}"
-        )
+    load_dense_into(model, tensors)  # names, shapes, integer dtypes; tied lm_head may be absent
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
             shape = [int(v) for v in m.weight_shape.tolist()]
