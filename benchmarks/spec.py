@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import checkpoint_dir  # noqa: E402  (the one place that builds the random stand-ins)
 
 from specquant.bench.config import BenchConfig  # noqa: E402
-from specquant.bench.measure import (environment, forward_times, hf_assisted, merged_spec,  # noqa: E402
+from specquant.bench.measure import (Probe, environment, forward_times, hf_assisted, merged_spec,  # noqa: E402
                                      ours_speculative, ours_target_only, summarize)
 from specquant.bench.predict import predict_row  # noqa: E402
 from specquant.bench.prompts import fit_lengths, load_prompts  # noqa: E402
@@ -98,10 +98,12 @@ def bench_dtype(dtype_name: str, paths: dict, prompts, args) -> list[dict]:
     ctx = int(sum(len(p.ids) for p in prompts) / len(prompts)) + args.new_tokens // 2
     widest = max(max(args.ks), SpecConfig.max_draft_len) + 1
     reps = BenchConfig.cost_reps
-    target_t = forward_times(target, ctx, tuple(range(1, widest + 1)), reps)
-    draft_t = {None: forward_times(draft, ctx, (1,), reps)[1],
-               args.window: forward_times(draft, ctx, (1,), reps, args.window)[1]}
-    sizes = sorted(target_t)
+    probes = {n: Probe(target, n) for n in range(1, widest + 1)}
+    probes.update({"draft": Probe(draft), "draft window": Probe(draft, window=args.window)})
+    t = forward_times(probes, ctx, reps)
+    sizes = list(range(1, widest + 1))
+    target_t = {n: t[n] for n in sizes}
+    draft_t = {None: t["draft"], args.window: t["draft window"]}
 
     base = summarize(samples["target only"])
     out = []

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import (environment, forward_times, hf_assisted, merged_spec, ours_speculative,
-                                     ours_target_only, summarize)
+from specquant.bench.measure import (Probe, environment, forward_times, hf_assisted, merged_spec,
+                                     ours_speculative, ours_target_only, summarize)
 from specquant.bench.predict import predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
 from specquant.decode.sampling import SamplingConfig
@@ -220,8 +220,8 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
                 acceptance_samples[rid][p.id] = runners[rid](ids)["spec"]
                 bar.update(1)
 
-    costs = measure_costs(cfg, models, lengths, device)
-    curve = drafter_curve(cfg, models[("draft", "w4")], context, device)
+    costs = measure_costs(cfg, models, lengths)
+    curve = drafter_curve(cfg, models[("draft", "w4")], context)
 
     results_rows = [_row_result(r, cfg, samples, acceptance_samples, skipped, prompts, lengths, costs)
                     for r in rows]
@@ -240,36 +240,37 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     }
 
 
-def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int], device) -> dict:
-    """Per length category, forward times at the mean decode context (prompt + max_new_tokens / 2): the target's
-    one-token step and (k+1)-token verify, the draft's one-token step (full and windowed)."""
+def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> dict:
+    """Per length category, forward times at the mean decode context (prompt + max_new_tokens / 2), all timed
+    interleaved: each target's one-token step and (k+1)-token verify, each draft's one-token step (the W4 draft
+    also with the window)."""
     k1 = cfg.draft_len + 1
+    probes = {"target_hp_step_s": Probe(models[("target", "hp")]),
+              "target_hp_verify_s": Probe(models[("target", "hp")], k1),
+              "target_w4_step_s": Probe(models[("target", "w4")]),
+              "target_w4_verify_s": Probe(models[("target", "w4")], k1),
+              "draft_hp_step_s": Probe(models[("draft", "hp")]),
+              "draft_w4_step_s": Probe(models[("draft", "w4")]),
+              "draft_w4_step_s_window": Probe(models[("draft", "w4")], window=cfg.draft_window)}
     out = {}
-    with _bar(len(lengths) * 5, "forward costs") as bar:
+    with _bar(len(lengths), "forward costs") as bar:
         for cat, n in lengths.items():
             ctx = n + cfg.max_new_tokens // 2
-            row = {"context": ctx}
-            for prec in ("hp", "w4"):
-                t = forward_times(models[("target", prec)], ctx, (1, k1), cfg.cost_reps, device=device)
-                row[f"target_{prec}_step_s"], row[f"target_{prec}_verify_s"] = t[1], t[k1]
-                bar.update(1)
-            for prec, window in (("hp", None), ("w4", None), ("w4", cfg.draft_window)):
-                key = f"draft_{prec}_step_s" + ("_window" if window else "")
-                row[key] = forward_times(models[("draft", prec)], ctx, (1,), cfg.cost_reps, window, device)[1]
-                bar.update(1)
-            out[cat] = row
+            out[cat] = {"context": ctx, **forward_times(probes, ctx, cfg.cost_reps)}
+            bar.update(1)
     return out
 
 
-def drafter_curve(cfg: BenchConfig, draft, context: int, device) -> dict:
+def drafter_curve(cfg: BenchConfig, draft, context: int) -> dict:
     """The W4 draft's one-token forward time against context length, full attention vs the sliding window."""
     contexts = sorted({max(1, int(f * context)) for f in cfg.curve_fractions})
+    probes = {"full": Probe(draft), "window": Probe(draft, window=cfg.draft_window)}
     full, windowed = [], []
-    with _bar(2 * len(contexts), "drafter latency") as bar:
+    with _bar(len(contexts), "drafter latency") as bar:
         for ctx in contexts:
-            full.append(forward_times(draft, ctx, (1,), cfg.cost_reps, None, device)[1])
-            bar.update(1)
-            windowed.append(forward_times(draft, ctx, (1,), cfg.cost_reps, cfg.draft_window, device)[1])
+            t = forward_times(probes, ctx, cfg.cost_reps)
+            full.append(t["full"])
+            windowed.append(t["window"])
             bar.update(1)
     return {"contexts": contexts, "full_s": full, "window_s": windowed, "window": cfg.draft_window}
 

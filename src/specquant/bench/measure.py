@@ -9,10 +9,12 @@ forward, plus the draft's prefill for speculative rows — both are needed befor
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -132,37 +134,54 @@ def hf_assisted(hf_target, hf_draft, max_new_tokens: int, draft_len: int, sampli
     return run
 
 
-@torch.no_grad()
-def forward_times(model, context: int, n_tokens: tuple[int, ...], reps: int, window: int | None = None,
-                  device=None) -> dict[int, float]:
-    """Median seconds of one cached forward of n tokens at `context` earlier positions, for each n in n_tokens.
+@dataclass(frozen=True)
+class Probe:
+    """One forward to time: `model` taking n_tokens new tokens after the context; window = a sliding window for
+    the draft (None = the checkpoint's own attention, as SpecEngine sets it up)."""
 
-    The cache is prefilled once (untimed); every timed call writes the same positions again, which the cache
-    contract allows (model.decoder), so each repetition sees exactly `context` earlier tokens. window: a sliding
-    window for the draft (None = the checkpoint's own attention).
+    model: torch.nn.Module
+    n_tokens: int = 1
+    window: int | None = None
+
+
+@torch.no_grad()
+def forward_times(probes: dict[str, Probe], context: int, reps: int) -> dict[str, float]:
+    """Median seconds of each probe's cached forward after `context` earlier tokens.
+
+    Interleaved: every repetition times every probe once, so background load hits them alike and ratios between
+    them (c, verify ratio, window vs full) are taken side by side. Each (model, window) gets its own prefilled
+    cache (a model probed with two windows is timed through a copy); every timed call writes the same positions
+    again, which the cache contract allows (model.decoder), so each repetition sees exactly `context` tokens.
     """
-    device = device or model.model.embed_tokens.weight.device
-    longest = max(n_tokens)
-    # as SpecEngine sets up its draft: None = the checkpoint's own attention (full unless its config has a window)
-    model.setup_cache(1, context + longest, max_block=max(64, longest + 2), window=window if window else -1)
-    vocab = model.config.vocab_size
+    instances: dict[tuple[int, int | None], torch.nn.Module] = {}
+    for probe in probes.values():
+        key = (id(probe.model), probe.window)
+        if key not in instances:
+            taken = any(k[0] == id(probe.model) for k in instances)
+            instances[key] = copy.deepcopy(probe.model) if taken else probe.model
     gen = torch.Generator().manual_seed(0)
-    model(torch.randint(0, vocab, (1, context), generator=gen).to(device), 0, last_only=True)
-    out = {}
-    for n in n_tokens:
-        x = torch.randint(0, vocab, (1, n), generator=gen).to(device)
-        for _ in range(2):
-            model(x, context, last_only=n == 1)
-        samples = []
-        for _ in range(reps):
-            sync(device)
+    for (model_id, window), model in instances.items():
+        longest = max(p.n_tokens for p in probes.values() if (id(p.model), p.window) == (model_id, window))
+        model.setup_cache(1, context + longest, max_block=max(64, longest + 2), window=window if window else -1)
+        device = model.model.embed_tokens.weight.device
+        model(torch.randint(0, model.config.vocab_size, (1, context), generator=gen).to(device), 0, last_only=True)
+    calls = {}
+    for name, p in probes.items():
+        model = instances[(id(p.model), p.window)]
+        x = torch.randint(0, model.config.vocab_size, (1, p.n_tokens), generator=gen)
+        calls[name] = (model, x.to(model.model.embed_tokens.weight.device))
+    samples: dict[str, list[float]] = {name: [] for name in probes}
+    for rep in range(2 + reps):  # two untimed rounds first
+        for name, (model, x) in calls.items():
+            sync(x.device)
             t0 = time.perf_counter()
-            model(x, context, last_only=n == 1)  # verify forwards return every position's logits
-            sync(device)
-            samples.append(time.perf_counter() - t0)
-        out[n] = statistics.median(samples)
-    model.clear_cache()
-    return out
+            model(x, context, last_only=x.shape[1] == 1)  # verify forwards return every position's logits
+            sync(x.device)
+            if rep >= 2:
+                samples[name].append(time.perf_counter() - t0)
+    for model in instances.values():
+        model.clear_cache()
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def median(values: list[float]) -> float:
