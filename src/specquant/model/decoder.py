@@ -221,7 +221,6 @@ class Transformer(nn.Module):
         if self.rope_cos.shape[0] < max_seq_len or self.rope_cos.device != torch.device(device):
             self._set_rope(max(max_seq_len, cfg.max_position_embeddings))
             self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
-        self.cache_len = max_seq_len
 
     def clear_cache(self):
         self.static_cache = False
