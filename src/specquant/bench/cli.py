@@ -65,9 +65,9 @@ def validate(cfg: BenchConfig, target, draft, quantized_target=None, quantized_d
     if cfg.prompts:
         read_jsonl(Path(cfg.prompts).expanduser())
     if quantized_target is None:
-        quant_config_for(cfg.target_method, cfg.quant_overrides)
+        quant_config_for(cfg.target_method, cfg.quant_overrides_for("target"))
     if quantized_draft is None:
-        quant_config_for(cfg.draft_method, cfg.quant_overrides)
+        quant_config_for(cfg.draft_method, cfg.quant_overrides_for("draft"))
     check_out(Path(cfg.out))
     return paths
 
@@ -83,7 +83,7 @@ def prepare_quantized(cfg: BenchConfig, paths: dict[str, Path], log=print) -> di
         if key in paths:
             info[key] = str(paths[key])
             continue
-        paths[key], info[key] = quantized_checkpoint(paths[role], role, method, cfg.quant_overrides, cache)
+        paths[key], info[key] = quantized_checkpoint(paths[role], role, method, cfg.quant_overrides_for(role), cache)
         how = f"quantized in {info[key]['seconds']:.1f} s" if info[key]["produced"] else "reused: same source, config"
         log(f"W4 {role}: {method.upper()} -> {cache / role} ({how})")
     return info

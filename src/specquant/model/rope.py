@@ -67,7 +67,10 @@ ROPE_VARIANTS = {"default": _default, "linear": _linear, "llama3": _llama3, "yar
 
 
 def rope_tables(head_dim: int, base: float, scaling: dict | None, max_pos: int, length: int):
-    """cos, sin tables [length, head_dim] in float32 for positions 0..length-1."""
+    """cos and signed-sin tables [length, head_dim] in float32 for positions 0..length-1.
+
+    The sin table has its first half negated, for `apply_rope`'s roll form; only apply_rope should read it.
+    """
     rope_type = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_VARIANTS:
         raise SpecquantError(
@@ -78,11 +81,14 @@ def rope_tables(head_dim: int, base: float, scaling: dict | None, max_pos: int, 
     inv_freq, attn_factor = ROPE_VARIANTS[rope_type](inv_freq, scaling or {}, head_dim, base, max_pos)
     freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * attn_factor, emb.sin() * attn_factor
+    sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
+    return emb.cos() * attn_factor, emb.sin() * sign * attn_factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim] already in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x: [batch, heads, seq, head_dim]; cos/sin: rope_tables' rows [seq, head_dim], already in x's dtype.
+
+    transformers' x·cos + rotate_half(x)·sin with rotate_half(x) = cat(-x2, x1), written as
+    x·cos + roll(x, half)·sin' where sin' = cat(-sin1, sin2) is the signed table: 4 ops instead of 7.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

@@ -18,6 +18,10 @@ against `reference` (tests/test_quant_linear.py):
                   u = c + 8 as int32 [out, in] and scale_and_zeros [in/group, out, 2] in x's dtype, and computes
                   w = (u - 8)·scale + zero; ours is w = (c - zp)·scale, so zero = -zp·scale (0 when symmetric).
                   It runs in fp32, bf16 or fp16 activations as long as scale_and_zeros has the same dtype.
+  int4pack_cpu_bf16
+                  the same kernel fed bf16 activations (and bf16 scale_and_zeros), the result cast back to x's
+                  dtype: the kernel's fast path, since its fp32 path is 10-40x slower. For fp32 models this rounds
+                  the activations entering each quantized Linear to bf16 (relative error <= 2^-9 per element).
 A future Triton/CUDA kernel plugs in with `register_backend("triton_cuda", Backend(...))`.
 
 `backend="auto"` (default) follows the measurement in benchmarks/quant_backends.py; see `auto_backend`.
@@ -103,7 +107,7 @@ class QuantLinear(nn.Module):
         return super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
-        key = ("backend", x.dtype, x.device.type)
+        key = ("backend", self.backend, x.dtype, x.device.type, x.numel() >= LARGE_ROWS * self.in_features)
         name = self._cache.get(key)
         if name is None:
             name = self._cache[key] = resolve_backend(self, x)
@@ -137,6 +141,7 @@ def _dequant_cached(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 INT4PACK_GROUPS = (32, 64, 128, 256)
+LARGE_ROWS = 128  # auto: from this many rows on, dequantize per call + dense GEMM beats the int4 kernel
 INT4PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -146,30 +151,37 @@ def _int4pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:
             and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
 
-def _int4pack_cpu(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+def _int4pack_cpu(m: QuantLinear, x: torch.Tensor, kernel_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) with the int4 kernel run in kernel_dtype (default x's dtype); result in x's dtype."""
+    kd = kernel_dtype or x.dtype
     packed = m._cache.get("int4pack")
     if packed is None:
         unsigned = m.codes().to(torch.int32) + 8  # [out, in] in 0..15
         packed = m._cache["int4pack"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
-    key = ("int4pack_sz", x.dtype)
+    key = ("int4pack_sz", kd)
     scale_and_zeros = m._cache.get(key)
     if scale_and_zeros is None:
         scale = m.weight_scale.float()
         zp = m.zero_point()
         zero = torch.zeros_like(scale) if zp is None else -zp.float() * scale
-        scale_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(x.dtype).contiguous()  # [groups, out, 2]
+        scale_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(kd).contiguous()  # [groups, out, 2]
         m._cache[key] = scale_and_zeros
-    x2 = x.reshape(-1, m.in_features).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, m.group_size, scale_and_zeros)
+    x2 = x.reshape(-1, m.in_features).to(kd).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, m.group_size, scale_and_zeros).to(x.dtype)
     if m.bias is not None:
         y = y + m.bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], m.out_features)
+
+
+def _int4pack_cpu_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    return _int4pack_cpu(m, x, torch.bfloat16)
 
 
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(_reference, lambda m, x: True),
     "dequant_cached": Backend(_dequant_cached, lambda m, x: True),
     "int4pack_cpu": Backend(_int4pack_cpu, _int4pack_supports),
+    "int4pack_cpu_bf16": Backend(_int4pack_cpu_bf16, _int4pack_supports),
 }
 
 
@@ -186,13 +198,19 @@ def _log_choice(choice: str, why: str):
 def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
     """Pick the backend for this layer and input, following benchmarks/quant_backends.py's measurement.
 
-    Measured on the 2-core AMD EPYC (AVX2, no fast bf16 GEMM) that CI uses; see that script's docstring:
-      * fp32 activations: dequant_cached (dense fp32 GEMM) was fastest at every shape and row count 1..16.
-      * bf16 activations: int4pack_cpu beat dense bf16 GEMM (slow on this CPU) at every row count 1..16.
+    Measured on the 2-core AMD EPYC (AVX2, no fast bf16 GEMM) that CI uses, with weights streamed from memory as in
+    a forward pass (see that script's docstring): the int4 kernel on bf16 activations beat the dense GEMM in either
+    dtype at every shape and row count 1..16, so fp32 and bf16 inputs both go to it (fp32 through a bf16 cast;
+    its own fp32 path is 10-40x slower). Layers the kernel cannot take (8 bits, odd shapes) use dequant_cached.
+    The kernel's cost grows linearly with rows, so from LARGE_ROWS rows on (prompt prefill) dequantizing the
+    weight per call and running one dense GEMM wins (same script, --rows 64,128,256): no dense copy is kept.
     The decision depends only on dtype/device/layer, so each layer makes it once per (dtype, device).
     """
-    if x.dtype in (torch.bfloat16, torch.float16) and _int4pack_supports(m, x):
-        choice, why = "int4pack_cpu", f"{x.dtype} activations on CPU: the int4 kernel beats a {x.dtype} dense GEMM"
+    rows = x.numel() // m.in_features
+    if rows >= LARGE_ROWS:
+        choice, why = "reference", f"{rows} rows (>= {LARGE_ROWS}): dequantize per call, then one dense GEMM"
+    elif x.dtype in (torch.float32, torch.bfloat16) and _int4pack_supports(m, x):
+        choice, why = "int4pack_cpu_bf16", f"{x.dtype} activations on CPU: the int4 kernel on bf16 activations"
     else:
         choice, why = "dequant_cached", f"{x.dtype} activations on {x.device.type}: dense GEMM on cached weights"
     _log_choice(choice, why)
