@@ -63,7 +63,7 @@ def test_full_prefill_window_and_adaptive_are_lossless(pair):
     prompt = PROMPTS[2]
     ref = generate(target, prompt, 50, stop_on_eos=False).token_ids[0]
     for cfg in (SpecConfig(draft_len=4, draft_window=16, draft_prefill="full"),
-                SpecConfig(draft_len=2, adaptive=True, max_draft_len=8),
+                SpecConfig(draft_len=2, adaptive=True, max_draft_len=8, draft_confidence=0.3),
                 SpecConfig(draft_len=3, adaptive=True, draft_window=8, draft_confidence=0.0)):
         assert SpecEngine(target, draft, cfg).generate(prompt, 50, stop_on_eos=False).token_ids[0] == ref
 

@@ -24,7 +24,11 @@ def add_parser(sub):
     add_config_flags(p, SamplingConfig, {"temperature": "sampling temperature; 0 = greedy", "top_p": "nucleus mass",
                                          "top_k": "keep the k most likely tokens; 0 = off", "seed": "sampling seed"})
     add_config_flags(p, SpecConfig, {"draft_len": "draft tokens per verify step (k)",
-                                     "adaptive": "adapt k to acceptance and stop drafting on low draft confidence",
+                                     "adaptive": "adapt k to acceptance (grow after full acceptance, shrink after a "
+                                                 "rejection)",
+                                     "max_draft_len": "adaptive: the largest k",
+                                     "draft_confidence": "adaptive: stop drafting when the draft's top probability "
+                                                         "is below this; 0 = never",
                                      "draft_window": "drafter sliding window W (attend to the last W positions)"})
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -29,6 +29,38 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
+SMALL_ROWS = 8  # Linear: fp32 CPU inputs with up to this many rows may take the W·xᵀ path
+SMALL_MIN_WEIGHT = 1 << 17  # ... on weights of at least this many elements (benchmarks/small_gemm.py)
+
+
+class Linear(nn.Linear):
+    """nn.Linear, with a faster path for the few-row fp32 GEMMs of decode and verify steps on CPU.
+
+    F.linear computes x·Wᵀ; with a few rows MKL then runs its small-M kernels on the transposed weight, which
+    stream the weight at a fraction of memory bandwidth on the 2-core dev box. (W·xᵀ)ᵀ is the same product with the
+    roles swapped. Measured by benchmarks/small_gemm.py with streamed weights (as in a forward pass):
+      * 2..8 rows: 1.2-1.9x faster on the bundled target's 384x384 .. 1024x384 projections and 2-3x on its 8192x384
+        lm_head; slower on small weights (384->128), mixed from 9 rows on.
+      * 1 row: as a GEMV it is no faster, but the same row sent twice (2 columns, the GEMM kernel) is 1.5x faster
+        when out >= in (384->1024, lm_head 2x) and slower when out < in (1024->384): so only there.
+    bf16 was not faster either way and keeps F.linear. Results match F.linear to float rounding (summation order);
+    tests/test_model_equivalence.py compares them.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if (rows <= SMALL_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+                and self.weight.numel() >= SMALL_MIN_WEIGHT and (rows > 1 or self.out_features >= self.in_features)):
+            x2 = x.reshape(rows, self.in_features)
+            if rows == 1:
+                x2 = torch.cat((x2, x2))
+            y = torch.mm(self.weight, x2.t()).t()[:rows].contiguous()
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
 class KVCache(nn.Module):
     """Per-layer static K/V buffers [batch, kv_heads, capacity, head_dim]; full (slot = position) or ring."""
 
@@ -102,10 +134,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
+        self.q_proj = Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.n_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -142,9 +174,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, f, bias=bias)
-        self.up_proj = nn.Linear(h, f, bias=bias)
-        self.down_proj = nn.Linear(f, h, bias=bias)
+        self.gate_proj = Linear(h, f, bias=bias)
+        self.up_proj = Linear(h, f, bias=bias)
+        self.down_proj = Linear(f, h, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -178,7 +210,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_block = None  # largest T one cached forward may take (ring caches only)

@@ -11,14 +11,16 @@ MAX_DRAFT_LEN = 32
 
 @dataclass
 class SpecConfig:
-    # k: draft tokens per verify step. 4 is provisional: the benchmarks/spec.py k sweep on the bundled pair has not
-    # been run on an idle machine yet (acceptance at k=4: 0.81/0.67/0.56/0.47 per position, MAL 3.5).
-    draft_len: int = 4
+    # k: draft tokens per verify step. Chosen by benchmarks/spec.py's k sweep on the bundled pair (float32, full
+    # attention; docs/BENCH.md): k=3 was the fastest fixed k, with k=2..4 within a few percent of each other.
+    draft_len: int = 3
     # adaptive k: +2 after a fully accepted step, -1 after a rejection, within [1, max_draft_len]; and drafting
-    # stops early when the draft's top probability falls below draft_confidence.
+    # stops early when the draft's top probability falls below draft_confidence (0 = never). Off by default: on the
+    # bundled pair the draft's confidence is a weak signal (tokens it drafts with top probability < 0.01 still match
+    # the target's argmax 48% of the time, above its 0.17-0.31 step-cost ratio), so stopping early never paid.
     adaptive: bool = False
     max_draft_len: int = 12
-    draft_confidence: float = 0.3
+    draft_confidence: float = 0.0
     # drafter sliding window W (None = full attention): the draft attends to its last W positions only.
     draft_window: int | None = None
     # what the windowed draft is prefilled with: "full" prompt (information can flow from beyond W through the

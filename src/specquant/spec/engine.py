@@ -102,6 +102,7 @@ class SpecEngine:
         tokens.append(new[0])
         t1 = time.perf_counter()
         k_cur = cfg.draft_len
+        stop_below = cfg.draft_confidence if cfg.adaptive else 0.0  # 0: never stop drafting early
         while len(new) < max_new_tokens and new[-1] not in eos:
             n = len(tokens)  # tokens[n-1] is in neither cache yet
             k = min(k_cur, max_new_tokens - len(new) - 1)
@@ -113,12 +114,12 @@ class SpecEngine:
                 for i in range(k):
                     if sampling.greedy:
                         x = int(logits.argmax())
-                        if cfg.adaptive and i > 0 and torch.softmax(logits.float(), -1)[x] < cfg.draft_confidence:
+                        if stop_below and i > 0 and torch.softmax(logits.float(), -1)[x] < stop_below:
                             break
                     else:
                         probs = logits_to_probs(logits, sampling)
                         x = int(sample(probs, gen))
-                        if cfg.adaptive and i > 0 and probs.max() < cfg.draft_confidence:
+                        if stop_below and i > 0 and probs.max() < stop_below:
                             break
                         draft_probs.append(probs)
                     drafted.append(x)
