@@ -241,9 +241,13 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
     assert hf["status"] == "skipped" and "disabled" in hf["reason"]
     assert consistency_problems(results) == []
     cache = tmp_path / "demo" / "cache"
-    _, info = quantized_checkpoint(pair["draft"], "draft", "gptq", tiny_quant, cache)
+    draft_quant = BenchConfig(quant_overrides=tiny_quant).quant_overrides_for("draft")
+    assert draft_quant["ignore"] == ["embed_tokens"]  # the draft's lm_head is quantized too
+    written = json.loads((cache / "draft" / "config.json").read_text())["quantization_config"]["specquant"]
+    assert written["ignore"] == ["embed_tokens"]
+    _, info = quantized_checkpoint(pair["draft"], "draft", "gptq", draft_quant, cache)
     assert not info["produced"]  # same source, same QuantConfig: reused
-    _, info = quantized_checkpoint(pair["draft"], "draft", "gptq", {**tiny_quant, "calib_samples": 3}, cache)
+    _, info = quantized_checkpoint(pair["draft"], "draft", "gptq", {**draft_quant, "calib_samples": 3}, cache)
     assert info["produced"]  # another QuantConfig: quantized again
     assert json.loads((cache / "draft" / "config.json").read_text())["quantization_config"]["specquant"][
         "calib_samples"] == 3
