@@ -10,11 +10,12 @@ flipped the ranking (dense fp32 looked fastest, and is the slowest once streamed
 passes, per call. The dense nn.Linear in the activation dtype is timed side by side as the baseline; `reference`
 (dequantize on every call) is timed only from LARGE_ROWS / 2 rows on, where auto may pick it for prefill.
 
-Measured on that box (AVX2, no AVX-512/AMX, ~5 GB/s streamed GEMV bandwidth), 1 and 2 threads:
-int4pack_cpu_bf16 was fastest for fp32 activations at every shape and row count, e.g. 384->1024 one row
-0.08 ms vs dense fp32 0.34 ms (1 thread), 0.04 vs 0.32 ms (2 threads; dense fp32 is memory-bound and does not
-scale). int4pack_cpu with fp32 activations is 10-40x slower than either. auto_backend in
-specquant/quant/linear.py follows this.
+Measured on that box (AVX2, no AVX-512/AMX, ~5 GB/s streamed GEMV bandwidth), 2 threads, fp32 activations:
+int4pack_cpu_bf16 was fastest at 1-4 rows on every shape, e.g. 384->1024 one row 94 us vs dense fp32 287 us
+(dense fp32 is memory-bound and gains nothing from the second thread), and up to 16 rows on all but the smallest
+layers (384->128, 384->384: dense within ~20%). int4pack_cpu with fp32 activations is 10-40x slower than either.
+From 64-128 rows on, dequantize-per-call (`reference`) + one dense GEMM catches up with the kernel (384x384, 128
+rows: 0.85 vs 0.95 ms). auto_backend in specquant/quant/linear.py follows this.
 Usage: python benchmarks/quant_backends.py [--threads N] [--reps 5]; the last stdout line is JSON.
 """
 

@@ -199,12 +199,14 @@ def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
     """Pick the backend for this layer and input, following benchmarks/quant_backends.py's measurement.
 
     Measured on the 2-core AMD EPYC (AVX2, no fast bf16 GEMM) that CI uses, with weights streamed from memory as in
-    a forward pass (see that script's docstring): the int4 kernel on bf16 activations beat the dense GEMM in either
-    dtype at every shape and row count 1..16, so fp32 and bf16 inputs both go to it (fp32 through a bf16 cast;
-    its own fp32 path is 10-40x slower). Layers the kernel cannot take (8 bits, odd shapes) use dequant_cached.
-    The kernel's cost grows linearly with rows, so from LARGE_ROWS rows on (prompt prefill) dequantizing the
-    weight per call and running one dense GEMM wins (same script, --rows 64,128,256): no dense copy is kept.
-    The decision depends only on dtype/device/layer, so each layer makes it once per (dtype, device).
+    a forward pass (see that script's docstring): for 1-4 rows (decode and verify steps) the int4 kernel on bf16
+    activations beat the dense GEMM in either dtype on every tiny-target shape (e.g. 384->1024, one row: 94 us vs
+    287 us dense fp32), and it stayed ahead up to 16 rows on all but the smallest layers, where dense was within
+    ~20%. So fp32 and bf16 inputs both go to it (fp32 through a bf16 cast; the kernel's own fp32 path is 10-40x
+    slower). Layers the kernel cannot take (8 bits, odd shapes) use dequant_cached. The kernel's cost grows
+    linearly with rows; around LARGE_ROWS rows (prompt prefill) dequantizing the weight per call and running one
+    dense GEMM caught up with it (384x384, 128 rows: 0.85 vs 0.95 ms) and wins beyond, without keeping a dense copy.
+    The choice depends on dtype, device, layer and whether rows >= LARGE_ROWS; each layer caches it per key.
     """
     rows = x.numel() // m.in_features
     if rows >= LARGE_ROWS:
