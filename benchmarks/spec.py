@@ -62,7 +62,7 @@ def configs(ks: list[int], window: int) -> list[dict]:
 def bench_dtype(dtype_name: str, paths: dict, prompts, args) -> list[dict]:
     dtype = DTYPES[dtype_name]
     sampling = SamplingConfig()
-    target, draft = load_model(paths["target"], dtype), load_model(paths["draft"], dtype)
+    target, draft = load_model(paths["target"], dtype, fuse=True), load_model(paths["draft"], dtype, fuse=True)
     rows = configs(args.ks, args.window)
     runners = {}
     for r in rows:

@@ -158,10 +158,10 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     sampling = SamplingConfig(temperature=cfg.temperature, seed=cfg.seed).validate()
     tokenizer = load_tokenizer(paths["target"])
     draft_tokenizer = load_tokenizer(paths["draft"]) if (paths["draft"] / "tokenizer.json").exists() else None
-    models = {("target", "hp"): load_model(paths["target"], dtype, device),
-              ("target", "w4"): load_model(paths["quantized_target"], dtype, device),
-              ("draft", "hp"): load_model(paths["draft"], dtype, device),
-              ("draft", "w4"): load_model(paths["quantized_draft"], dtype, device)}
+    # every row decodes with fused q/k/v and gate/up projections (model/fuse.py), the baseline included
+    models = {(role, kind): load_model(paths[key], dtype, device, fuse=True)
+              for role, kind, key in (("target", "hp", "target"), ("target", "w4", "quantized_target"),
+                                      ("draft", "hp", "draft"), ("draft", "w4", "quantized_draft"))}
     context = min(models[("target", "hp")].config.max_position_embeddings,
                   models[("draft", "hp")].config.max_position_embeddings)
     lengths = fit_lengths(cfg.lengths, context, cfg.max_new_tokens)

@@ -55,14 +55,14 @@ def run(args):
     tokenizer = load_tokenizer(args.target)
     ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     prompt = torch.tensor([ids], device=args.device)
-    target = load_model(args.target, args.dtype, args.device)
+    target = load_model(args.target, args.dtype, args.device, fuse=True)
     if draft_name is None:
         result = generate(target, prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     else:
         from specquant.spec.engine import SpecEngine
 
         spec = config_from_args(SpecConfig, args).validate()
-        draft = load_model(draft_name, args.dtype, args.device)
+        draft = load_model(draft_name, args.dtype, args.device, fuse=True)
         engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name))
         result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     new = result.token_ids[0]

@@ -91,8 +91,12 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(name_or_dir, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> Transformer:
-    """Build the decoder for a checkpoint and load its weights (dense or compressed-tensors INT4/INT8)."""
+def load_model(name_or_dir, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+               fuse: bool = False) -> Transformer:
+    """Build the decoder for a checkpoint and load its weights (dense or compressed-tensors INT4/INT8).
+
+    fuse: fuse q/k/v and gate/up projections for decoding (model.fuse; the model can then not be saved or
+    quantized)."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise SpecquantError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -115,6 +119,10 @@ def load_model(name_or_dir, dtype: torch.dtype | str = torch.float32, device: st
     model._set_rope(cfg.max_position_embeddings)
     model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
     model.source_path = path
+    if fuse:
+        from specquant.model.fuse import fuse_projections
+
+        fuse_projections(model)
     return model.eval()
 
 
@@ -191,6 +199,9 @@ def copy_tokenizer(src: Path, dst: Path):
 def save_model(model: Transformer, out, tokenizer_from=None, extra_config: dict | None = None,
                tensors: dict[str, torch.Tensor] | None = None):
     """Write an HF-layout checkpoint atomically: config.json, model.safetensors, tokenizer files."""
+    from specquant.model.fuse import check_unfused
+
+    check_unfused(model, "save")
     out = Path(out)
     hf = model.config.to_hf()
     hf["torch_dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")

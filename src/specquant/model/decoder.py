@@ -138,6 +138,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.v_proj = Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.n_heads * d, h, bias=cfg.o_bias)
+        self.qkv_proj = None  # model.fuse.fuse_projections: q/k/v in one matmul (inference only)
+        self.qkv_sizes = [self.n_heads * d, self.n_kv * d, self.n_kv * d]
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -148,9 +150,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
@@ -177,9 +183,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, f, bias=bias)
         self.up_proj = Linear(h, f, bias=bias)
         self.down_proj = Linear(f, h, bias=bias)
+        self.gate_up_proj = None  # model.fuse.fuse_projections: gate and up in one matmul (inference only)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from specquant.errors import SpecquantError
+from specquant.model.fuse import check_unfused
 from specquant.quant import awq, gptq, rtn
 from specquant.quant.calib import calibration_tokens, run_sequential, subsample
 from specquant.quant.config import QuantConfig
@@ -90,6 +91,7 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     Linears outside the decoder layers (lm_head when not ignored) are quantized with RTN.
     """
     cfg = config.validate()
+    check_unfused(model, "quantize")
     started = time.perf_counter()
     method = METHODS[cfg.method]
     model.eval()
