@@ -11,28 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from specquant.model.decoder import Linear
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_backends import time_streamed  # noqa: E402  (one streamed-weights timer for both kernel benchmarks)
+
+from specquant.model.decoder import Linear  # noqa: E402
 
 SHAPES = [(384, 384), (384, 128), (384, 1024), (1024, 384), (384, 8192)]  # (in, out)
 ROWS = [1, 2, 4, 5, 9, 16]
-
-
-def streamed(fns, reps: int) -> float:
-    for fn in fns[:2]:
-        fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for fn in fns:
-            fn()
-        samples.append((time.perf_counter() - t0) / len(fns))
-    return statistics.median(samples)
 
 
 def main():
@@ -52,8 +43,8 @@ def main():
                 layers = [Linear(inp, out, bias=False).to(dtype) for _ in range(n)]
                 for rows in ROWS:
                     x = torch.randn(rows, inp, dtype=dtype)
-                    plain = streamed([lambda m=m: F.linear(x, m.weight) for m in layers], args.reps) * 1e6
-                    ours = streamed([lambda m=m: m(x) for m in layers], args.reps) * 1e6
+                    plain = time_streamed([lambda m=m: F.linear(x, m.weight) for m in layers], args.reps) * 1e6
+                    ours = time_streamed([lambda m=m: m(x) for m in layers], args.reps) * 1e6
                     row = {"in": inp, "out": out, "dtype": str(dtype).removeprefix("torch."), "rows": rows,
                            "f_linear_us": plain, "linear_us": ours, "speedup": plain / ours}
                     results.append(row)
