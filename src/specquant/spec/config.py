@@ -12,8 +12,7 @@ MAX_DRAFT_LEN = 32
 @dataclass
 class SpecConfig:
     # k: draft tokens per verify step. Chosen by benchmarks/spec.py's k sweep on the bundled pair (float32, full
-    # attention, 2 threads; docs/BENCH.md): k=2, 3 and 4 tied at 1.37-1.38x end to end; 3 had the best predicted
-    # decode speedup (1.63x) and sits in the middle of that plateau.
+    # attention, 2 threads; docs/BENCH.md): k=3 was the fastest fixed k (1.51x end to end; k=2 1.37x, k=4 1.34x).
     draft_len: int = 3
     # adaptive k: +2 after a fully accepted step, -1 after a rejection, within [1, max_draft_len]; and drafting
     # stops early when the draft's top probability falls below draft_confidence (0 = never). Off by default: on the
