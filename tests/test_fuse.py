@@ -74,3 +74,19 @@ def test_load_model_fuse_flag_on_the_bundled_target():
     ids = torch.tensor([[5, 17, 300, 42, 7]])
     with torch.no_grad():
         torch.testing.assert_close(fused(ids), plain(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_model_on_the_shape_static_cache_matches_unfused():
+    # the compiled-step cache layout (static=True) runs the fused q/k path too
+    model = random_model("qwen3", seed=2)
+    fused = copy.deepcopy(model)
+    fuse_projections(fused)
+    tokens = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for m, static in ((model, False), (fused, True)):
+        m.setup_cache(1, 64, static=static)
+        with torch.no_grad():
+            logits = [m(tokens[:, :12], 0), m(tokens[:, 12:16], 12), m(tokens[:, 14:15], 14)]  # rollback by 2
+            logits += [m(tokens[:, i : i + 1], i) for i in range(15, 30)]
+        outs.append(torch.cat(logits, 1))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -139,7 +139,9 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.n_heads * d, h, bias=cfg.o_bias)
         self.qkv_proj = None  # model.fuse.fuse_projections: q/k/v in one matmul (inference only)
-        self.qkv_sizes = [self.n_heads * d, self.n_kv * d, self.n_kv * d]
+        # with qkv_proj, q_norm and k_norm run as one normalization with this [heads + kv_heads, head_dim] weight
+        self.register_buffer("qk_norm_weight", None, persistent=False)
+        self.eps = cfg.rms_norm_eps
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -150,17 +152,22 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None):
         b, t, _ = x.shape
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        if self.qkv_proj is not None:  # fused: q and k are normalized and rotated together, as one tensor
+            y, d, nqk = self.qkv_proj(x), self.head_dim, self.n_heads + self.n_kv
+            qk = y[..., : nqk * d].view(b, t, nqk, d)
+            v = y[..., nqk * d :].view(b, t, self.n_kv, d).transpose(1, 2)
+            if self.qk_norm_weight is not None:  # RMSNorm's math, with q_norm's / k_norm's weight per head
+                qk = self.qk_norm_weight * F.rms_norm(qk.float(), (d,), None, self.eps).to(qk.dtype)
+            qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, t, head_dim]
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, t, self.n_heads, self.head_dim)
-        k = k.view(b, t, self.n_kv, self.head_dim)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+            q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+            k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+            v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
+            k = apply_rope(k.transpose(1, 2), cos, sin)
         if self.cache is not None and self.cache.static:
             keys, values, mask = self.cache.update_static(input_pos, k, v)
         else:

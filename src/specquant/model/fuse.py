@@ -1,11 +1,11 @@
 """Fuse each layer's q/k/v projections into one Linear and gate/up into another, for inference.
 
-One matmul call instead of three (and two), on the concatenated weight: each output column is the same dot product
-as before, so logits are unchanged (the int4 kernel's were bit-identical on the bundled pair; dense GEMMs may sum
+One matmul call instead of three (and two), on the concatenated weight, and (Qwen3) one q/k normalization and one
+RoPE call on q and k together: each output column is the same dot product as before, so logits are unchanged (the int4 kernel's were bit-identical on the bundled pair; dense GEMMs may sum
 in another order). At the bundled sizes every call costs framework overhead (and, for W4 layers, two activation
-casts) comparable to the arithmetic. Interleaved A/B on the bundled pair (2 threads, fp32 activations, one-token
-step after 300 tokens; docs/BENCH.md): fp32 draft 4.34 -> 3.21 ms, W4 draft 2.81 -> 2.21 ms, fp32 target
-15.2 -> 14.2 ms, W4 target 11.0 -> 10.4 ms; 4-token steps 0-15% faster, except the W4 target (12.6 vs 12.7, noise).
+casts) comparable to the arithmetic. Interleaved A/B on the bundled pair (2 threads, fp32 activations, 300 tokens of
+context; docs/BENCH.md), fused vs unfused, one-token step: fp32 target 12.2 -> 10.2 ms, W4 target 8.7 -> 7.4 ms,
+fp32 draft 2.9 -> 2.6 ms, W4 draft 2.0 -> 1.7 ms; 4-token steps 13-16% faster (a second run: 5-33%, the VM is noisy).
 
 Works on dense `Linear`s and on `QuantLinear`s that share bits, group size and symmetry. A fused model is for
 decoding only: its state dict no longer has HF's names, so saving and quantizing it are refused.
@@ -57,6 +57,9 @@ def fuse_projections(model: Transformer) -> int:
             fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
             if fused is not None:
                 attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = fused, None, None, None
+                if attn.q_norm is not None:  # one normalization of [q heads; k heads] with per-head weights
+                    attn.qk_norm_weight = torch.cat([attn.q_norm.weight.detach().expand(attn.n_heads, -1),
+                                                     attn.k_norm.weight.detach().expand(attn.n_kv, -1)])
                 n += 1
         if mlp.gate_up_proj is None:
             fused = _fuse([mlp.gate_proj, mlp.up_proj])
