@@ -11,8 +11,9 @@ MAX_DRAFT_LEN = 32
 
 @dataclass
 class SpecConfig:
-    # k: draft tokens per verify step. Chosen by benchmarks/spec.py's k sweep on the bundled pair (float32, full
-    # attention, 2 threads; docs/BENCH.md): k=3 was the fastest fixed k (1.51x end to end; k=2 1.37x, k=4 1.34x).
+    # k: draft tokens per verify step. From benchmarks/spec.py's k sweeps on the bundled pair (float32, full
+    # attention, 2 threads; docs/BENCH.md): the measured optimum is flat over k=2..5 (within run-to-run spread),
+    # k=3 had the best predicted speedup in every sweep and was once the clear fastest (1.51x vs <= 1.37x).
     draft_len: int = 3
     # adaptive k: +2 after a fully accepted step, -1 after a rejection, within [1, max_draft_len]; and drafting
     # stops early when the draft's top probability falls below draft_confidence (0 = never). Off by default: on the
