@@ -41,9 +41,10 @@ class BenchConfig:
     draft_method: str = "gptq"
     quant_overrides: dict = field(default_factory=dict)
     # The drafter is compressed harder than the target: its lm_head is quantized too (the embedding lookup stays
-    # dense). On the bundled pair the lm_head is 57% of the draft's weights; quantizing it moved the GPTQ draft's
-    # mean acceptance length 2.88 -> 2.83 (k=3, content prompts, fp32 target) while cutting its step cost
-    # (docs/BENCH.md). The target keeps its lm_head in high precision, as the reference recipe does.
+    # dense). On the bundled pair the lm_head is 57% of the draft's weights; in `specquant demo` the mean acceptance
+    # length over the content sets went 3.05 (fp32 draft, row c) -> 2.98 (GPTQ draft with W4 lm_head, row d) while
+    # the draft step fell from 0.26 to 0.17 of a target step (docs/BENCH.md). The target keeps its lm_head in high
+    # precision, as the reference recipe does.
     draft_quant_overrides: dict = field(default_factory=lambda: {"ignore": ["embed_tokens"]})
     cost_reps: int = 15  # repetitions per forward timing (c, verify ratio, drafter latency curve); median kept
     # contexts (fractions of the model context) at which the drafter's one-token forward is timed for the plot

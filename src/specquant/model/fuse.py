@@ -3,9 +3,8 @@
 One matmul call instead of three (and two), on the concatenated weight, and (Qwen3) one q/k normalization and one
 RoPE call on q and k together: each output column is the same dot product as before, so logits are unchanged (the int4 kernel's were bit-identical on the bundled pair; dense GEMMs may sum
 in another order). At the bundled sizes every call costs framework overhead (and, for W4 layers, two activation
-casts) comparable to the arithmetic. Interleaved A/B on the bundled pair (2 threads, fp32 activations, 300 tokens of
-context; docs/BENCH.md), fused vs unfused, one-token step: fp32 target 12.2 -> 10.2 ms, W4 target 8.7 -> 7.4 ms,
-fp32 draft 2.9 -> 2.6 ms, W4 draft 2.0 -> 1.7 ms; 4-token steps 13-16% faster (a second run: 5-33%, the VM is noisy).
+casts) comparable to the arithmetic. `benchmarks/fuse.py` (interleaved A/B, 2 threads, 300 tokens of context):
+1.14-1.25x faster for the bundled target and draft, fp32 and W4, one-token and 4-token steps.
 
 Works on dense `Linear`s and on `QuantLinear`s that share bits, group size and symmetry. A fused model is for
 decoding only: its state dict no longer has HF's names, so saving and quantizing it are refused.

@@ -17,8 +17,8 @@ class SpecConfig:
     draft_len: int = 3
     # adaptive k: +2 after a fully accepted step, -1 after a rejection, within [1, max_draft_len]; and drafting
     # stops early when the draft's top probability falls below draft_confidence (0 = never). Off by default: on the
-    # bundled pair the draft's confidence is a weak signal (tokens it drafts with top probability < 0.01 still match
-    # the target's argmax 48% of the time, above its 0.17-0.31 step-cost ratio), so stopping early never paid.
+    # bundled pair the draft's confidence is a weak signal (benchmarks/draft_confidence.py: tokens it drafts with top
+    # probability < 0.01 still match the target's argmax 48% of the time, above its 0.17-0.31 step-cost ratio).
     adaptive: bool = False
     max_draft_len: int = 12
     draft_confidence: float = 0.0
