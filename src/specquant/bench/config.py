@@ -42,8 +42,8 @@ class BenchConfig:
     quant_overrides: dict = field(default_factory=dict)
     # The drafter is compressed harder than the target: its lm_head is quantized too (the embedding lookup stays
     # dense). On the bundled pair the lm_head is 57% of the draft's weights; in `specquant demo` the mean acceptance
-    # length over the content sets went 3.05 (fp32 draft, row c) -> 2.98 (GPTQ draft with W4 lm_head, row d) while
-    # the draft step fell from 0.26 to 0.17 of a target step (docs/BENCH.md). The target keeps its lm_head in high
+    # length over the content sets went 3.03 (fp32 draft, row c) -> 2.98 (GPTQ draft with W4 lm_head, row d) while
+    # the draft step fell from 0.28 to 0.21 of a target step (docs/BENCH.md). The target keeps its lm_head in high
     # precision, as the reference recipe does.
     draft_quant_overrides: dict = field(default_factory=lambda: {"ignore": ["embed_tokens"]})
     cost_reps: int = 15  # repetitions per forward timing (c, verify ratio, drafter latency curve); median kept

@@ -13,7 +13,7 @@ from specquant.bench.config import BenchConfig
 
 # What the demo changes from BenchConfig's defaults to fit its time budget (everything else: BenchConfig).
 PRESETS = {
-    "full": dict(prompts_per_length=1, prompts_per_set=1, cost_reps=10,
+    "full": dict(prompts_per_length=2, prompts_per_set=2, cost_reps=10,
                  curve_fractions=(1 / 16, 1 / 4, 1 / 2, 3 / 4), quant_overrides={"calib_samples": 32}),
     "quick": dict(max_new_tokens=32, runs=1, prompts_per_length=1, prompts_per_set=1, cost_reps=5,
                   curve_fractions=(1 / 16, 1 / 4, 1 / 2),
