@@ -72,7 +72,7 @@ def main():
                 codes, scale, zero = quantize_weight(w, cfg, scale_dtype=dtype)
                 qlins = [QuantLinear.from_codes(codes, scale, zero, 4) for _ in range(copies)]
                 denses = []
-                for q in qlins[:copies]:
+                for q in qlins:
                     d = torch.nn.Linear(inp, out, bias=False).to(dtype)
                     d.weight.data.copy_(q.dequantized_weight().to(dtype))
                     denses.append(d)

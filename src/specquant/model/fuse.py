@@ -1,8 +1,8 @@
 """Fuse each layer's q/k/v projections into one Linear and gate/up into another, for inference.
 
 One matmul call instead of three (and two), on the concatenated weight, and (Qwen3) one q/k normalization and one
-RoPE call on q and k together: each output column is the same dot product as before, so logits are unchanged (the int4 kernel's were bit-identical on the bundled pair; dense GEMMs may sum
-in another order). At the bundled sizes every call costs framework overhead (and, for W4 layers, two activation
+RoPE call on q and k together: each output column is the same dot product as before, so logits are unchanged (the
+int4 kernel's were bit-identical on the bundled pair; dense GEMMs may sum in another order). At the bundled sizes every call costs framework overhead (and, for W4 layers, two activation
 casts) comparable to the arithmetic. `benchmarks/fuse.py` (interleaved A/B, 2 threads, 300 tokens of context):
 1.14-1.25x faster for the bundled target and draft, fp32 and W4, one-token and 4-token steps.
 
