@@ -27,16 +27,16 @@ from pathlib import Path
 
 import torch
 
-from specquant.decode.cli import DEFAULT_PROMPT
+from specquant.spec_decode.cli import DEFAULT_PROMPT
 from specquant.decode.generate import generate, sync
 from specquant.decode.sampling import SamplingConfig
-from specquant.model.checkpoint import (BUNDLED, BUNDLED_DIR, load_model, load_tokenizer, read_config, resolve,
-                                        save_model)
+from specquant.model.checkpoint import BUNDLED, BUNDLED_DIR, load_tokenizer, read_config, resolve, save_model
+from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
+from specquant.util.dtypes import DTYPES
 
 REPO = Path(__file__).resolve().parent.parent
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from specquant.bench.prompts import load_prompts
-from specquant.model.checkpoint import load_model, load_tokenizer
+from specquant.model.checkpoint import load_tokenizer
+from specquant.loader import load_model
 
 BINS = [0.0, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.01]
 HELDOUT = Path(__file__).resolve().parent.parent / "src" / "specquant" / "data" / "heldout.txt"

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from specquant.model.checkpoint import load_model
+from specquant.loader import load_model
 from specquant.quant import QuantConfig, quantize
-from specquant.spec.config import SpecConfig
+from specquant.spec_decode.config import SpecConfig
 
 
 def load(name: str, w4: bool, fuse: bool):

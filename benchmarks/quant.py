@@ -22,7 +22,8 @@ import warnings
 
 import torch
 
-from specquant.model.checkpoint import BUNDLED_DIR, load_model, load_tokenizer
+from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer
+from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.quant import QuantConfig, quantize, set_backend

@@ -30,20 +30,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import checkpoint_dir  # noqa: E402  (the one place that builds the random stand-ins)
 
 from specquant.bench.config import BenchConfig  # noqa: E402
-from specquant.bench.measure import (Probe, environment, forward_times, hf_assisted, merged_spec,  # noqa: E402
-                                     ours_speculative, ours_target_only, summarize)
+from specquant.bench.measure import (Probe, environment, forward_times, hf_assisted,  # noqa: E402
+                                     interleaved, ours_speculative, ours_target_only, summarize)
 from specquant.bench.predict import predict_row  # noqa: E402
 from specquant.bench.prompts import fit_lengths, load_prompts  # noqa: E402
 from specquant.decode.sampling import SamplingConfig  # noqa: E402
-from specquant.model.checkpoint import DTYPES, load_model, load_tokenizer  # noqa: E402
-from specquant.spec.config import SpecConfig  # noqa: E402
-from specquant.spec.engine import SpecEngine  # noqa: E402
+from specquant.model.checkpoint import load_tokenizer  # noqa: E402
+from specquant.util.dtypes import DTYPES  # noqa: E402
+from specquant.loader import load_model  # noqa: E402
+from specquant.spec_decode.config import SpecConfig  # noqa: E402
+from specquant.spec_decode.engine import SpecEngine  # noqa: E402
+from specquant.spec_decode.metrics import SpecMetrics  # noqa: E402
 
 
 def configs(ks: list[int], window: int) -> list[dict]:
@@ -83,17 +85,7 @@ def bench_dtype(dtype_name: str, paths: dict, prompts, args) -> list[dict]:
             hf_row["status"] = f"could not load: {type(e).__name__}: {str(e)[:120]}"
         rows.append(hf_row)
 
-    samples = {r["name"]: {p.id: [] for p in prompts} for r in rows}
-    total = (1 + args.runs) * len(prompts) * len(runners)
-    with tqdm(total=total, desc=f"spec {dtype_name}", unit="call", disable=None, leave=False) as bar:
-        for rep in range(1 + args.runs):
-            for p in prompts:
-                ids = torch.tensor([p.ids])
-                for name, run in runners.items():
-                    s = run(ids)
-                    if rep:  # the first pass is the warm-up
-                        samples[name][p.id].append(s)
-                    bar.update(1)
+    samples = interleaved(runners, prompts, 1 + args.runs, 1, torch.device("cpu"), desc=f"spec {dtype_name}")
 
     ctx = int(sum(len(p.ids) for p in prompts) / len(prompts)) + args.new_tokens // 2
     widest = max(max(args.ks), SpecConfig.max_draft_len) + 1
@@ -116,12 +108,12 @@ def bench_dtype(dtype_name: str, paths: dict, prompts, args) -> list[dict]:
         t = summarize(samples[r["name"]])
         row.update(t, speedup=base["latency_s"] / t["latency_s"], decode_speedup=base["tpot_s"] / t["tpot_s"])
         if r["kind"] == "spec":
-            m = merged_spec(s["spec"] for ss in samples[r["name"]].values() for s in ss)
-            k_eff = m.draft_tokens / m.drafts if m.drafts else float(r["k"])
+            m = SpecMetrics.total(s["spec"] for ss in samples[r["name"]].values() for s in ss)
+            k_eff = m.mean_draft_len or float(r["k"])
             costs = {"target_step_s": target_t[1], "baseline_step_s": target_t[1],
                      "verify_s": float(np.interp(k_eff + 1, sizes, [target_t[n] for n in sizes])),
                      "draft_step_s": draft_t[r["window"]]}
-            pred = predict_row(m.histogram, m.draft_tokens, m.drafts, costs)
+            pred = predict_row(m.histogram, m.num_draft_tokens, m.num_drafts, costs)
             row.update(mean_acceptance_length=m.mean_acceptance_length, k_mean=k_eff, alpha=pred["alpha"],
                        c=pred["c"], verify_ratio=pred["verify_ratio"], predicted_speedup=pred["speedup"],
                        leviathan_speedup=pred["leviathan_speedup"])
@@ -155,7 +147,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3, help="timed runs per prompt and config (after one warm-up)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtypes", default="float32,bfloat16", help=f"comma list from {', '.join(DTYPES)}")
-    ap.add_argument("--window", type=int, default=BenchConfig.draft_window, help="draft sliding window")
+    ap.add_argument("--window", type=int, default=BenchConfig().spec.draft_window, help="draft sliding window")
     ap.add_argument("--prompts-per-set", type=int, default=1)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers assisted-generation rows")

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specquant.model.checkpoint import load_model, save_model
+from specquant.model.checkpoint import save_model
+from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 
@@ -222,7 +223,6 @@ def main():
         if stopping:
             break
     if step >= cfg.steps and args.export:
-        model.source_path = Path(args.tokenizer_from)
         save_model(model.to(torch.bfloat16).cpu(), args.export, tokenizer_from=args.tokenizer_from,
                    extra_config={"specquant_training": {**asdict(cfg), "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len}})
         print(f"exported {args.export}", flush=True)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import randomize_
 
-from specquant.bench.ablation import ROWS, quantized_checkpoint
+from specquant.bench.ablation import ROWS
+from specquant.bench.prepare import quantized_checkpoint
 from specquant.bench.config import BenchConfig
 from specquant.bench.predict import (alpha_from_mal, expected_tokens, leviathan_speedup, mean_tokens_per_step,
                                      predicted_speedup)
@@ -24,16 +25,19 @@ from specquant.bench.prompts import DEFAULT_PROMPTS, fit_lengths, load_prompts, 
 from specquant.bench.report import FILES, consistency_problems
 from specquant.cli import main
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import BUNDLED_DIR, load_model, save_model
+from specquant.model.checkpoint import BUNDLED_DIR, save_model
+from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.quant import QuantConfig, quantize, save_quantized
+from specquant.spec_decode.config import SpecConfig
 
 TOKENIZER = BUNDLED_DIR / "tiny-target"
 # smallest settings that still run every row on every category and content set
 SMALL = ["--max-new-tokens", "8", "--runs", "1", "--warmup", "1", "--draft-window", "16", "--prompts-per-length", "1",
          "--prompts-per-set", "1"]
-SMALL_CFG = dict(max_new_tokens=8, runs=1, warmup=1, draft_window=16, prompts_per_length=1, prompts_per_set=1,
+SMALL_CFG = dict(max_new_tokens=8, runs=1, warmup=1, spec=SpecConfig(draft_window=16), prompts_per_length=1,
+                 prompts_per_set=1,
                  cost_reps=3, curve_fractions=(1 / 8, 1 / 2))
 
 
@@ -200,9 +204,9 @@ def test_report_is_consistent_with_itself(bench_run):
             assert e["speedup"] == pytest.approx(base[cat]["latency_s"] / e["latency_s"], rel=1e-12)
             assert all(n == results["config"]["max_new_tokens"] for n in e["new_tokens"])  # EOS ignored
         for name, acc in r.get("acceptance", {}).items():
-            assert acc["drafts"] > 0
-            assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["accepted"] / acc["drafts"])
-            assert 1.0 <= acc["mean_acceptance_length"] <= results["config"]["draft_len"] + 1
+            assert acc["num_drafts"] > 0
+            assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["num_accepted_tokens"] / acc["num_drafts"])
+            assert 1.0 <= acc["mean_acceptance_length"] <= results["config"]["spec"]["draft_len"] + 1
     spec = [r for r in results["rows"] if r["id"] in "cde"]
     assert all(set(r["acceptance"]) == {"prose", "code", "qa"} for r in spec)
     # the noisy-copy draft is neither always right nor always wrong
@@ -215,7 +219,7 @@ def test_consistency_check_catches_a_tampered_report(bench_run):
     row = bad["rows"][2]
     cat = next(iter(row["categories"]))
     row["categories"][cat]["speedup"] *= 1.1
-    row["acceptance_all"]["accepted"] += 1
+    row["acceptance_all"]["num_accepted_tokens"] += 1
     bad["rows"][-1] = {**bad["rows"][-1], "status": "skipped", "reason": ""}
     problems = consistency_problems(bad)
     assert any("speedup" in p and cat in p for p in problems)
@@ -299,10 +303,20 @@ def test_unknown_option_exits_2_and_writes_nothing(pair, tmp_path, capsys):
 
 def test_cli_flag_defaults_come_from_bench_config():
     from specquant.cli import build_parser
+    from specquant.util.flags import config_from_args
 
     parser, _ = build_parser()
     args = parser.parse_args(["bench", "--target", "x", "--draft", "y"])
-    fields = {f.name for f in dataclasses.fields(BenchConfig)}
-    from_flags = {k: v for k, v in vars(args).items() if k in fields}
+    assert config_from_args(BenchConfig, args) == BenchConfig()
+    # every flag that maps to a config field (nested SpecConfig / SamplingConfig ones included) has its default
     defaults = BenchConfig()
-    assert from_flags and all(getattr(defaults, k) == v for k, v in from_flags.items())
+    flags = {k: v for k, v in vars(args).items() if k.split(".")[0] in {f.name for f in dataclasses.fields(BenchConfig)}}
+    assert {"spec.draft_len", "spec.draft_window", "sampling.temperature", "runs"} <= set(flags)
+    for key, value in flags.items():
+        obj = defaults
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        assert obj == value, key
+    args = parser.parse_args(["bench", "--target", "x", "--draft", "y", "--draft-len", "5", "--temperature", "0.5"])
+    cfg = config_from_args(BenchConfig, args)
+    assert (cfg.spec.draft_len, cfg.spec.draft_window, cfg.sampling.temperature) == (5, 128, 0.5)

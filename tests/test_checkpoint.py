@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from specquant.errors import SpecquantError
 from specquant.model import checkpoint
-from specquant.model.checkpoint import BUNDLED_DIR, load_model, resolve, save_model, state_dict_for_save
+from specquant.model.checkpoint import BUNDLED_DIR, resolve, save_model, state_dict_for_save
+from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 
 IDS = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))

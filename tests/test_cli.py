@@ -20,7 +20,8 @@ from conftest import needs_bundled, randomize_
 
 from specquant.cli import main
 from specquant.decode.generate import generate
-from specquant.model.checkpoint import BUNDLED_DIR, load_model, load_tokenizer, save_model
+from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer, save_model
+from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 

@@ -7,8 +7,8 @@ from specquant.decode.compiled import Stepper
 from specquant.decode.generate import generate
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
-from specquant.spec.config import SpecConfig
-from specquant.spec.engine import SpecEngine
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.engine import SpecEngine
 
 
 def _model(seed, layers=2, window=None):
@@ -46,4 +46,4 @@ def test_compiled_generate_and_spec_match_eager():
     spec_eager = SpecEngine(target, draft, cfg).generate(prompt, 24, stop_on_eos=False)
     spec_compiled = SpecEngine(target, draft, cfg, compile=True).generate(prompt, 24, stop_on_eos=False)
     assert spec_compiled.token_ids == spec_eager.token_ids == eager
-    assert spec_compiled.stats["accepted"] == spec_eager.stats["accepted"]
+    assert spec_compiled.stats["num_accepted_tokens"] == spec_eager.stats["num_accepted_tokens"]

@@ -8,7 +8,8 @@ from _quant_models import gaussian_model
 from conftest import random_model
 
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import load_model, save_model
+from specquant.model.checkpoint import save_model
+from specquant.loader import load_model
 from specquant.model.fuse import fuse_projections
 from specquant.quant import QuantConfig, quantize, save_quantized
 

@@ -10,7 +10,8 @@ from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import load_file, save_file
 
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import load_model, save_model, state_dict_for_save
+from specquant.model.checkpoint import save_model, state_dict_for_save
+from specquant.loader import load_model
 from specquant.model.decoder import Transformer
 from specquant.quant import QuantConfig, QuantLinear, quantize, save_quantized, set_backend
 
@@ -81,8 +82,9 @@ def test_awq_bf16_tied_round_trip(tmp_path):
 def test_quantized_tied_lm_head_is_untied_and_round_trips(tmp_path):
     torch.manual_seed(0)
     model = Transformer(small_config(tie_word_embeddings=True)).eval()
-    quantize(model, QuantConfig(method="rtn", group_size=32, ignore=[]))
+    report = quantize(model, QuantConfig(method="rtn", group_size=32, ignore=[]))
     assert isinstance(model.lm_head, QuantLinear) and not model.config.tie_word_embeddings
+    assert report["untied_lm_head"]  # said, not done silently
     save_quantized(model, tmp_path / "q")
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc["ignore"] == []

@@ -1,18 +1,19 @@
 """`specquant quantize`: end to end through the CLI, flag defaults from QuantConfig, bad input leaves no output."""
 
 import argparse
-import dataclasses
 import json
 
 import pytest
 import torch
 from _quant_models import TINY_TARGET, small_config
 
-from specquant.model.checkpoint import load_model, save_model
+from specquant.model.checkpoint import save_model
+from specquant.loader import load_model
 from specquant.model.decoder import Transformer
 from specquant.quant import QuantConfig, QuantLinear
 from specquant.cli import main
 from specquant.quant.cli import add_parser
+from specquant.util.flags import config_from_args
 
 
 def _model_dir(tmp_path, name="m", **kw):
@@ -28,7 +29,7 @@ def test_flag_defaults_come_from_quant_config():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["quantize", "--model", "x", "--out", "y"])
-    assert QuantConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuantConfig)}) == QuantConfig()
+    assert config_from_args(QuantConfig, args) == QuantConfig()
     args = parser.parse_args(["quantize", "--model", "x", "--out", "y", "--asymmetric", "--ignore", "lm_head",
                               "mlp.*", "--no-awq-clip", "--group-size", "-1"])
     assert (args.symmetric, args.ignore, args.awq_clip, args.group_size) == (False, ["lm_head", "mlp.*"], False, -1)

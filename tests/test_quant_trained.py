@@ -26,7 +26,8 @@ def trained_model_ordering(path, calib_samples=16, heldout_samples=8) -> dict:
     vs RTN: awq −0.0004 ± 0.0008, gptq −0.0019 ± 0.0007), so the strict ppl ordering holds too, but AWQ's
     margin is only 0.5 standard errors.
     """
-    from specquant.model.checkpoint import load_model, load_tokenizer
+    from specquant.model.checkpoint import load_tokenizer
+    from specquant.loader import load_model
     from specquant.quant.config import BUNDLED_CALIB
     from specquant.quant.quality import heldout_tokens, logprobs
 

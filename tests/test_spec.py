@@ -10,10 +10,10 @@ from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.errors import SpecquantError
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
-from specquant.spec.config import SpecConfig
-from specquant.spec.engine import SpecEngine
-from specquant.spec.metrics import SpecMetrics
-from specquant.spec.rejection import greedy_verify, rejection_sample, rejection_sample_reference
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.engine import SpecEngine
+from specquant.spec_decode.metrics import SpecMetrics
+from specquant.spec_decode.verify import greedy_verify, rejection_sample, rejection_sample_reference
 
 VOCAB = 96
 
@@ -54,8 +54,8 @@ def test_greedy_speculative_equals_target_greedy(pair, k, window):
         s = out.stats
         assert s["new_tokens"] == 40
         # the prefill yields one token; every later target forward emits its accepted tokens + 1
-        assert s["new_tokens"] == 1 + s["accepted"] + (s["target_forwards"] - 1)
-    assert engine.metrics.drafts > 0
+        assert s["new_tokens"] == 1 + s["num_accepted_tokens"] + (s["target_forwards"] - 1)
+    assert engine.metrics.num_drafts > 0
 
 
 def test_full_prefill_window_and_adaptive_are_lossless(pair):
@@ -88,9 +88,9 @@ def test_self_draft_accepts_everything(pair, k):
     steps = 6
     out = engine.generate(PROMPTS[1], 1 + steps * (k + 1), stop_on_eos=False)  # prefill token + whole steps
     s = out.stats
-    assert s["drafts"] == steps and s["accepted"] == steps * k
+    assert s["num_drafts"] == steps and s["num_accepted_tokens"] == steps * k
     assert s["mean_acceptance_length"] == k + 1
-    assert s["accepted_per_pos"] == [steps] * k
+    assert s["num_accepted_tokens_per_pos"] == [steps] * k
     assert s["histogram"][k] == steps
 
 
@@ -189,7 +189,7 @@ def test_speculative_sampling_matches_target_sampling_law(pair):
     # the sampling noise of `hits` draws (expected TV ~ sqrt(vocab/hits)/2 ≈ 0.2 at a few hundred hits)
     tv = 0.5 * float((counts / counts.sum() - second_probs).abs().sum())
     assert tv < 0.35, tv
-    assert engine.metrics.drafts > 0
+    assert engine.metrics.num_drafts > 0
 
 
 def test_greedy_verify():
@@ -206,12 +206,20 @@ def test_metrics_bookkeeping():
     m.record_step(4, 4)
     m.record_step(4, 1)
     m.record_step(2, 0)
-    assert (m.drafts, m.draft_tokens, m.accepted) == (3, 10, 5)
-    assert m.accepted_per_pos == [2, 1, 1, 1]
+    assert (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens) == (3, 10, 5)
+    assert m.num_accepted_tokens_per_pos == [2, 1, 1, 1]
     assert m.histogram == [1, 1, 0, 0, 1]
-    assert m.mean_acceptance_length == pytest.approx(1 + 5 / 3)
+    assert m.mean_acceptance_length == pytest.approx(1 + 5 / 3)  # vLLM: 1 + num_accepted_tokens / num_drafts
+    assert m.acceptance_rate == pytest.approx(5 / 10)
     total = SpecMetrics().merge(m).merge(m)
-    assert total.accepted_per_pos == [4, 2, 2, 2] and total.drafts == 6
+    assert total.num_accepted_tokens_per_pos == [4, 2, 2, 2] and total.num_drafts == 6
+    other = SpecMetrics()
+    other.record_step(6, 6)
+    summed = m + other
+    assert summed.num_accepted_tokens_per_pos == [3, 2, 2, 2, 1, 1] and summed.histogram == [1, 1, 0, 0, 1, 0, 1]
+    assert (m.num_drafts, other.num_drafts) == (3, 1)  # + leaves its operands alone
+    assert SpecMetrics.total([m, None, other]) == summed
+    assert SpecMetrics.from_dict(summed.to_dict()) == summed
 
 
 def test_errors(pair):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 
 from specquant.errors import SpecquantError
 
 # verb -> module with add_parser()/run(); a module that does not exist yet is simply not offered
 VERBS = {
-    "generate": "specquant.decode.cli",
+    "generate": "specquant.spec_decode.cli",
     "models": "specquant.model.cli",
     "quantize": "specquant.quant.cli",
     "bench": "specquant.bench.cli",
@@ -43,10 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     except SpecquantError as e:
         print(f"specquant {args.verb}: error: {e}", file=sys.stderr)
         return 2
-
-
-def print_json(obj) -> None:
-    print(json.dumps(obj, default=float))
 
 
 if __name__ == "__main__":

@@ -1,50 +1,57 @@
-"""BenchConfig: the one home of the benchmark's defaults; `specquant bench` builds its flags from these fields."""
+"""BenchConfig: the one home of the benchmark's defaults; `specquant bench` builds its flags from these fields.
+
+It holds a SpecConfig and a SamplingConfig rather than copies of their fields: their defaults, checks and flag help
+live there. Why each default is what it is: docs/BENCH.md.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
-from specquant.spec.config import MAX_DRAFT_LEN, SpecConfig
+from specquant.quant.config import METHODS
+from specquant.spec_decode.config import SpecConfig
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # the names of util.dtypes.DTYPES whose rows the bench supports
+
+
+def _bench_spec() -> SpecConfig:
+    # draft_window is the window row (e) uses (rows c and d run the draft with full attention); 128 from the
+    # window sweep in docs/BENCH.md
+    return SpecConfig(draft_window=128)
 
 
 @dataclass
 class BenchConfig:
-    max_new_tokens: int = 128
-    runs: int = 3  # timed runs per prompt and row, after `warmup` untimed ones; latency = median over runs
-    warmup: int = 1
-    temperature: float = 0.0  # 0 = greedy
-    seed: int = 0
-    draft_len: int = SpecConfig.draft_len
-    # Drafter sliding window for row (e). Measured on the bundled pair (W4 target + W4 draft, k=4, docs/BENCH.md):
-    # mean acceptance length is flat from W=64 up to full attention and drops ~5% at W=32; 128 keeps a 2x margin
-    # over that knee and stays below the draft's 256-token training length, while bounding its KV cache.
-    draft_window: int = 128
-    # Prompt lengths in target tokens per length category: the competition's 64 / 2048 / 8192 scaled to a 2048-token
-    # context (1/64, 1/8, 1/2 of it). For a model whose context cannot hold the longest + max_new_tokens, all
-    # lengths shrink by the same factor (prompts.fit_lengths).
+    max_new_tokens: int = field(default=128, metadata={"help": "new tokens per request (EOS ignored)"})
+    runs: int = field(default=3, metadata={"help": "timed runs per prompt and row (median reported)"})
+    warmup: int = field(default=1, metadata={"help": "untimed runs first"})
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    spec: SpecConfig = field(default_factory=_bench_spec)
+    # Prompt lengths in target tokens per length category: 64 / 2048 / 8192 scaled to a 2048-token context. For a
+    # model whose context cannot hold the longest + max_new_tokens, all shrink by one factor (prompts.fit_lengths).
     lengths: dict[str, int] = field(default_factory=lambda: {"short": 32, "medium": 256, "long": 1024})
     content_sets: tuple[str, ...] = ("prose", "code", "qa")  # acceptance is reported per content set
     content_max_tokens: int = 512  # content prompts longer than this keep their last tokens
-    prompts_per_length: int = 2  # first N prompts of each category in file order
-    prompts_per_set: int = 3
-    prompts: str | None = None  # JSONL {"id","category","text"}; None = the packaged bench/prompts/default.jsonl
-    out: str = "runs/bench"
-    dtype: str = "float32"  # high-precision rows run in this dtype (and so do the W4 rows' activations)
-    threads: int = 0  # torch threads; 0 = leave torch's setting (OMP_NUM_THREADS)
-    hf_compare: bool = True  # the transformers generate(assistant_model=...) comparison row
+    prompts_per_length: int = field(default=2, metadata={"help": "prompts per length category (first N in the file)"})
+    prompts_per_set: int = field(default=3, metadata={"help": "prompts per content set (first N in the file)"})
+    prompts: str | None = field(default=None, metadata={
+        "help": 'JSONL of {"id","category","text"} replacing the packaged bench/prompts/default.jsonl'})
+    out: str = field(default="runs/bench", metadata={"help": "output directory"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "write into --out even when it is a non-empty directory specquant did not create"})
+    dtype: str = field(default="float32", metadata={"help": "activation dtype of every row", "choices": DTYPES})
+    threads: int = field(default=0, metadata={"help": "torch threads; 0 = torch's default (OMP_NUM_THREADS)"})
+    hf_compare: bool = field(default=True, metadata={
+        "help": "the transformers generate(assistant_model=...) comparison row"})
     # Quantizers for missing quantized inputs; overrides are QuantConfig fields (e.g. a smaller calibration set).
     target_method: str = "awq"
     draft_method: str = "gptq"
     quant_overrides: dict = field(default_factory=dict)
     # The drafter is compressed harder than the target: its lm_head is quantized too (the embedding lookup stays
-    # dense). On the bundled pair the lm_head is 57% of the draft's weights; in `specquant demo` the mean acceptance
-    # length over the content sets went 3.03 (fp32 draft, row c) -> 2.98 (GPTQ draft with W4 lm_head, row d) while
-    # the draft step fell from 0.28 to 0.21 of a target step (docs/BENCH.md). The target keeps its lm_head in high
-    # precision, as the reference recipe does.
+    # dense); the target keeps its lm_head in high precision, as the reference recipe does (docs/BENCH.md).
     draft_quant_overrides: dict = field(default_factory=lambda: {"ignore": ["embed_tokens"]})
     cost_reps: int = 15  # repetitions per forward timing (c, verify ratio, drafter latency curve); median kept
     # contexts (fractions of the model context) at which the drafter's one-token forward is timed for the plot
@@ -57,12 +64,10 @@ class BenchConfig:
                 raise SpecquantError(f"{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
         if self.warmup < 0:
             raise SpecquantError(f"warmup {self.warmup} must be 0 or more")
-        if self.temperature < 0:
-            raise SpecquantError(f"temperature {self.temperature} is negative; use 0 (greedy) or a positive value")
-        if not 1 <= self.draft_len <= MAX_DRAFT_LEN:
-            raise SpecquantError(f"draft length {self.draft_len} is out of range; use 1..{MAX_DRAFT_LEN}")
-        if self.draft_window < 1:
-            raise SpecquantError(f"draft window {self.draft_window} must be at least 1")
+        self.sampling.validate()
+        self.spec.validate()
+        if self.spec.draft_window is None:
+            raise SpecquantError("row (e) needs a drafter window; pass --draft-window W")
         if self.dtype not in DTYPES:
             raise SpecquantError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
         if self.threads < 0:
@@ -72,7 +77,15 @@ class BenchConfig:
         clash = set(self.lengths) & set(self.content_sets)
         if clash:
             raise SpecquantError(f"categories {sorted(clash)} are both length categories and content sets")
+        for name in ("target_method", "draft_method"):
+            if getattr(self, name) not in METHODS:
+                raise SpecquantError(f"{name} {getattr(self, name)!r} is not a quantization method; use one of "
+                                     f"{', '.join(METHODS)}")
         return self
+
+    def spec_for(self, window: bool) -> SpecConfig:
+        """The SpecConfig of a speculative row: with the drafter window (row e) or full attention."""
+        return dataclasses.replace(self.spec, draft_window=self.spec.draft_window if window else None)
 
     def quant_overrides_for(self, role: str) -> dict:
         """QuantConfig overrides for producing the W4 'target' or 'draft'."""

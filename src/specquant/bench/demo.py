@@ -32,6 +32,7 @@ def add_parser(sub):
                        description=__doc__.splitlines()[0])
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory, relative to the cwd (default: {DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true", help="fewer prompts, tokens and runs, small calibration (≤ 2 min)")
+    p.add_argument("--overwrite", action="store_true", help=BenchConfig.__dataclass_fields__["overwrite"].metadata["help"])
     return p
 
 
@@ -42,19 +43,17 @@ def demo_config(out: str, quick: bool) -> BenchConfig:
 def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-target", draft: str = "tiny-draft",
              log=print, **overrides) -> dict:
     """The demo as a function (the tests call it on small random checkpoints); returns the results dict."""
-    from specquant.bench.cli import measure_and_report, prepare_quantized, validate
+    from specquant.bench.ablation import run_bench
     from specquant.bench.report import summary_table
 
     cfg = dataclasses.replace(demo_config(out, quick), **overrides)
-    paths = validate(cfg, target, draft)
     t0 = time.perf_counter()
-    log(f"[1/3] quantize: {target} with {cfg.target_method.upper()}, {draft} with {cfg.draft_method.upper()}")
-    quantized = prepare_quantized(cfg, paths, log)
+    log(f"[1/2] quantize {target} with {cfg.target_method.upper()} and {draft} with {cfg.draft_method.upper()}, "
+        f"then bench rows (a)-(e) and the transformers comparison ({'quick' if quick else 'full'} preset)")
     for name, what in NOT_YET.items():
         log(f"      {name}: not built yet ({what}; a later issue)")
-    log(f"[2/3] bench rows (a)-(e) and the transformers comparison ({'quick' if quick else 'full'} preset)")
-    results, files = measure_and_report(cfg, paths, quantized)
-    log(f"[3/3] done in {time.perf_counter() - t0:.0f} s\n")
+    results, files = run_bench(cfg, target, draft, log=log)
+    log(f"[2/2] done in {time.perf_counter() - t0:.0f} s\n")
     log(summary_table(results))
     log(f"\nreport: {Path(cfg.out) / 'report.md'}; numbers: {Path(cfg.out) / 'results.json'}; plots: "
         + ", ".join(f.name for f in files if f.suffix == ".png"))
@@ -62,5 +61,5 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
 
 
 def run(args) -> int:
-    run_demo(args.out, args.quick)
+    run_demo(args.out, args.quick, overwrite=args.overwrite)
     return 0

@@ -1,10 +1,10 @@
-"""Timing primitives shared by `specquant bench` and benchmarks/spec.py: one generate call, one forward, the
-environment.
+"""Timing shared by `specquant bench` and benchmarks/*.py: runners (one generate call -> one sample), the one
+interleaved timing loop (`interleaved`), forward probes, summaries, the environment.
 
 A sample is one whole generate call, fixed length (EOS ignored), timed around the call after a device sync:
 latency_s is end to end (cache setup, prefill, decode); ttft_s is the time to the first new token (the prefill
-forward, plus the draft's prefill for speculative rows — both are needed before the first draft); tpot_s is
-(latency_s - ttft_s) / (new_tokens - 1); tokens_per_s = new_tokens / latency_s.
+forward, plus the draft's prefill for speculative rows — both are needed before the first draft); tpot_s and
+tokens_per_s as decode.generate defines them.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from specquant.decode.generate import generate, sync
+from specquant.decode.generate import generate, tokens_per_s, tpot_s
 from specquant.decode.sampling import SamplingConfig
+from specquant.util.device import sync
 
 
 def cpu_name() -> str:
@@ -45,13 +47,10 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def sample_from(latency: float, ttft: float, new_tokens: int, tokens: list[int], spec: dict | None = None) -> dict:
-    tpot = (latency - ttft) / (new_tokens - 1) if new_tokens > 1 else 0.0
-    return {"latency_s": latency, "ttft_s": ttft, "tpot_s": tpot, "new_tokens": new_tokens,
-            "tokens_per_s": new_tokens / latency if latency > 0 else 0.0, "tokens": tokens, "spec": spec}
-
-
-SPEC_KEYS = ("drafts", "draft_tokens", "accepted", "accepted_per_pos", "histogram")
+def sample_from(latency: float, ttft: float, new_tokens: int, tokens: list[int], spec=None) -> dict:
+    """One timed request. spec: its SpecMetrics (speculative rows), kept as an object until the report."""
+    return {"latency_s": latency, "ttft_s": ttft, "tpot_s": tpot_s(new_tokens, latency, ttft), "new_tokens": new_tokens,
+            "tokens_per_s": tokens_per_s(new_tokens, latency), "tokens": tokens, "spec": spec}
 
 
 def ours_target_only(model, max_new_tokens: int, sampling: SamplingConfig):
@@ -69,7 +68,7 @@ def ours_target_only(model, max_new_tokens: int, sampling: SamplingConfig):
 
 
 def ours_speculative(engine, max_new_tokens: int, sampling: SamplingConfig):
-    """A runner for SpecEngine; the sample carries this request's acceptance counters."""
+    """A runner for SpecEngine; the sample carries this request's acceptance counters (a SpecMetrics)."""
 
     def run(prompt_ids: torch.Tensor) -> dict:
         sync(prompt_ids.device)
@@ -77,8 +76,8 @@ def ours_speculative(engine, max_new_tokens: int, sampling: SamplingConfig):
         res = engine.generate(prompt_ids, max_new_tokens, sampling, stop_on_eos=False)
         sync(prompt_ids.device)
         latency = time.perf_counter() - t0
-        spec = {k: res.stats[k] for k in SPEC_KEYS}
-        return sample_from(latency, latency - res.stats["decode_s"], res.stats["new_tokens"], res.token_ids[0], spec)
+        return sample_from(latency, latency - res.stats["decode_s"], res.stats["new_tokens"], res.token_ids[0],
+                           res.spec)
 
     return run
 
@@ -126,12 +125,44 @@ def hf_assisted(hf_target, hf_draft, max_new_tokens: int, draft_len: int, sampli
         new = out[0, prompt_ids.shape[1]:].tolist()
         ttft = (clock.first_time or t1) - t0
         # its first block carried several tokens: TPOT over the rest
-        rest = len(new) - max(clock.first_count, 1)
         s = sample_from(t1 - t0, ttft, len(new), new)
-        s["tpot_s"] = (t1 - t0 - ttft) / rest if rest > 0 else 0.0
+        s["tpot_s"] = tpot_s(len(new) - max(clock.first_count, 1) + 1, t1 - t0, ttft)
         return s
 
     return run
+
+
+def interleaved(runners: dict[str, Callable[[torch.Tensor], dict]], prompts, repetitions: int, warmup: int,
+                device: torch.device, on_error: Callable[[str, Exception], bool] | None = None,
+                desc: str = "latency") -> dict[str, dict[str, list[dict]]]:
+    """{runner name: {prompt id: samples}} from `repetitions` rounds, the first `warmup` of them untimed.
+
+    Interleaved: each round runs every runner on a prompt before the next prompt, so load from other processes
+    hits all runners alike and ratios between them are taken side by side. on_error(name, exception) -> True drops
+    that runner and goes on (e.g. transformers' assisted generation failing); otherwise the error propagates.
+    """
+    from tqdm import tqdm
+
+    runners = dict(runners)
+    samples = {name: {p.id: [] for p in prompts} for name in runners}
+    with tqdm(total=repetitions * len(prompts) * len(runners), desc=desc, unit="call", disable=None,
+              leave=False) as bar:
+        for rep in range(repetitions):
+            for p in prompts:
+                ids = torch.tensor([p.ids], device=device)
+                for name in list(runners):
+                    try:
+                        s = runners[name](ids)
+                    except Exception as e:
+                        if on_error is None or not on_error(name, e):
+                            raise
+                        del runners[name], samples[name]
+                        continue
+                    finally:
+                        bar.update(1)
+                    if rep >= warmup:
+                        samples[name][p.id].append(s)
+    return samples
 
 
 @dataclass(frozen=True)
@@ -195,15 +226,3 @@ def summarize(per_prompt: dict[str, list[dict]]) -> dict:
     """{prompt id: samples} -> each timing key as the median over a prompt's runs, then the mean over prompts."""
     return {key: sum(median([s[key] for s in ss]) for ss in per_prompt.values()) / len(per_prompt)
             for key in TIMING_KEYS}
-
-
-def merged_spec(specs) -> "SpecMetrics":
-    """Acceptance counters (the `spec` dicts of samples; None for target-only samples) added up."""
-    from specquant.spec.metrics import SpecMetrics
-
-    total = SpecMetrics()
-    for d in specs:
-        if d:
-            total.merge(SpecMetrics(drafts=d["drafts"], draft_tokens=d["draft_tokens"], accepted=d["accepted"],
-                                    accepted_per_pos=list(d["accepted_per_pos"]), histogram=list(d["histogram"])))
-    return total

@@ -1,25 +1,18 @@
-"""Outputs of a bench run: results.json, report.md (tables), three PNG plots; each file written to a temp name and
-renamed, so a reader never sees half a file. `consistency_problems` re-derives the report's ratios from its own
-raw numbers (the tests use it, and `bench` refuses to write a report that fails it)."""
+"""Outputs of a bench run: results.json, report.md (tables), three PNG plots, each written atomically
+(util.files.atomic_write), and the one-line JSON summary. `consistency_problems` re-derives the report's ratios
+from its own raw numbers (the tests use it, and `bench` refuses to write a report that fails it)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
+
+from specquant.errors import SpecquantError
+from specquant.util.files import atomic_write
 
 FILES = ("results.json", "report.md", "speedup.png", "acceptance_by_position.png", "drafter_latency.png")
 REL_TOL = 1e-9
-
-
-def _write_atomic(path: Path, data: bytes):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def ok_rows(results: dict) -> list[dict]:
@@ -52,23 +45,23 @@ def consistency_problems(results: dict) -> list[str]:
                 problems.append(f"row {r['id']} {cat}: speedup {e['speedup']} != baseline latency / latency {want}")
             acc = e.get("acceptance")
             if acc:
-                mal = 1 + acc["accepted"] / acc["drafts"] if acc["drafts"] else 0.0
+                mal = 1 + acc["num_accepted_tokens"] / acc["num_drafts"] if acc["num_drafts"] else 0.0
                 if not close(acc["mean_acceptance_length"], mal):
                     problems.append(f"row {r['id']} {cat}: mean acceptance length {acc['mean_acceptance_length']} "
-                                    f"!= 1 + accepted/drafts {mal}")
+                                    f"!= 1 + num_accepted_tokens/num_drafts {mal}")
         avg = sum(e["speedup"] for e in r["categories"].values()) / len(r["categories"])
         if not close(r["speedup_avg"], avg):
             problems.append(f"row {r['id']}: speedup_avg {r['speedup_avg']} != mean of category speedups {avg}")
         for name, acc in {**r.get("acceptance", {}), "all": r.get("acceptance_all")}.items():
             if not acc:
                 continue
-            mal = 1 + acc["accepted"] / acc["drafts"] if acc["drafts"] else 0.0
+            mal = 1 + acc["num_accepted_tokens"] / acc["num_drafts"] if acc["num_drafts"] else 0.0
             if not close(acc["mean_acceptance_length"], mal):
                 problems.append(f"row {r['id']} {name}: mean acceptance length {acc['mean_acceptance_length']} "
-                                f"!= 1 + accepted/drafts {mal}")
-            if sum(acc["histogram"]) != acc["drafts"] or sum(a * n for a, n in enumerate(acc["histogram"])) != \
-                    acc["accepted"]:
-                problems.append(f"row {r['id']} {name}: histogram disagrees with drafts/accepted")
+                                f"!= 1 + num_accepted_tokens/num_drafts {mal}")
+            if sum(acc["histogram"]) != acc["num_drafts"] or sum(a * n for a, n in enumerate(acc["histogram"])) != \
+                    acc["num_accepted_tokens"]:
+                problems.append(f"row {r['id']} {name}: histogram disagrees with num_drafts/num_accepted_tokens")
     return problems
 
 
@@ -136,11 +129,11 @@ def position_table(results: dict) -> str:
     spec = [r for r in ok_rows(results) if r.get("acceptance_all")]
     if not spec:
         return "(no speculative row ran on the content sets)"
-    k = max(len(r["acceptance_all"]["per_position_rate"]) for r in spec)
+    k = max(len(r["acceptance_all"]["acceptance_rate_per_pos"]) for r in spec)
     head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL (all sets)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in spec:
-        rates = r["acceptance_all"]["per_position_rate"]
+        rates = r["acceptance_all"]["acceptance_rate_per_pos"]
         lines.append("| " + " | ".join([f"({r['id']}) {r['name']}"] + [_f(x) for x in rates]
                                         + ["-"] * (k - len(rates))
                                         + [_f(r["acceptance_all"]["mean_acceptance_length"])]) + " |")
@@ -157,9 +150,9 @@ def markdown(results: dict) -> str:
     return f"""# specquant bench
 
 Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['dtype']} activations;
-{'greedy' if cfg['temperature'] == 0 else f"temperature {cfg['temperature']}"}; {cfg['max_new_tokens']} new tokens
+{'greedy' if cfg['sampling']['temperature'] == 0 else f"temperature {cfg['sampling']['temperature']}"}; {cfg['max_new_tokens']} new tokens
 per prompt with EOS ignored; {cfg['warmup']} warm-up + {cfg['runs']} timed runs per prompt and row, interleaved;
-k = {cfg['draft_len']} draft tokens per step; draft window {cfg['draft_window']} (row e).
+k = {cfg['spec']['draft_len']} draft tokens per step; draft window {cfg['spec']['draft_window']} (row e).
 Prompt lengths (target tokens): {lengths}.
 
 {qlines}
@@ -170,7 +163,7 @@ Latency is end to end (prefill + decode) per request, the median over runs per p
 category's prompts; TTFT / TPOT / latency / tok/s columns are means over the length categories. speedup = baseline
 (a) latency / row latency per length category; "avg" is the mean of the per-category speedups. "predicted" is the
 decode-phase speedup from measured acceptance and forward costs (see predict.py): S = E / (k·c + verify_ratio),
-rescaled to the baseline's step time. MAL = mean acceptance length = 1 + accepted / drafts, per content set.
+rescaled to the baseline's step time. MAL = mean acceptance length = 1 + num_accepted_tokens / num_drafts, per content set.
 
 {summary_table(results)}
 
@@ -234,10 +227,10 @@ def _plots(results: dict) -> dict[str, bytes]:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in rows:
-        rates = (r.get("acceptance_all") or {}).get("per_position_rate")
+        rates = (r.get("acceptance_all") or {}).get("acceptance_rate_per_pos")
         if rates:
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"({r['id']}) {r['name']}")
-    longest = max((len((r.get("acceptance_all") or {}).get("per_position_rate") or []) for r in rows), default=0)
+    longest = max((len((r.get("acceptance_all") or {}).get("acceptance_rate_per_pos") or []) for r in rows), default=0)
     ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / steps (cumulative)")
@@ -275,12 +268,30 @@ def _finite(obj):
 def write_report(results: dict, out: Path) -> list[Path]:
     """Write every output file into `out` (created if needed); returns their paths."""
     problems = consistency_problems(results)
-    assert not problems, "report disagrees with itself: " + "; ".join(problems)
+    if problems:  # an error, not an assert: the check must survive python -O
+        raise SpecquantError("the report disagrees with itself, nothing written: " + "; ".join(problems))
     files = {"results.json": (json.dumps(_finite(results), indent=1) + "\n").encode(),
              "report.md": markdown(results).encode(), **_plots(results)}
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name in FILES:
-        _write_atomic(out / name, files[name])
+        atomic_write(out / name, files[name])
         written.append(out / name)
     return written
+
+
+def summary(results: dict, files) -> dict:
+    """The one JSON line `specquant bench --json` prints: per row, averages, speedups and acceptance."""
+    rows = []
+    for r in results["rows"]:
+        row = {"id": r["id"], "name": r["name"], "status": r["status"]}
+        if r["status"] == "ok":
+            row.update(latency_avg_s=r["latency_avg_s"], speedup_avg=r["speedup_avg"],
+                       speedups={c: e["speedup"] for c, e in r["categories"].items()},
+                       predicted_speedup_avg=r.get("predicted_speedup_avg"),
+                       mean_acceptance_length={s: a["mean_acceptance_length"]
+                                               for s, a in r.get("acceptance", {}).items()})
+        else:
+            row["reason"] = r["reason"]
+        rows.append(row)
+    return {"benchmark": "bench", "out": str(Path(files[0]).parent), "files": [str(f) for f in files], "rows": rows}

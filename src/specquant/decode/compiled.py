@@ -22,7 +22,9 @@ def _raise_recompile_limit(n: int = 64):
 
 
 class Stepper:
-    """`stepper(tokens [1, T], start, last_only) -> logits`; compiled for T <= COMPILED_MAX_T when enabled."""
+    """`stepper(tokens [batch, T], start, last_only) -> logits`; compiled for T <= COMPILED_MAX_T when enabled.
+
+    `step` also returns the hidden states of `hidden_layers` (None when empty), for drafters that read them."""
 
     def __init__(self, model: Transformer, compile: bool = False):
         self.model = model
@@ -35,9 +37,18 @@ class Stepper:
     def setup(self, batch: int, max_seq_len: int, **kw):
         self.model.setup_cache(batch, max_seq_len, static=self.compile, **kw)
 
-    def __call__(self, tokens: torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
         t = tokens.shape[1]
         if self.compiled is None or t > COMPILED_MAX_T:
-            return self.model(tokens, start, last_only)
+            return self.model(tokens, start, last_only, hidden_layers=hidden_layers)
         pos = torch.arange(start, start + t, device=tokens.device)
-        return self.compiled(tokens, 0, last_only, pos)
+        return self.compiled(tokens, 0, last_only, pos, hidden_layers=hidden_layers)
+
+    def step(self, tokens: torch.Tensor, start: int, last_only: bool,
+             hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [batch, T or 1, vocab], hidden [batch, T, len(hidden_layers), hidden_size] or None)."""
+        out = self(tokens, start, last_only, hidden_layers)
+        return out if hidden_layers else (out, None)
+
+    def rollback(self, length: int):
+        self.model.rollback(length)

@@ -1,7 +1,8 @@
 """Target-only decoding on the static KV cache: one prefill, then one token per forward.
 
-Timing convention (shared with speculative decoding): the prefill forward yields the first new token and is
-`prefill_s` (time to first token); every later token is decode time; `tokens_per_s` = (new_tokens - 1) / decode_s.
+Timing convention (shared with speculative decoding and the bench): the prefill forward yields the first new token
+and is `prefill_s` (time to first token); every later token is decode time. `tokens_per_s` and `tpot_s` below are
+the only definitions of those two numbers in specquant.
 """
 
 from __future__ import annotations
@@ -15,17 +16,33 @@ from specquant.decode.compiled import Stepper
 from specquant.decode.sampling import SamplingConfig, next_token
 from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
+from specquant.util.device import sync
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[list[int]]  # new tokens per batch row (prompt excluded)
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # JSON-ready numbers
+    spec: object | None = None  # speculative requests: this request's spec_decode.metrics.SpecMetrics (an object)
 
 
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def tokens_per_s(new_tokens: int, latency_s: float) -> float:
+    """specquant's one definition of tokens/s: new tokens / wall seconds of the whole request, prefill included
+    (what a caller waiting for the answer gets). Decode speed alone is reported as TPOT (`tpot_s`), never as a
+    second kind of tokens/s."""
+    return new_tokens / latency_s if latency_s > 0 else 0.0
+
+
+def tpot_s(new_tokens: int, latency_s: float, ttft_s: float) -> float:
+    """Time per output token after the first: (latency - time to first token) / (new_tokens - 1)."""
+    return (latency_s - ttft_s) / (new_tokens - 1) if new_tokens > 1 else 0.0
+
+
+def request_stats(new_tokens: int, prefill_s: float, decode_s: float) -> dict:
+    """The timing stats of one generate call (plain or speculative)."""
+    latency = prefill_s + decode_s
+    return {"new_tokens": new_tokens, "prefill_s": prefill_s, "decode_s": decode_s,
+            "tokens_per_s": tokens_per_s(new_tokens, latency), "tpot_s": tpot_s(new_tokens, latency, prefill_s)}
 
 
 def check_context(model: Transformer, prompt_len: int, max_new_tokens: int, role: str = "target") -> int:
@@ -82,15 +99,7 @@ def generate(model: Transformer | Stepper, prompt_ids: torch.Tensor, max_new_tok
     tokens = torch.stack(out, dim=1).tolist()
     if stop_on_eos:
         tokens = [_cut_after_eos(row, set(model.config.eos_ids)) for row in tokens]
-    n = len(out)
-    decode_s = t2 - t1
-    stats = {
-        "new_tokens": n,
-        "prefill_s": t1 - t0,
-        "decode_s": decode_s,
-        "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
-        "target_forwards": n,
-    }
+    stats = {**request_stats(len(out), t1 - t0, t2 - t1), "target_forwards": len(out)}
     return GenerationResult(tokens, stats)
 
 

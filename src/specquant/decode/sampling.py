@@ -4,7 +4,7 @@ so target-only decoding, the draft and the verifier all see exactly the same tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,10 +13,10 @@ from specquant.errors import SpecquantError
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy (argmax)
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int = 0
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature; 0 = greedy (argmax)"})
+    top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens; 0 = off"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus mass; 1 = off"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
 
     def validate(self) -> "SamplingConfig":
         if self.temperature < 0:

@@ -1,7 +1,8 @@
 """HF checkpoint directories: config.json + model.safetensors (or a sharded index) + tokenizer files.
 
 Only safetensors is read (never pickle) and no remote code runs. Bundled models are addressed by name.
-Quantized checkpoints (config.json `quantization_config`) are handed to `specquant.quant.checkpoint`.
+This file knows dense tensors only; `specquant.loader.load_model`, above model/ and quant/, is the one entry point
+that reads a checkpoint's `quantization_config` and composes the two.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,12 +19,13 @@ from safetensors.torch import load_file, save_file
 from specquant.errors import SpecquantError
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
+from specquant.util.dtypes import parse_dtype
+from specquant.util.files import atomic_dir
 
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "models"
 BUNDLED = ("tiny-target", "tiny-draft")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve(name_or_dir: str | os.PathLike) -> Path:
@@ -91,38 +92,20 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(name_or_dir, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-               fuse: bool = False) -> Transformer:
-    """Build the decoder for a checkpoint and load its weights (dense or compressed-tensors INT4/INT8).
-
-    fuse: fuse q/k/v and gate/up projections for decoding (model.fuse; the model can then not be saved or
-    quantized)."""
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise SpecquantError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+def load_dense(name_or_dir, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    """A dense (unquantized) checkpoint as a Transformer: the half of specquant.loader.load_model that model/ owns,
+    for callers below the loader (e.g. the quantizer's CLI, which only ever reads dense checkpoints)."""
     path = resolve(name_or_dir)
     hf = read_hf_config(path)
-    cfg = ModelConfig.from_hf(hf)
+    if hf.get("quantization_config"):
+        raise SpecquantError(f"{path} is quantized (config.json has quantization_config); load it with "
+                             "specquant.loader.load_model")
     tensors = load_tensors(path)
     with torch.device("meta"):
-        model = Transformer(cfg)
-    if hf.get("quantization_config"):
-        from specquant.quant.checkpoint import load_quantized_into
-
-        load_quantized_into(model, tensors, hf["quantization_config"], dtype, device)
-    else:
-        model = model.to_empty(device=device).to(dtype)
-        load_dense_into(model, tensors)
-    if cfg.tie_word_embeddings:  # to_empty gave lm_head its own uninitialized tensor (never loaded): tie it again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model._set_rope(cfg.max_position_embeddings)
-    model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
-    model.source_path = path
-    if fuse:
-        from specquant.model.fuse import fuse_projections
-
-        fuse_projections(model)
+        model = Transformer(ModelConfig.from_hf(hf))
+    model.to_empty(device=device).to(parse_dtype(dtype))
+    load_dense_into(model, tensors)
+    model.init_non_persistent(device)
     return model.eval()
 
 
@@ -158,38 +141,6 @@ def state_dict_for_save(model: Transformer) -> dict[str, torch.Tensor]:
     return sd
 
 
-def atomic_dir(out: Path):
-    """Context: yields a temp dir beside `out`; on success it replaces `out`, on error it is removed."""
-    return _AtomicDir(Path(out))
-
-
-class _AtomicDir:
-    def __init__(self, out: Path):
-        self.out = out
-
-    def __enter__(self) -> Path:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        # mkdtemp and some writers create owner-only files; a checkpoint is ordinary readable data
-        os.chmod(self.tmp, 0o755)
-        for f in self.tmp.rglob("*"):
-            os.chmod(f, 0o755 if f.is_dir() else 0o644)
-        if self.out.exists():
-            old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
-            self.out.rename(old)
-            self.tmp.rename(self.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            self.tmp.rename(self.out)
-        return False
-
-
 def copy_tokenizer(src: Path, dst: Path):
     for name in TOKENIZER_FILES:
         if (src / name).exists():
@@ -198,22 +149,24 @@ def copy_tokenizer(src: Path, dst: Path):
 
 def save_model(model: Transformer, out, tokenizer_from=None, extra_config: dict | None = None,
                tensors: dict[str, torch.Tensor] | None = None):
-    """Write an HF-layout checkpoint atomically: config.json, model.safetensors, tokenizer files."""
+    """Write an HF-layout checkpoint atomically: config.json (with the model's `quantization` as its
+    quantization_config, if any), model.safetensors, and the tokenizer files of `tokenizer_from`."""
     from specquant.model.fuse import check_unfused
 
     check_unfused(model, "save")
     out = Path(out)
     hf = model.config.to_hf()
     hf["torch_dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    if model.quantization:
+        hf["quantization_config"] = model.quantization
     if extra_config:
         hf.update(extra_config)
     tensors = tensors if tensors is not None else state_dict_for_save(model)
     with atomic_dir(out) as tmp:
         save_file({k: v.cpu() for k, v in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-        src = tokenizer_from or getattr(model, "source_path", None)
-        if src is not None:
-            copy_tokenizer(Path(src) if Path(src).is_dir() else resolve(src), tmp)
+        if tokenizer_from is not None:
+            copy_tokenizer(Path(tokenizer_from) if Path(tokenizer_from).is_dir() else resolve(tokenizer_from), tmp)
     return out
 
 

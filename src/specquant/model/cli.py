@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from specquant.model.checkpoint import BUNDLED, BUNDLED_DIR, read_config
+from specquant.model.decoder import Transformer
+from specquant.util.flags import print_json
 
 
 def add_parser(sub):
@@ -11,11 +15,9 @@ def add_parser(sub):
 
 
 def param_count(cfg) -> int:
-    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    layer = attn + 3 * h * f + 2 * h + (2 * d if cfg.qk_norm else 0)
-    emb = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_hidden_layers * layer + emb + h
+    """Transformer.num_parameters of the architecture, built on the meta device (no memory, no weights read)."""
+    with torch.device("meta"):
+        return Transformer(cfg).num_parameters()
 
 
 def describe() -> list[dict]:
@@ -34,8 +36,6 @@ def describe() -> list[dict]:
 
 
 def run(args):
-    from specquant.cli import print_json
-
     rows = describe()
     if args.json:
         print_json({"models": rows})

@@ -17,8 +17,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # config.json keys that are not dataclass fields but are interpreted by from_hf or written by to_hf
+# (quantization_config describes the weights, not the architecture: the loader hands it to Transformer.quantization)
 _INTERPRETED_KEYS = ("architectures", "hidden_act", "attention_bias", "mlp_bias", "rope_parameters",
-                     "specquant_sliding_window")
+                     "specquant_sliding_window", "quantization_config")
 
 
 @dataclass

@@ -3,9 +3,11 @@
 Module names mirror transformers' (`model.layers.N.self_attn.q_proj`, ...), so HF state dicts load as they are.
 
 Cache contract: `forward(tokens, start_pos)` writes K/V for positions start_pos .. start_pos+T-1 and attends to
-every earlier position still held. The model keeps no length counter: the caller owns the sequence length, so
-rolling back to any earlier length L is O(1) — pass start_pos=L next time; stale entries past L are overwritten
-before they are read. With `sliding_window=W` the cache is a ring of W + max_block - 1 slots: position p lives in
+every earlier position still held. The caller owns the sequence length and announces a rollback to an earlier
+length L with `rollback(L)` (O(1) here: stale entries past L are overwritten before they are read, so K/V caches
+only record it); the next forward starts at L. Rollback is a method, not index arithmetic in the caller, so a
+layer whose state cannot be rolled back by position (linear attention in hybrid models) can restore a snapshot
+there instead. With `sliding_window=W` the cache is a ring of W + max_block - 1 slots: position p lives in
 slot p % capacity, each query sees only (p-W, p], and memory and per-step attention cost stay bounded by W.
 """
 
@@ -37,14 +39,10 @@ class Linear(nn.Linear):
     """nn.Linear, with a faster path for the few-row fp32 GEMMs of decode and verify steps on CPU.
 
     F.linear computes x·Wᵀ; with a few rows MKL then runs its small-M kernels on the transposed weight, which
-    stream the weight at a fraction of memory bandwidth on the 2-core dev box. (W·xᵀ)ᵀ is the same product with the
-    roles swapped. Measured by benchmarks/small_gemm.py with streamed weights (as in a forward pass):
-      * 2..8 rows: 1.2-1.9x faster on the bundled target's 384x384 .. 1024x384 projections and 2-3x on its 8192x384
-        lm_head; slower on small weights (384->128), mixed from 9 rows on.
-      * 1 row: as a GEMV it is no faster, but the same row sent twice (2 columns, the GEMM kernel) is 1.5x faster
-        when out >= in (384->1024, lm_head 2x) and slower when out < in (1024->384): so only there.
-    bf16 was not faster either way and keeps F.linear. Results match F.linear to float rounding (summation order);
-    tests/test_model_equivalence.py compares them.
+    stream the weight at a fraction of memory bandwidth on CPU. (W·xᵀ)ᵀ is the same product with the roles swapped
+    and was faster for 2..8 rows on large enough weights, and for one row (sent twice) when out >= in; bf16 was
+    not (benchmarks/small_gemm.py, numbers in docs/BENCH.md). Results match F.linear to float rounding (summation
+    order); tests/test_model_equivalence.py compares them.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +58,20 @@ class Linear(nn.Linear):
             return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
+    @classmethod
+    def concat(cls, mods: list["Linear"]) -> "Linear | None":
+        """One Linear computing cat([m(x) for m in mods], -1) (model.fuse), or None when they cannot be fused."""
+        first = mods[0]
+        if any(type(m) is not cls or m.in_features != first.in_features or (m.bias is None) != (first.bias is None)
+               or m.weight.dtype != first.weight.dtype for m in mods):
+            return None
+        w = torch.cat([m.weight.detach() for m in mods])
+        fused = cls(first.in_features, w.shape[0], bias=first.bias is not None, device=w.device, dtype=w.dtype)
+        fused.weight.data.copy_(w)
+        if first.bias is not None:
+            fused.bias.data.copy_(torch.cat([m.bias.detach() for m in mods]))
+        return fused.requires_grad_(False)
+
 
 class KVCache(nn.Module):
     """Per-layer static K/V buffers [batch, kv_heads, capacity, head_dim]; full (slot = position) or ring."""
@@ -72,6 +84,7 @@ class KVCache(nn.Module):
         self.capacity = capacity
         self.window = window
         self.static = static
+        self.length = 0  # positions written and not rolled back (sliced path; the static path takes tensors)
         if static:  # which position each slot holds (-1: empty); lets attention run over the whole buffer
             self.register_buffer("slot_pos", torch.full((capacity,), -1, dtype=torch.long, device=device),
                                  persistent=False)
@@ -101,6 +114,8 @@ class KVCache(nn.Module):
         """
         t = k.shape[2]
         end = start + t
+        assert start <= self.length, f"write at position {start} leaves a gap after {self.length} cached positions"
+        self.length = end
         if self.window is None:
             if end > self.capacity:
                 raise ValueError(f"KV cache holds {self.capacity} positions; asked to write up to {end}")
@@ -115,6 +130,10 @@ class KVCache(nn.Module):
         first = max(0, start - self.window + 1)
         idx = torch.arange(first, end, device=k.device) % self.capacity
         return self.k.index_select(2, idx), self.v.index_select(2, idx), first
+
+    def rollback(self, length: int):
+        """Forget positions >= length: nothing to undo, later writes overwrite them (see the module docstring)."""
+        self.length = min(self.length, length)
 
 
 def attention_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None, device) -> torch.Tensor | None:
@@ -233,6 +252,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_block = None  # largest T one cached forward may take (ring caches only)
         self.static_cache = False
+        # config.json `quantization_config` of the weights this model holds (None: dense). Written by whoever
+        # quantizes or loads it and saved with it by model.checkpoint.save_model; model/ never interprets it.
+        self.quantization: dict | None = None
         self._set_rope(cfg.max_position_embeddings)
 
     def _set_rope(self, length: int):
@@ -269,6 +291,27 @@ class Transformer(nn.Module):
             self._set_rope(max(max_seq_len, cfg.max_position_embeddings))
             self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
 
+    def init_non_persistent(self, device):
+        """After materializing a meta-device model: tie lm_head again when the config says so (to_empty gave it
+        its own tensor) and rebuild the RoPE tables (non-persistent buffers, never in a checkpoint) on device."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._set_rope(self.config.max_position_embeddings)
+        self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
+
+    def untie_lm_head(self):
+        """Give lm_head its own copy of the embedding and record it in the config (tie_word_embeddings=False):
+        needed before lm_head alone is replaced, e.g. by a quantized Linear."""
+        if self.lm_head.weight is self.model.embed_tokens.weight:
+            self.lm_head.weight = nn.Parameter(self.model.embed_tokens.weight.detach().clone())
+        self.config.tie_word_embeddings = False
+
+    def rollback(self, length: int):
+        """The sequence continues from `length` positions (rejected draft tokens past it are forgotten)."""
+        for layer in self.model.layers:
+            if layer.self_attn.cache is not None:
+                layer.self_attn.cache.rollback(length)
+
     def clear_cache(self):
         self.static_cache = False
         for layer in self.model.layers:
@@ -277,28 +320,42 @@ class Transformer(nn.Module):
         self.max_block = None
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False,
-                input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [batch, T] at positions start_pos.. (or input_pos [T], static caches) -> logits."""
+                input_pos: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()):
+        """tokens [batch, T] at positions start_pos.. (or input_pos [T], static caches) -> logits [batch, T or 1, vocab].
+
+        hidden_layers: ids of decoder layers (0-based) whose outputs to return as well, for drafters that read the
+        target's hidden states (a DFlash block drafter): then (logits, hidden [batch, T, len(hidden_layers),
+        hidden_size]), every position even with last_only. Empty (default): logits only, no extra work.
+        """
         t = tokens.shape[1]
         if self.max_block is not None and t > self.max_block:  # ring cache: feed long prompts in blocks
             outs = [
-                self.forward(tokens[:, i : i + self.max_block], start_pos + i, last_only)
+                self.forward(tokens[:, i : i + self.max_block], start_pos + i, last_only, hidden_layers=hidden_layers)
                 for i in range(0, t, self.max_block)
             ]
-            return outs[-1] if last_only else torch.cat(outs, dim=1)
+            if not hidden_layers:
+                return outs[-1] if last_only else torch.cat(outs, dim=1)
+            logits = outs[-1][0] if last_only else torch.cat([o[0] for o in outs], dim=1)
+            return logits, torch.cat([o[1] for o in outs], dim=1)
         x = self.model.embed_tokens(tokens)
-        if getattr(self, "static_cache", False):
+        if self.static_cache:
             if input_pos is None:
                 input_pos = torch.arange(start_pos, start_pos + t, device=tokens.device)
             cos, sin = self.rope_cos[input_pos].to(x.dtype), self.rope_sin[input_pos].to(x.dtype)
         else:
             cos = self.rope_cos[start_pos : start_pos + t].to(x.dtype)
             sin = self.rope_sin[start_pos : start_pos + t].to(x.dtype)
-        for layer in self.model.layers:
+        hidden = {}
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, start_pos, input_pos)
+            if i in hidden_layers:
+                hidden[i] = x
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        if not hidden_layers:
+            return logits
+        return logits, torch.stack([hidden[i] for i in hidden_layers], dim=2)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -10,10 +10,8 @@ Per decoder layer, for each group of Linears that read the same input produced b
      are divided by s in place so later steps see what the rescaled layer sees.
 Where the loss is measured is data too (the third entry of a mapping):
   * q/k/v: on the attention block's output, as llm-awq does, over the first `awq_block_samples` calibration
-    sequences, because q/k errors act through softmax(q·kᵀ). Measured (KL vs fp on 2048 held-out tokens): on a
-    partly trained tiny-target, AWQ of q/k/v alone scored on the Linear outputs lowered their error but raised
-    KL above RTN's (1.83e-4 vs 1.66e-4); on the final tiny-target, full AWQ gives 2.87e-4 with this block
-    loss vs 2.95e-4 with the Linear-output loss (RTN 4.61e-4).
+    sequences, because q/k errors act through softmax(q·kᵀ): scored on the Linear outputs instead, AWQ of q/k/v
+    lowered their error but not the model's KL to full precision (docs/BENCH.md, "AWQ's q/k/v loss").
   * every other group: on the group's own Linear outputs. That is a quadratic form, mean_tokens ‖x·ΔWᵀ‖² =
     Σ_rows ΔW·G·ΔWᵀ with the input second moment G = xᵀx/n, so every calibration token counts and each α costs
     out·in² instead of tokens·out·in. (llm-awq scores gate/up on the MLP output; that costs ~3× more per α

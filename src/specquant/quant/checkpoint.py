@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import load_dense_into
+from specquant.model.checkpoint import load_dense_into, save_model
 from specquant.quant.config import QuantConfig
 from specquant.quant.linear import QuantLinear
 
@@ -30,7 +30,6 @@ def quantization_config(model: nn.Module, cfg: QuantConfig | None = None) -> dic
     qlinears = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     if not qlinears:
         raise SpecquantError("model has no quantized Linear; run specquant.quant.quantize(model, config) first")
-    cfg = cfg or getattr(model, "quant_config", None)
     kinds = {(m.bits, m.symmetric) for m in qlinears.values()}
     if cfg is not None:
         per_channel, group = cfg.group_size == -1, cfg.group_size
@@ -65,10 +64,13 @@ def quantization_config(model: nn.Module, cfg: QuantConfig | None = None) -> dic
 
 
 def save_quantized(model: nn.Module, out, tokenizer_from=None, cfg: QuantConfig | None = None) -> Path:
-    """Write a compressed-tensors checkpoint atomically (a failure leaves no `out`)."""
-    from specquant.model.checkpoint import save_model
+    """Write a compressed-tensors checkpoint atomically (a failure leaves no `out`).
 
-    qc = quantization_config(model, cfg)
+    Its quantization_config is built from `cfg` when given, else it is the model's own (`model.quantization`,
+    set by quantize() or the loader), else it is read from the QuantLinear modules."""
+    qc = quantization_config(model, cfg)  # also checks that there is something quantized to save
+    if cfg is None and model.quantization:
+        qc = model.quantization
     return save_model(model, out, tokenizer_from=tokenizer_from, extra_config={"quantization_config": qc})
 
 
@@ -175,8 +177,5 @@ def load_quantized_into(model: nn.Module, tensors: dict[str, torch.Tensor], qc: 
                 raise SpecquantError(f"{name}.weight_shape is {shape}; the config implies "
                                      f"{[m.out_features, m.in_features]}")
             m.invalidate()
-    cfg = qc.get("specquant")
-    if cfg:
-        model.quant_config = QuantConfig.from_json(cfg, strict=False)  # metadata only
     return model
 

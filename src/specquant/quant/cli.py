@@ -3,36 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
 from specquant.errors import SpecquantError
 from specquant.quant.config import QuantConfig
-
-# Fields whose flag is not simply --field-name.
-FLAG_OVERRIDES = {"symmetric": "--asymmetric"}
-
-
-def _add_config_flags(p: argparse.ArgumentParser):
-    defaults = QuantConfig()
-    for f in dataclasses.fields(QuantConfig):
-        default = getattr(defaults, f.name)
-        meta = dict(f.metadata)
-        help_ = meta.get("help", "")
-        if f.name == "symmetric":
-            p.add_argument("--asymmetric", dest="symmetric", action="store_false", default=default,
-                           help="asymmetric codes with per-group zero points (default: symmetric)")
-        elif isinstance(default, bool):
-            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action=argparse.BooleanOptionalAction,
-                           default=default, help=help_)
-        elif isinstance(default, list):
-            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, nargs="+", default=list(default),
-                           metavar="PATTERN", help=f"{help_}; replaces the default {' '.join(default)}")
-        else:
-            kind = type(default) if default is not None else str
-            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=default,
-                           choices=meta.get("choices"), help=f"{help_} (default: {default})")
+from specquant.util.dtypes import DTYPES
+from specquant.util.flags import add_config_flags, config_from_args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -41,10 +18,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                           "pack-quantized checkpoint that vLLM and transformers load.")
     p.add_argument("--model", required=True, help="checkpoint directory or bundled name (tiny-target, tiny-draft)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="dtype of scales and dense weights in the output (default: the checkpoint's torch_dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    _add_config_flags(p)
+    add_config_flags(p, QuantConfig)
     p.set_defaults(func=run)
     return p
 
@@ -66,11 +43,11 @@ def _table(report: dict) -> str:
 def run(args) -> int:
     import torch
 
-    from specquant.model.checkpoint import DTYPES, load_model, load_tokenizer, read_hf_config, resolve
+    from specquant.model.checkpoint import load_dense, load_tokenizer, read_hf_config, resolve
     from specquant.quant.checkpoint import save_quantized
     from specquant.quant.pipeline import quantize, tensor_bytes
 
-    cfg = QuantConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuantConfig)}).validate()
+    cfg = config_from_args(QuantConfig, args).validate()
     src = resolve(args.model)
     out = Path(args.out).expanduser()
     if out.resolve() == src.resolve():
@@ -83,7 +60,7 @@ def run(args) -> int:
         raise SpecquantError(f"checkpoint torch_dtype {dtype_name!r} is not supported; pass --dtype float32|bfloat16")
     dtype = DTYPES[dtype_name]
     # Calibrate in float32 (bf16 GEMMs are slow on many CPUs) but round scales to the output dtype first.
-    model = load_model(src, dtype=torch.float32)
+    model = load_dense(src, dtype=torch.float32)
     tokenizer = load_tokenizer(src) if cfg.method != "rtn" or (src / "tokenizer.json").exists() else None
     bytes_before = tensor_bytes(model) * dtype.itemsize // 4  # every tensor of the fp32 copy, at the output dtype
     report = quantize(model, cfg, tokenizer, scale_dtype=dtype, progress=not args.json)

@@ -27,11 +27,13 @@ class QuantConfig:
     )
     # Symmetric: codes in [-2^(b-1), 2^(b-1)-1], scale = absmax / (2^(b-1)-1), no zero point.
     # Asymmetric: same signed code range plus a signed zero point per group (compressed-tensors' convention).
-    symmetric: bool = field(default=True, metadata={"help": "symmetric codes without zero points"})
+    symmetric: bool = field(default=True, metadata={
+        "help": "symmetric codes without zero points", "negate": "--asymmetric",
+        "negate_help": "asymmetric codes with per-group zero points"})
     ignore: list[str] = field(
         default_factory=lambda: ["lm_head", "embed_tokens"],
         metadata={"help": "module-name patterns left unquantized (fnmatch; 're:' prefix = regex); a bare name "
-                          "also matches as the last name component(s)"},
+                          "also matches as the last name component(s)", "metavar": "PATTERN"},
     )
     calib: str | None = field(default=None, metadata={"help": "calibration text file (default: bundled calib.txt)"})
     calib_samples: int = field(default=64, metadata={"help": "calibration sequences"})

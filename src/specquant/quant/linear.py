@@ -20,7 +20,7 @@ against `reference` (tests/test_quant_linear.py):
                   It runs in fp32, bf16 or fp16 activations as long as scale_and_zeros has the same dtype.
   int4pack_cpu_bf16
                   the same kernel fed bf16 activations (and bf16 scale_and_zeros), the result cast back to x's
-                  dtype: the kernel's fast path, since its fp32 path is 10-40x slower. For fp32 models this rounds
+                  dtype: the kernel's fast path, since its fp32 path is much slower (docs/BENCH.md). For fp32 models this rounds
                   the activations entering each quantized Linear to bf16 (relative error <= 2^-9 per element).
 A future Triton/CUDA kernel plugs in with `register_backend("triton_cuda", Backend(...))`.
 
@@ -81,6 +81,23 @@ class QuantLinear(nn.Module):
         if bias is not None:
             m.bias.data.copy_(bias.detach().to(scale.dtype))
         return m
+
+    @classmethod
+    def concat(cls, mods: list["QuantLinear"]) -> "QuantLinear | None":
+        """One QuantLinear computing cat([m(x) for m in mods], -1) (model.fuse), or None when they cannot be fused:
+        the codes, scales and zero points concatenate along the output dim when bits, group and symmetry agree."""
+        first = mods[0]
+        key = (first.in_features, first.bits, first.group_size, first.symmetric, first.weight_scale.dtype,
+               first.bias is None)
+        if any(type(m) is not cls or (m.in_features, m.bits, m.group_size, m.symmetric, m.weight_scale.dtype,
+                                      m.bias is None) != key for m in mods):
+            return None
+        zero = None if first.symmetric else torch.cat([m.zero_point() for m in mods])
+        bias = None if first.bias is None else torch.cat([m.bias.detach() for m in mods])
+        fused = cls.from_codes(torch.cat([m.codes() for m in mods]), torch.cat([m.weight_scale for m in mods]),
+                               zero, first.bits, bias)
+        fused.backend = first.backend
+        return fused
 
     def codes(self) -> torch.Tensor:
         return unpack_codes(self.weight_packed, self.bits, self.in_features)  # int8 [out, in]
@@ -196,16 +213,11 @@ def _log_choice(choice: str, why: str):
 
 
 def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
-    """Pick the backend for this layer and input, following benchmarks/quant_backends.py's measurement.
-
-    Measured on the 2-core AMD EPYC (AVX2, no fast bf16 GEMM) that CI uses, with weights streamed from memory as in
-    a forward pass (see that script's docstring): for 1-4 rows (decode and verify steps) the int4 kernel on bf16
-    activations beat the dense GEMM in either dtype on every tiny-target shape (e.g. 384->1024, one row: 94 us vs
-    287 us dense fp32), and it stayed ahead up to 16 rows on all but the smallest layers, where dense was within
-    ~20%. So fp32 and bf16 inputs both go to it (fp32 through a bf16 cast; the kernel's own fp32 path is 10-40x
-    slower). Layers the kernel cannot take (8 bits, odd shapes) use dequant_cached. The kernel's cost grows
-    linearly with rows; around LARGE_ROWS rows (prompt prefill) dequantizing the weight per call and running one
-    dense GEMM caught up with it (384x384, 128 rows: 0.85 vs 0.95 ms) and wins beyond, without keeping a dense copy.
+    """Pick the backend for this layer and input, following benchmarks/quant_backends.py's measurement (numbers in
+    docs/BENCH.md, with weights streamed from memory as in a forward pass): for decode and verify steps (few rows)
+    the int4 kernel on bf16 activations beat the dense GEMM in either dtype, so fp32 and bf16 inputs both go to it
+    (fp32 through a bf16 cast); layers it cannot take (8 bits, odd shapes) use dequant_cached. From LARGE_ROWS rows
+    on (prompt prefill), dequantizing per call + one dense GEMM catches up and wins, without a dense copy.
     The choice depends on dtype, device, layer and whether rows >= LARGE_ROWS; each layer caches it per key.
     """
     rows = x.numel() // m.in_features

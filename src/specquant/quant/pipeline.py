@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import logging
 import re
 import time
 from types import ModuleType
@@ -14,10 +15,12 @@ from specquant.errors import SpecquantError
 from specquant.model.fuse import check_unfused
 from specquant.quant import awq, gptq, rtn
 from specquant.quant.calib import calibration_tokens, run_sequential, subsample
+from specquant.quant.checkpoint import quantization_config
 from specquant.quant.config import QuantConfig
 from specquant.quant.grid import QuantizedWeight, dequantize, sqnr_db
 from specquant.quant.linear import QuantLinear
 
+log = logging.getLogger(__name__)
 METHODS: dict[str, ModuleType] = {"rtn": rtn, "awq": awq, "gptq": gptq}
 REPORT_TOKENS = 2048  # calibration tokens per Linear for the output-error report
 
@@ -70,16 +73,6 @@ def _error_row(name: str, res: QuantizedWeight, x: torch.Tensor | None, seed: in
     return row
 
 
-def _tokenizer_for(model):
-    src = getattr(model, "source_path", None)
-    if src is None:
-        raise SpecquantError("calibration needs a tokenizer: pass tokenizer= or calib_tokens=, or load the model "
-                             "from a checkpoint directory that has tokenizer files")
-    from specquant.model.checkpoint import load_tokenizer
-
-    return load_tokenizer(src)
-
-
 @torch.no_grad()
 def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.Tensor | None = None,
              scale_dtype: torch.dtype | None = None, progress: bool = False) -> dict:
@@ -99,17 +92,21 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     dtype = model.model.embed_tokens.weight.dtype
     scale_dtype = scale_dtype or dtype
     bytes_before = tensor_bytes(model)
-    if calib_tokens is None and (method.NEEDS_CALIBRATION or tokenizer is not None):
-        tokenizer = tokenizer or _tokenizer_for(model)
+    if calib_tokens is None and method.NEEDS_CALIBRATION and tokenizer is None:
+        raise SpecquantError(f"calibration needs a tokenizer: {cfg.method} calibrates on text; pass tokenizer= "
+                             "(model.checkpoint.load_tokenizer) or calib_tokens=")
+    if calib_tokens is None and tokenizer is not None:
         calib_tokens = calibration_tokens(tokenizer, cfg.calib_path(), cfg.calib_samples, cfg.seq_len)
     if calib_tokens is not None and int(calib_tokens.max()) >= model.config.vocab_size:
         raise SpecquantError(f"calibration token id {int(calib_tokens.max())} >= vocab_size "
                              f"{model.config.vocab_size}; the tokenizer does not match the model")
     # Every input is checked; from here on the model is modified.
-    if "lm_head" in targets and model.config.tie_word_embeddings:
-        # A quantized lm_head cannot share storage with the (dense) embedding: untie and record it.
-        model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
-        model.config.tie_word_embeddings = False
+    untied = "lm_head" in targets and model.config.tie_word_embeddings
+    if untied:
+        # A quantized lm_head cannot share storage with the (dense) embedding: the model unties itself (its config
+        # then says tie_word_embeddings=False, as the saved checkpoint must), and the report says so.
+        log.warning("quantizing lm_head: untying it from embed_tokens (tie_word_embeddings becomes false)")
+        model.untie_lm_head()
         targets["lm_head"] = model.lm_head
     rows, stats = [], {}
     n_layers = len(model.model.layers)
@@ -146,9 +143,10 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
             res = rtn.quantize_linear(name, lin, cfg, scale_dtype)
             rows.append(_error_row(name, res, None, cfg.seed))
             _swap(model, name, res, lin, cfg.bits)
-    model.quant_config = cfg
+    model.quantization = quantization_config(model, cfg)
     return {
         "method": cfg.method,
+        "untied_lm_head": untied,
         "config": cfg.to_json(),
         "layers": rows,
         "search": {k: v for k, v in stats.items() if v},  # AWQ: per layer, per group: chosen vs RTN loss

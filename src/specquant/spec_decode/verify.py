@@ -9,13 +9,35 @@ Terms, used throughout specquant:
 - bonus token: when all k are accepted, one more token drawn from target_probs_{k+1} for free.
 Every verify step therefore emits accepted + 1 tokens.
 
-Randomness is passed in (uniforms and exponential noise), so the vectorised sampler and the plain reference can
-be compared exactly on the same numbers.
+`verify` is the one entry point the speculative loop calls. The rules below it take their randomness as
+arguments (uniforms and exponential noise), so the vectorised sampler and the plain reference can be compared
+exactly on the same numbers.
 """
 
 from __future__ import annotations
 
 import torch
+
+from specquant.decode.sampling import SamplingConfig, logits_to_probs, next_token
+
+
+def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+           sampling: SamplingConfig, generator: torch.Generator | None) -> tuple[int, int]:
+    """One verify step: (accepted count, recovered-or-bonus token).
+
+    draft_tokens [k] (k may be 0); draft_probs [k, vocab] (sampling mode; None when greedy); target_logits
+    [k+1, vocab]: the target's logits at the last emitted token and at each draft token.
+    """
+    k = draft_tokens.shape[0]
+    if k == 0:
+        return 0, int(next_token(target_logits[-1], sampling, generator))
+    if sampling.greedy:
+        return greedy_verify(draft_tokens, target_logits)
+    target_probs = logits_to_probs(target_logits, sampling)
+    device = target_logits.device
+    uniforms = torch.rand(k, generator=generator, device=device)
+    noise = torch.empty(target_probs.shape[-1], device=device).exponential_(generator=generator)
+    return rejection_sample(draft_tokens, draft_probs, target_probs, uniforms, noise)
 
 
 def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:

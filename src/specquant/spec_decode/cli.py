@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from specquant.cliutil import add_config_flags, config_from_args
 from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig
-from specquant.errors import SpecquantError
-from specquant.model.checkpoint import DTYPES, load_model, load_tokenizer, resolve
-from specquant.spec.config import SpecConfig
+from specquant.loader import load_model
+from specquant.model.checkpoint import load_tokenizer, resolve
+from specquant.spec_decode.config import SpecConfig
+from specquant.util.device import DEVICES, check_device
+from specquant.util.dtypes import DTYPES
+from specquant.util.flags import add_config_flags, config_from_args, print_json
 
 DEFAULT_PROMPT = "The meaning of the word"
 
@@ -21,17 +23,10 @@ def add_parser(sub):
                    help="draft checkpoint or bundled name, or 'none' (default: tiny-draft for the bundled target)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    add_config_flags(p, SamplingConfig, {"temperature": "sampling temperature; 0 = greedy", "top_p": "nucleus mass",
-                                         "top_k": "keep the k most likely tokens; 0 = off", "seed": "sampling seed"})
-    add_config_flags(p, SpecConfig, {"draft_len": "draft tokens per verify step (k)",
-                                     "adaptive": "adapt k to acceptance (grow after full acceptance, shrink after a "
-                                                 "rejection)",
-                                     "max_draft_len": "adaptive: the largest k",
-                                     "draft_confidence": "adaptive: stop drafting when the draft's top probability "
-                                                         "is below this; 0 = never",
-                                     "draft_window": "drafter sliding window W (attend to the last W positions)"})
+    add_config_flags(p, SamplingConfig)
+    add_config_flags(p, SpecConfig)
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -43,10 +38,7 @@ def pick_draft(target: str, draft: str | None) -> str | None:
 
 
 def run(args):
-    from specquant.cli import print_json
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SpecquantError("--device cuda requested but no CUDA device is visible; use --device cpu")
+    check_device(args.device)
     sampling = config_from_args(SamplingConfig, args).validate()
     draft_name = pick_draft(args.target, args.draft)
     resolve(args.target)
@@ -59,7 +51,7 @@ def run(args):
     if draft_name is None:
         result = generate(target, prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     else:
-        from specquant.spec.engine import SpecEngine
+        from specquant.spec_decode.engine import SpecEngine
 
         spec = config_from_args(SpecConfig, args).validate()
         draft = load_model(draft_name, args.dtype, args.device, fuse=True)
@@ -72,7 +64,8 @@ def run(args):
     else:
         print(args.prompt + text)
         s = result.stats
-        line = f"[{s['new_tokens']} tokens, ttft {s['prefill_s'] * 1e3:.1f} ms, {s['tokens_per_s']:.1f} tok/s"
+        line = (f"[{s['new_tokens']} tokens, ttft {s['prefill_s'] * 1e3:.1f} ms, tpot {s['tpot_s'] * 1e3:.1f} ms, "
+                f"{s['tokens_per_s']:.1f} tok/s")
         if "mean_acceptance_length" in s:
             line += f", mean acceptance length {s['mean_acceptance_length']:.2f}"
         print(line + "]")

@@ -1,0 +1,115 @@
+"""Inputs of a bench run, checked and prepared before anything is measured: the checkpoints (resolved, the W4 ones
+quantized into out/cache when not given, reused when their source and QuantConfig are unchanged), the prompts
+file, the config and the output directory. Nothing is written before every check has passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specquant.bench.config import BenchConfig
+from specquant.bench.prompts import read_jsonl
+from specquant.errors import SpecquantError
+from specquant.loader import load_model
+from specquant.model.checkpoint import load_tokenizer, read_config, read_hf_config, resolve
+from specquant.quant import QuantConfig, quantize, save_quantized
+from specquant.spec_decode.drafter import check_vocab
+from specquant.util.device import check_device
+from specquant.util.dtypes import DTYPES
+from specquant.util.files import atomic_write, check_out_dir
+
+
+def fingerprint(path: Path) -> dict:
+    """Identity of a checkpoint's contents: sha256 over config.json and its safetensors files."""
+    h = hashlib.sha256()
+    for f in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return {"path": str(path.resolve()), "sha256": h.hexdigest()}
+
+
+def quant_config_for(method: str, overrides: dict) -> QuantConfig:
+    return QuantConfig.from_json({**overrides, "method": method}).validate()
+
+
+def quantized_checkpoint(src: Path, role: str, method: str, overrides: dict, cache: Path) -> tuple[Path, dict]:
+    """cache/role: src quantized with `method` (+ QuantConfig overrides), reused when its config.json records the
+    same source contents and the same QuantConfig; otherwise produced again with quantize + save_quantized."""
+    qcfg = quant_config_for(method, overrides)
+    want_quant = json.loads(json.dumps(qcfg.to_json()))
+    source = fingerprint(src)
+    dest = cache / role
+    if (dest / "config.json").exists():
+        hf = read_hf_config(dest)
+        if (hf.get("specquant_bench_source") == source
+                and (hf.get("quantization_config") or {}).get("specquant") == want_quant):
+            return dest, {"path": str(dest), "method": method, "produced": False, "config": want_quant}
+    dtype_name = read_hf_config(src).get("torch_dtype") or "float32"
+    scale_dtype = DTYPES.get(dtype_name, torch.float32)
+    t0 = time.perf_counter()
+    model = load_model(src, torch.float32)  # calibrate in fp32 (as `specquant quantize` does), store scales as src
+    report = quantize(model, qcfg, load_tokenizer(src), scale_dtype=scale_dtype, progress=True)
+    model.to(scale_dtype)
+    save_quantized(model, dest, tokenizer_from=src, cfg=qcfg)
+    # record the source in the checkpoint itself (not in its name); a crash before this line only costs a re-run
+    hf = read_hf_config(dest)
+    hf["specquant_bench_source"] = source
+    atomic_write(dest / "config.json", json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return dest, {"path": str(dest), "method": method, "produced": True, "config": want_quant,
+                  "seconds": round(time.perf_counter() - t0, 1), "bytes_before": report["bytes_before"],
+                  "bytes_after": report["bytes_after"]}
+
+
+def check_inputs(target, draft, quantized_target=None, quantized_draft=None) -> dict[str, Path]:
+    """Resolve every checkpoint before anything is written; raises SpecquantError naming the bad one."""
+    paths = {"target": resolve(target), "draft": resolve(draft)}
+    for role in ("target", "draft"):
+        if read_hf_config(paths[role]).get("quantization_config"):
+            raise SpecquantError(f"--{role} {str(paths[role])!r} is already quantized; pass the high-precision "
+                                 f"checkpoint as --{role} and the quantized one as --quantized-{role}")
+    for role, given in (("quantized_target", quantized_target), ("quantized_draft", quantized_draft)):
+        if given is None:
+            continue
+        path = resolve(given)
+        if not read_hf_config(path).get("quantization_config"):
+            raise SpecquantError(f"--{role.replace('_', '-')} {str(path)!r} has no quantization_config in its "
+                                 "config.json; pass a compressed-tensors checkpoint or omit the flag to quantize")
+        paths[role] = path
+    check_vocab(read_config(paths["target"]).vocab_size, read_config(paths["draft"]).vocab_size)
+    return paths
+
+
+def validate(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu"):
+    """Every check that needs no model run; raises SpecquantError. Returns the resolved checkpoint paths."""
+    cfg.validate()
+    check_device(device)
+    paths = check_inputs(target, draft, quantized_target, quantized_draft)
+    if cfg.prompts:
+        read_jsonl(Path(cfg.prompts).expanduser())
+    if quantized_target is None:
+        quant_config_for(cfg.target_method, cfg.quant_overrides_for("target"))
+    if quantized_draft is None:
+        quant_config_for(cfg.draft_method, cfg.quant_overrides_for("draft"))
+    check_out_dir(cfg.out, cfg.overwrite)
+    return paths
+
+
+def prepare_quantized(cfg: BenchConfig, paths: dict[str, Path], log=print) -> dict:
+    """Fill paths["quantized_target"/"quantized_draft"], quantizing into out/cache what was not given."""
+    info = {}
+    cache = Path(cfg.out) / "cache"
+    for role, method in (("target", cfg.target_method), ("draft", cfg.draft_method)):
+        key = f"quantized_{role}"
+        if key in paths:
+            info[key] = str(paths[key])
+            continue
+        paths[key], info[key] = quantized_checkpoint(paths[role], role, method, cfg.quant_overrides_for(role), cache)
+        how = f"quantized in {info[key]['seconds']:.1f} s" if info[key]["produced"] else "reused: same source, config"
+        log(f"W4 {role}: {method.upper()} -> {cache / role} ({how})")
+    return info

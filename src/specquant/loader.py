@@ -1,0 +1,42 @@
+"""The one entry point from a checkpoint directory to a ready model: `load_model`.
+
+It sits above both layers and composes them, as gpt-fast's generate.py composes model.py and quantize.py: model/
+builds the decoder and reads dense tensors, quant/ swaps in QuantLinear modules and reads compressed-tensors
+`pack-quantized` tensors, and neither imports the other in that direction. Which path a checkpoint takes is read
+from its own config.json (`quantization_config`), never from its name.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specquant.model.checkpoint import load_dense, load_tensors, parse_dtype, read_hf_config, resolve
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Transformer
+from specquant.model.fuse import fuse_projections
+from specquant.quant.checkpoint import load_quantized_into
+
+
+def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
+               device: str | torch.device = "cpu", fuse: bool = False) -> Transformer:
+    """Build the decoder for a checkpoint (directory or bundled name) and load its weights, dense or INT4/INT8.
+
+    fuse: fuse q/k/v and gate/up projections for decoding (model.fuse; the model can then not be saved or
+    quantized)."""
+    dtype = parse_dtype(dtype)
+    path = resolve(name_or_dir)
+    hf = read_hf_config(path)
+    quantization = hf.get("quantization_config")
+    if not quantization:
+        model = load_dense(path, dtype, device)
+    else:
+        with torch.device("meta"):
+            model = Transformer(ModelConfig.from_hf(hf))
+        load_quantized_into(model, load_tensors(path), quantization, dtype, device)
+        model.quantization = quantization
+        model.init_non_persistent(device)
+    if fuse:
+        fuse_projections(model)
+    return model.eval()

@@ -1,0 +1,106 @@
+"""The drafter interface: what the speculative loop (spec_decode/loop.py) asks of any draft source.
+
+Positions and lengths. The committed sequence is the prompt plus every emitted token. Its last token was emitted
+by the previous verify step and no model has processed it yet; the target's cache holds every earlier position.
+A drafter sees the committed sequence, proposes k tokens to follow it, and after verification is told how many
+positions are final (`accept`); it rolls its own state back to that length (`rollback`), whatever it is (a KV
+cache, a ring buffer, a recurrent state).
+
+One request, in the loop's order (shapes [batch, ...]; the loop runs batch 1 today, nothing here assumes it):
+  1. `setup(batch, max_len)` before each request: allocate state for up to max_len positions (reuse it when it
+     is big enough).
+  2. `prefill(prompt_ids [B, L], target_hidden [B, L, len(target_layers), H] | None)`: the prompt, and the
+     target's hidden states of every prompt position (taken from the target's prefill forward, no extra forward).
+  3. Each step: `propose(tokens [B, n], k, sampling, generator) -> Draft` with up to k tokens following tokens
+     (fewer is allowed, e.g. a confidence stop; 0 when k is 0). In sampling mode Draft.probs holds the
+     distribution each token was drawn from (the verifier needs it); greedy drafters may leave it None.
+  4. The target scores [tokens[n-1], draft...] in one forward; `verify` keeps `accepted` draft tokens and adds
+     one recovered or bonus token.
+  5. `accept(n + accepted, target_hidden [B, accepted + 1, len(target_layers), H] | None)`: positions
+     0 .. n+accepted-1 are final and processed by the target (tokens[n-1] and the accepted drafts); target_hidden
+     are the target's hidden states at exactly those accepted + 1 new positions, sliced from the verify forward.
+     The drafter rolls its state back to n + accepted and appends what it keeps of target_hidden.
+
+`target_layers` declares which target decoder layers' outputs (0-based ids) the drafter reads; the target's
+prefill and verify forwards return exactly those (`Transformer.forward(..., hidden_layers=ids)`), at no cost when
+the tuple is empty. The LM drafter (lm_drafter.py) reads none: `target_layers = ()`, target_hidden is None.
+
+How a DFlash-style block drafter (Chen et al. 2025) plugs in — no change to the loop, the verifier or the target:
+  * `target_layers = (1, 4, 7)` (say): the layers whose hidden states condition it.
+  * `prefill`: project the prompt's target_hidden [B, L, 3, H] (concatenated over layers, through its fc layer)
+    into its own context K/V for positions 0..L-1.
+  * `propose`: one forward over the block [tokens[n-1], mask, ..., mask] (block_size positions) attending to the
+    context K/V, returning its argmax (or samples and probs) at the block_size - 1 mask positions: up to
+    block_size - 1 draft tokens from ONE forward; it ignores k beyond block_size - 1. Its block positions are
+    scratch and never enter the context.
+  * `accept(length, target_hidden)`: its context holds only target-verified positions, so `rollback(length)`
+    has nothing to undo; it projects target_hidden (T = accepted + 1 positions) into context positions
+    length - T .. length - 1. Its context always equals the target's verified prefix.
+The engine sizes the target cache with `SpecConfig.longest_draft`; a block drafter sets draft_len to
+block_size - 1. Nothing in the loop refers to a particular drafter kind.
+
+Later uses this interface already allows: `specquant serve` streams each step's tokens from `loop.decode_steps`
+(a generator); batch > 1 needs per-row accepted counts in `verify` and `accept(lengths [B])`, not a new protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specquant.decode.sampling import SamplingConfig
+from specquant.errors import SpecquantError
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [batch, k] int64, k >= 0
+    probs: torch.Tensor | None = None  # [batch, k, vocab] float32: each token's draft distribution (sampling mode)
+
+    @classmethod
+    def empty(cls, batch: int, device) -> "Draft":
+        return cls(torch.empty(batch, 0, dtype=torch.long, device=device))
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes draft tokens for the target to verify. See the module docstring for the call order."""
+
+    target_layers: tuple[int, ...]  # target decoder layers whose hidden states it reads; () for none
+
+    def setup(self, batch: int, max_len: int) -> None:
+        """Make room for sequences of up to max_len positions (reusing state that is big enough)."""
+
+    def prefill(self, prompt_ids: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
+        """prompt_ids [B, L]; target_hidden [B, L, len(target_layers), H] of every prompt position, or None."""
+
+    def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        """Up to k tokens to follow tokens [B, n] (the committed sequence)."""
+
+    def accept(self, length: int, target_hidden: torch.Tensor | None) -> None:
+        """Positions < length are final; target_hidden [B, T, len(target_layers), H] belongs to the last T of them."""
+
+    def rollback(self, length: int) -> None:
+        """Forget every position >= length."""
+
+
+def check_vocab(target_vocab: int, draft_vocab: int, target_tokenizer=None, draft_tokenizer=None):
+    """Draft and target must share one vocabulary: the same size and, when tokenizers are given, the same text
+    for every id."""
+    if target_vocab != draft_vocab:
+        raise SpecquantError(
+            f"draft vocabulary has {draft_vocab} entries, target has {target_vocab}; the draft must share the "
+            "target's tokenizer"
+        )
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+        if t_vocab != d_vocab:
+            diff = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
+            tok, idx = diff[0]
+            raise SpecquantError(
+                f"draft and target tokenizers differ (e.g. token {tok!r} / id {idx}); use a draft trained with the "
+                "target's tokenizer"
+            )

@@ -1,0 +1,81 @@
+"""The LM drafter: an independent small causal LM sharing the target's tokenizer, one draft token per forward.
+
+Its KV cache may run a sliding window (SpecConfig.draft_window): a ring buffer, so its step cost and memory stay
+bounded by W. A windowed draft may be prefilled with only the last W prompt tokens ("window"): its positions are
+then shifted by the skipped length, which RoPE (relative) does not see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specquant.decode.compiled import Stepper
+from specquant.decode.sampling import SamplingConfig, logits_to_probs, sample
+from specquant.model.decoder import Transformer
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.drafter import Draft
+
+
+class LMDrafter:
+    """A Drafter (spec_decode/drafter.py) over a draft Transformer."""
+
+    target_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: Transformer, config: SpecConfig, compile: bool = False):
+        self.model = model
+        self.step = Stepper(model, compile)
+        self.window = config.draft_window
+        self.window_prefill = config.draft_prefill == "window"
+        # stop drafting once the draft's top probability falls below this (0 = never); see SpecConfig
+        self.confidence = config.draft_confidence
+        self.longest = config.longest_draft
+        self.offset = 0  # positions skipped by a window-only prefill: cache position = sequence position - offset
+        self.valid = 0  # the cache holds sequence positions offset .. valid-1
+
+    def setup(self, batch: int, max_len: int) -> None:
+        # the ring cache must survive a rollback of a whole draft (longest + 1 positions)
+        self.step.setup(batch, max_len, max_block=max(64, self.longest + 2), window=self.window if self.window else -1)
+
+    def _forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids [1, T] at sequence positions start.. -> logits [vocab] at the last one."""
+        return self.step(ids, start - self.offset, last_only=True)[0, -1]
+
+    def prefill(self, prompt_ids: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+        """All prompt tokens but the last (the first propose feeds it); only the last W with a window prefill."""
+        plen = prompt_ids.shape[1]
+        self.offset = max(0, plen - self.window) if self.window and self.window_prefill else 0
+        self.valid = self.offset
+        if plen - 1 > self.valid:
+            self._forward(prompt_ids[:, self.valid : plen - 1], self.valid)
+            self.valid = plen - 1
+
+    def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        n = tokens.shape[1]
+        logits = self._forward(tokens[:, self.valid : n], self.valid)  # catch up on what the cache lacks
+        self.valid = n
+        drafted, probs = [], []
+        for i in range(k):
+            if sampling.greedy:
+                x = int(logits.argmax())
+                if self.confidence and i > 0 and torch.softmax(logits.float(), -1)[x] < self.confidence:
+                    break
+            else:
+                p = logits_to_probs(logits, sampling)
+                x = int(sample(p, generator))
+                if self.confidence and i > 0 and p.max() < self.confidence:
+                    break
+                probs.append(p)
+            drafted.append(x)
+            if i < k - 1:
+                logits = self._forward(torch.tensor([[x]], device=tokens.device), n + i)
+                self.valid = n + i + 1
+        return Draft(torch.tensor([drafted], dtype=torch.long, device=tokens.device),
+                     torch.stack(probs)[None] if probs else None)
+
+    def accept(self, length: int, target_hidden: torch.Tensor | None = None) -> None:
+        self.rollback(length)
+
+    def rollback(self, length: int) -> None:
+        self.valid = min(self.valid, length)
+        self.model.rollback(self.valid - self.offset)

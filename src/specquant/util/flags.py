@@ -1,0 +1,69 @@
+"""Build argparse flags from config dataclasses, so every default and help text lives in its dataclass only.
+
+A field gets a flag when its metadata has "help". Metadata keys: help; choices; flag (the flag's name when it is not
+--field-name); negate (a bool field shown as its opposite, e.g. symmetric -> --asymmetric). Booleans get
+--x / --no-x, lists nargs="+". A field whose type is itself a config dataclass (BenchConfig.spec) contributes its
+own fields' flags, and config_from_args builds it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _nested(hint) -> type | None:
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls, prefix: str = "", defaults=None) -> None:
+    """One flag per field of cls (and of its nested config dataclasses) that has metadata["help"]; defaults: an
+    instance whose values are the flags' defaults (a nested config's default comes from its parent's factory)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint, meta, dest = hints[f.name], f.metadata, prefix + f.name
+        default = getattr(defaults, f.name) if defaults is not None else _default(f)
+        if _nested(hint):
+            add_config_flags(parser, hint, dest + ".", default)
+            continue
+        if "help" not in meta:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        if hint is bool and "negate" in meta:
+            parser.add_argument(meta["negate"], dest=dest, action="store_false", default=default,
+                                help=f"{meta['negate_help']} (default: {'off' if default else 'on'})")
+        elif hint is bool:
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
+                                help=meta["help"])
+        elif typing.get_origin(hint) is list:
+            parser.add_argument(flag, dest=dest, nargs="+", default=list(default), metavar=meta.get("metavar"),
+                                help=f"{meta['help']}; replaces the default {' '.join(map(str, default))}")
+        else:
+            args = typing.get_args(hint)
+            base = next((a for a in args if a is not type(None)), hint) if args else hint
+            parser.add_argument(flag, dest=dest, type=base, default=default, choices=meta.get("choices"),
+                                help=f"{meta['help']} (default: {default})")
+
+
+def config_from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):
+    """cls built from the flags add_config_flags made (fields without a flag keep their defaults)."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if _nested(hints[f.name]):
+            values[f.name] = config_from_args(hints[f.name], args, prefix + f.name + ".")
+        elif hasattr(args, prefix + f.name):
+            values[f.name] = getattr(args, prefix + f.name)
+    values.update(overrides)
+    return cls(**values)
+
+
+def print_json(obj) -> None:
+    """One JSON line on stdout (what every --json command prints last)."""
+    print(json.dumps(obj, default=float))
