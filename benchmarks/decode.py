@@ -5,8 +5,9 @@ timed runs, ours and transformers' interleaved run by run so load from other pro
 runs eagerly and under `torch.compile(model, dynamic=True)`; the compiled row counts only if it produced the same
 tokens as eager, and the table says when compiling failed or did not pay.
 
-tok/s is end to end (new tokens / wall time of one whole generate call, prefill included) so both libraries are
-measured the same way; decode tok/s is our engine's own decode-only rate, (new_tokens - 1) / decode_s.
+tok/s is specquant's one definition (decode.generate.tokens_per_s: new tokens / wall time of one whole generate
+call, prefill included), applied to both libraries alike; TPOT is our engine's own time per output token after the
+first (decode.generate.tpot_s).
 Without the bundled weights (tiny-target still training) a random model of the same architecture is timed
 instead, with a warning: speed does not depend on the weights' values.
 
@@ -28,12 +29,13 @@ from pathlib import Path
 import torch
 
 from specquant.spec_decode.cli import DEFAULT_PROMPT
-from specquant.decode.generate import generate, sync
+from specquant.decode.generate import generate, tokens_per_s
 from specquant.decode.sampling import SamplingConfig
 from specquant.model.checkpoint import BUNDLED, BUNDLED_DIR, load_tokenizer, read_config, resolve, save_model
 from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
+from specquant.util.device import sync
 from specquant.util.dtypes import DTYPES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,15 +110,15 @@ def bench_dtype(path: Path, dtype_name: str, prompt: torch.Tensor, args, device)
         compile_s = time.perf_counter() - t0
 
     samples = {name: [] for name in contenders}
-    decode_rates = {name: [] for name in contenders if name.startswith("specquant")}
+    tpots = {name: [] for name in contenders if name.startswith("specquant")}
     for _ in range(args.runs):
         for name, fn in contenders.items():
             if status[name] != "ok":
                 continue
             seconds, out = timed(fn, device)
             samples[name].append(seconds)
-            if name in decode_rates:
-                decode_rates[name].append(out.stats["tokens_per_s"])
+            if name in tpots:
+                tpots[name].append(out.stats["tpot_s"])
 
     rows = []
     hf_median = statistics.median(samples["transformers/eager"])
@@ -126,9 +128,9 @@ def bench_dtype(path: Path, dtype_name: str, prompt: torch.Tensor, args, device)
                "status": status[name]}
         if samples.get(name):
             median = statistics.median(samples[name])
-            row.update(median_s=median, tokens_per_s=n / median, speedup_vs_transformers=hf_median / median)
-            if decode_rates.get(name):
-                row["decode_tokens_per_s"] = statistics.median(decode_rates[name])
+            row.update(median_s=median, tokens_per_s=tokens_per_s(n, median), speedup_vs_transformers=hf_median / median)
+            if tpots.get(name):
+                row["tpot_s"] = statistics.median(tpots[name])
         if name == "specquant/eager":
             row["same_tokens_as_transformers"] = reference == hf_tokens
         if mode == "compiled":
@@ -142,19 +144,19 @@ def bench_dtype(path: Path, dtype_name: str, prompt: torch.Tensor, args, device)
 
 
 def print_table(rows: list[dict]):
-    print(f"{'impl':<13} {'mode':<9} {'dtype':<9} {'median s':>9} {'tok/s':>8} {'decode tok/s':>13} {'vs HF':>6}"
+    print(f"{'impl':<13} {'mode':<9} {'dtype':<9} {'median s':>9} {'tok/s':>8} {'TPOT ms':>8} {'vs HF':>6}"
           "  status")
     for r in rows:
         med = f"{r['median_s']:.3f}" if "median_s" in r else "-"
         tps = f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else "-"
-        dec = f"{r['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in r else "-"
+        dec = f"{r['tpot_s'] * 1e3:.2f}" if "tpot_s" in r else "-"
         vs = f"{r['speedup_vs_transformers']:.2f}x" if "speedup_vs_transformers" in r else "-"
         note = r["status"]
         if "same_tokens_as_transformers" in r:
             note += f" (same tokens as HF: {'yes' if r['same_tokens_as_transformers'] else 'no'})"
         if "compile_s" in r:
             note += f" (compile+first run {r['compile_s']:.0f} s)"
-        print(f"{r['impl']:<13} {r['mode']:<9} {r['dtype']:<9} {med:>9} {tps:>8} {dec:>13} {vs:>6}  {note}")
+        print(f"{r['impl']:<13} {r['mode']:<9} {r['dtype']:<9} {med:>9} {tps:>8} {dec:>8} {vs:>6}  {note}")
 
 
 def main():

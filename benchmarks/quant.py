@@ -2,7 +2,8 @@
 
 Speed: one decode step at batch 1 after a 64-token prompt, with 1 row (plain decode) and k+1 rows (a
 speculative verify step, k=4). Each timing is the median of --reps repetitions after warm-up; the KV cache is
-rewound to the same position every time, so every repetition does identical work. tokens/s = rows / step time.
+rewound to the same position every time, so every repetition does identical work. rows/s = rows / step time (a
+forward's throughput, not a request's tokens/s).
 Quality: KL(fp ‖ quant) per position, perplexity and top-1 agreement against the unquantized model on held-out
 text (src/specquant/data/heldout.txt). Uses tiny-target when its weights exist, else a random model of the
 same shape (with a warning: then quality numbers say nothing about real text).
@@ -93,9 +94,9 @@ def speed(fp, reps: int) -> list[dict]:
             for n in (1, K + 1):
                 sec = step_seconds(model, n, reps, dtype)
                 rows.append({"weights": kind, "backend": backend or "-", "dtype": str(dtype).removeprefix("torch."),
-                             "rows": n, "ms_per_step": round(sec * 1e3, 3), "tokens_per_s": round(n / sec, 1)})
+                             "rows": n, "ms_per_step": round(sec * 1e3, 3), "rows_per_s": round(n / sec, 1)})
                 print(f"{kind:>5} {backend or '-':>15} {rows[-1]['dtype']:>8} rows={n}  "
-                      f"{rows[-1]['ms_per_step']:8.2f} ms/step  {rows[-1]['tokens_per_s']:8.1f} tok/s", flush=True)
+                      f"{rows[-1]['ms_per_step']:8.2f} ms/step  {rows[-1]['rows_per_s']:8.1f} rows/s", flush=True)
     return rows
 
 

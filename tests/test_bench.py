@@ -231,7 +231,7 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
     from specquant.bench.demo import NOT_YET, run_demo
 
     logged = []
-    tiny_quant = {"calib_samples": 2, "seq_len": 32, "awq_grid": 2, "awq_clip": False}
+    tiny_quant = {"calib_samples": 2, "seq_len": 32, "awq": {"grid": 2, "clip": False}}
     results = run_demo(str(tmp_path / "demo"), quick=True, target=str(pair["target"]), draft=str(pair["draft"]),
                        log=logged.append, hf_compare=False, quant_overrides=tiny_quant,
                        **SMALL_CFG)

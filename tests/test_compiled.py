@@ -47,3 +47,28 @@ def test_compiled_generate_and_spec_match_eager():
     spec_compiled = SpecEngine(target, draft, cfg, compile=True).generate(prompt, 24, stop_on_eos=False)
     assert spec_compiled.token_ids == spec_eager.token_ids == eager
     assert spec_compiled.stats["num_accepted_tokens"] == spec_eager.stats["num_accepted_tokens"]
+
+
+def test_kv_cache_is_allocated_once_and_grown_only_when_needed():
+    """Requests that fit reuse the same K/V tensors (what keeps compiled steps from recompiling per request); a
+    longer request grows the cache; results match a fresh cache."""
+    target, draft = _model(0, layers=2), _model(1, layers=1)
+    engine = SpecEngine(target, draft, SpecConfig(draft_len=3, draft_window=8))
+    long_prompt = torch.randint(0, 80, (1, 40), generator=torch.Generator().manual_seed(4))
+    first = engine.generate(long_prompt, 16, stop_on_eos=False).token_ids
+    caches = [m.model.layers[0].self_attn.cache for m in (target, draft)]
+    buffers = [(c.k.data_ptr(), c.v.data_ptr()) for c in caches]
+    short = engine.generate(long_prompt[:, :9], 16, stop_on_eos=False).token_ids  # fits: same buffers
+    assert [m.model.layers[0].self_attn.cache for m in (target, draft)] == caches
+    assert [(c.k.data_ptr(), c.v.data_ptr()) for c in caches] == buffers
+    assert engine.generate(long_prompt, 16, stop_on_eos=False).token_ids == first  # stale K/V never read
+    target.clear_cache()
+    draft.clear_cache()
+    assert SpecEngine(target, draft, SpecConfig(draft_len=3, draft_window=8)).generate(
+        long_prompt[:, :9], 16, stop_on_eos=False).token_ids == short
+    longer = torch.randint(0, 80, (1, 100), generator=torch.Generator().manual_seed(5))
+    engine.generate(long_prompt, 16, stop_on_eos=False)
+    ring = draft.model.layers[0].self_attn.cache
+    engine.generate(longer, 16, stop_on_eos=False)  # needs more positions: the target's cache grows
+    assert target.model.layers[0].self_attn.cache.capacity >= 100 + 16
+    assert draft.model.layers[0].self_attn.cache is ring  # the windowed draft's ring: one size for any length

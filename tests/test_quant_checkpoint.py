@@ -13,7 +13,7 @@ from specquant.errors import SpecquantError
 from specquant.model.checkpoint import save_model, state_dict_for_save
 from specquant.loader import load_model
 from specquant.model.decoder import Transformer
-from specquant.quant import QuantConfig, QuantLinear, quantize, save_quantized, set_backend
+from specquant.quant import AWQConfig, QuantConfig, QuantLinear, quantize, save_quantized, set_backend
 
 CASES = {
     "sym4_g32": dict(group_size=32),
@@ -65,7 +65,7 @@ def test_awq_bf16_tied_round_trip(tmp_path):
     with torch.no_grad():
         model.model.layers[0].input_layernorm.weight[:4] = 10.0  # outlier channels, so AWQ picks alpha > 0
     norm_before = model.model.layers[0].input_layernorm.weight.clone()
-    quantize(model, QuantConfig(method="awq", group_size=32, awq_grid=5), calib_tokens=calib,
+    quantize(model, QuantConfig(method=AWQConfig(grid=5), group_size=32), calib_tokens=calib,
              scale_dtype=torch.bfloat16)
     assert not torch.equal(model.model.layers[0].input_layernorm.weight, norm_before)
     model.to(torch.bfloat16)

@@ -10,10 +10,9 @@ from _quant_models import TINY_TARGET, small_config
 from specquant.model.checkpoint import save_model
 from specquant.loader import load_model
 from specquant.model.decoder import Transformer
-from specquant.quant import QuantConfig, QuantLinear
+from specquant.quant import GPTQConfig, QuantConfig, QuantLinear
 from specquant.cli import main
-from specquant.quant.cli import add_parser
-from specquant.util.flags import config_from_args
+from specquant.quant.cli import add_parser, quant_config
 
 
 def _model_dir(tmp_path, name="m", **kw):
@@ -29,10 +28,13 @@ def test_flag_defaults_come_from_quant_config():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["quantize", "--model", "x", "--out", "y"])
-    assert config_from_args(QuantConfig, args) == QuantConfig()
+    assert quant_config(args) == QuantConfig()
     args = parser.parse_args(["quantize", "--model", "x", "--out", "y", "--asymmetric", "--ignore", "lm_head",
                               "mlp.*", "--no-awq-clip", "--group-size", "-1"])
-    assert (args.symmetric, args.ignore, args.awq_clip, args.group_size) == (False, ["lm_head", "mlp.*"], False, -1)
+    cfg = quant_config(args)
+    assert (cfg.symmetric, cfg.ignore, cfg.method.clip, cfg.group_size) == (False, ["lm_head", "mlp.*"], False, -1)
+    args = parser.parse_args(["quantize", "--model", "x", "--out", "y", "--method", "gptq", "--gptq-damp", "0.1"])
+    assert quant_config(args).method == GPTQConfig(damp=0.1)
 
 
 def test_cli_awq_end_to_end_json(tmp_path, capsys):

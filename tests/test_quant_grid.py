@@ -1,11 +1,13 @@
 """Grid math, bit packing and QuantConfig validation (no model needed)."""
 
+import json
+
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
 from specquant.errors import SpecquantError
-from specquant.quant.config import QuantConfig
+from specquant.quant.config import AWQConfig, GPTQConfig, QuantConfig
 from specquant.quant.grid import dequantize, fake_quant, qrange, quantize_weight, sqnr_db
 from specquant.quant.pack import pack_codes, unpack_codes
 
@@ -95,7 +97,14 @@ def test_group_size_must_divide_in_features_names_layer():
 
 
 def test_config_json_round_trip():
-    cfg = QuantConfig(method="gptq", bits=8, group_size=64, symmetric=False, ignore=["lm_head"], gptq_act_order=True)
+    cfg = QuantConfig(method=GPTQConfig(act_order=True), bits=8, group_size=64, symmetric=False, ignore=["lm_head"])
     assert QuantConfig.from_json(cfg.to_json()) == cfg
+    assert QuantConfig.from_json(json.dumps(cfg.to_json())) == cfg
+    assert QuantConfig(method="gptq") == QuantConfig(method=GPTQConfig())  # a name is its method's defaults
+    # one overrides dict may carry settings for several methods: only the chosen method's section is read
+    both = {"method": "awq", "awq": {"grid": 3}, "gptq": {"damp": 0.5}}
+    assert QuantConfig.from_json(both).method == AWQConfig(grid=3)
+    with pytest.raises(SpecquantError, match="unknown awq setting"):
+        QuantConfig.from_json({"method": "awq", "awq": {"grdi": 3}})
     with pytest.raises(SpecquantError, match="unknown QuantConfig field"):
         QuantConfig.from_json({"method": "rtn", "nbits": 4})

@@ -7,7 +7,7 @@ import torch
 from _quant_models import gaussian_model, outlier_model, sample_text
 
 from specquant.errors import SpecquantError
-from specquant.quant import QuantConfig, QuantLinear, quantize
+from specquant.quant import AWQConfig, GPTQConfig, QuantConfig, QuantLinear, quantize
 from specquant.quant.awq import apply_scale
 from specquant.quant.quality import compare, logprobs
 
@@ -38,7 +38,7 @@ def outlier_setup():
         "rtn": QuantConfig(method="rtn", group_size=64),
         "awq": QuantConfig(method="awq", group_size=64),
         "gptq": QuantConfig(method="gptq", group_size=64),
-        "gptq_act_order_asym": QuantConfig(method="gptq", group_size=64, gptq_act_order=True, symmetric=False),
+        "gptq_act_order_asym": QuantConfig(method=GPTQConfig(act_order=True), group_size=64, symmetric=False),
     }.items():
         m = copy.deepcopy(fp)
         reports[name] = quantize(m, cfg, calib_tokens=calib)
@@ -99,7 +99,7 @@ def test_awq_scale_folding_is_exact_in_full_precision():
 def test_awq_skips_v_to_o_under_gqa():
     model = outlier_model(kv_heads=2)
     calib = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
-    report = quantize(model, QuantConfig(method="awq", group_size=64, awq_grid=4, awq_clip=False),
+    report = quantize(model, QuantConfig(method=AWQConfig(grid=4, clip=False), group_size=64),
                       calib_tokens=calib)
     assert not any(k.endswith("o_proj") for layer in report["search"].values() for k in layer)
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14

@@ -17,7 +17,7 @@ PRESETS = {
                  curve_fractions=(1 / 16, 1 / 4, 1 / 2, 3 / 4), quant_overrides={"calib_samples": 32}),
     "quick": dict(max_new_tokens=32, runs=1, prompts_per_length=1, prompts_per_set=1, cost_reps=5,
                   curve_fractions=(1 / 16, 1 / 4, 1 / 2),
-                  quant_overrides={"calib_samples": 8, "seq_len": 128, "awq_grid": 5, "awq_clip": False}),
+                  quant_overrides={"calib_samples": 8, "seq_len": 128, "awq": {"grid": 5, "clip": False}}),
 }
 NOT_YET = {
     "QAD": "quantization-aware distillation of the W4 target",

@@ -89,6 +89,19 @@ class KVCache(nn.Module):
             self.register_buffer("slot_pos", torch.full((capacity,), -1, dtype=torch.long, device=device),
                                  persistent=False)
 
+    def fits(self, batch: int, capacity: int, dtype, device: torch.device, window: int | None, static: bool) -> bool:
+        """Whether a request needing this layout can reuse these buffers (a full cache may be larger than needed)."""
+        same_device = self.k.device.type == device.type and (device.index is None or self.k.device == device)
+        enough = self.capacity >= capacity if window is None else self.capacity == capacity
+        return (self.k.shape[0] == batch and self.k.dtype == dtype and same_device and self.window == window
+                and self.static == static and enough)
+
+    def reset(self):
+        """Start a new sequence in the same buffers (stale K/V are overwritten before they are read)."""
+        self.length = 0
+        if self.static:
+            self.slot_pos.fill_(-1)
+
     def update_static(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Shape-static variant for compiled steps: input_pos [T] (tensor, so no recompiles per position).
 
@@ -266,28 +279,36 @@ class Transformer(nn.Module):
 
     def setup_cache(self, batch_size: int, max_seq_len: int, max_block: int = 64, dtype=None, device=None,
                     window: int | None = -1, static: bool = False):
-        """Allocate static K/V buffers once.
+        """Make K/V buffers for sequences of up to max_seq_len positions, reusing the ones already there.
 
+        Buffers are allocated once and reused by every request that fits (as gpt-fast's setup_caches): the same
+        tensors, so compiled steps are not recompiled per request. They are reallocated only when a request needs
+        more positions, or another batch size, dtype, device, window or layout.
         window: attend to the last W positions (-1: the config's sliding_window; None: full attention). A windowed
-        model gets a ring of W + max_block - 1 slots; it takes at most max_block tokens per forward, and a caller
-        may roll back by up to max_block - 1 positions past what it wrote since.
+        model gets a ring of W + max_block - 1 slots whatever max_seq_len is; it takes at most max_block tokens per
+        forward, and a caller may roll back by up to max_block - 1 positions past what it wrote since.
         static: attention always spans the whole buffer under a mask built from tensors, so a step's shapes do
         not depend on the position (what torch.compile / CUDA graphs need); the sliced path is its reference.
         """
         w = self.model.embed_tokens.weight
-        dtype, device = dtype or w.dtype, device or w.device
+        dtype, device = dtype or w.dtype, torch.device(device or w.device)
         cfg = self.config
         window = cfg.sliding_window if window == -1 else window
-        window = window if window and window < max_seq_len else None
+        window = window or None
         capacity = max_seq_len if window is None else window + max_block - 1
         self.max_block = None if window is None else max_block
-        for layer in self.model.layers:
-            layer.self_attn.window = window
-            layer.self_attn.cache = KVCache(
-                batch_size, cfg.num_key_value_heads, capacity, cfg.head_dim, dtype, device, window, static
-            )
+        old = self.model.layers[0].self_attn.cache
+        if old is not None and old.fits(batch_size, capacity, dtype, device, window, static):
+            for layer in self.model.layers:
+                layer.self_attn.cache.reset()
+        else:
+            for layer in self.model.layers:
+                layer.self_attn.window = window
+                layer.self_attn.cache = KVCache(
+                    batch_size, cfg.num_key_value_heads, capacity, cfg.head_dim, dtype, device, window, static
+                )
         self.static_cache = static
-        if self.rope_cos.shape[0] < max_seq_len or self.rope_cos.device != torch.device(device):
+        if self.rope_cos.shape[0] < max_seq_len or self.rope_cos.device != device:
             self._set_rope(max(max_seq_len, cfg.max_position_embeddings))
             self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
 

@@ -9,15 +9,15 @@ Per decoder layer, for each group of Linears that read the same input produced b
      the group's weights are multiplied by s (columns). Full-precision output is unchanged; the captured inputs
      are divided by s in place so later steps see what the rescaled layer sees.
 Where the loss is measured is data too (the third entry of a mapping):
-  * q/k/v: on the attention block's output, as llm-awq does, over the first `awq_block_samples` calibration
+  * q/k/v: on the attention block's output, as llm-awq does, over the first `AWQConfig.block_samples` calibration
     sequences, because q/k errors act through softmax(q·kᵀ): scored on the Linear outputs instead, AWQ of q/k/v
     lowered their error but not the model's KL to full precision (docs/BENCH.md, "AWQ's q/k/v loss").
   * every other group: on the group's own Linear outputs. That is a quadratic form, mean_tokens ‖x·ΔWᵀ‖² =
     Σ_rows ΔW·G·ΔWᵀ with the input second moment G = xᵀx/n, so every calibration token counts and each α costs
     out·in² instead of tokens·out·in. (llm-awq scores gate/up on the MLP output; that costs ~3× more per α
     and is left as a possible refinement.)
-  4. Clip search per Linear (if cfg.awq_clip): for each output row and group, try shrinking the min/max range to
-     r = 1 − i/awq_clip_grid, i < awq_clip_max_shrink·awq_clip_grid (defaults: r = 1.00 … 0.55, as llm-awq),
+  4. Clip search per Linear (if AWQConfig.clip): for each output row and group, try shrinking the min/max range to
+     r = 1 − i/clip_grid, i < clip_max_shrink·clip_grid (defaults: r = 1.00 … 0.55, as llm-awq),
      and keep the r minimizing that group's contribution to the output error, ΔW_g·G_gg·ΔW_gᵀ with G_gg the
      group's diagonal block of G (exact over all tokens). Like llm-awq, q_proj/k_proj are not clipped: their
      output error is a poor proxy through softmax(q·kᵀ).
@@ -69,8 +69,8 @@ def search_scale(loss_fn, x_mean: torch.Tensor, linears: list[nn.Linear], groups
     Returns (s, best_loss, rtn_loss)."""
     weights = [lin.weight.float() for lin in linears]
     best, best_s, rtn_loss = float("inf"), None, None
-    for i in range(cfg.awq_grid):
-        s = x_mean.pow(i / cfg.awq_grid).clamp_min(1e-4)
+    for i in range(cfg.method.grid):
+        s = x_mean.pow(i / cfg.method.grid).clamp_min(1e-4)
         s = s / (s.max() * s.min()).sqrt()
         loss = loss_fn([rtn_fake_quant(w * s, cfg.bits, group, cfg.symmetric, scale_dtype=scale_dtype) / s
                         for w, group in zip(weights, groups)])
@@ -123,13 +123,13 @@ def search_clip(w: torch.Tensor, g: torch.Tensor, group: int, cfg, scale_dtype) 
     """Per (row, group) range shrink in (0, 1] minimizing that group's output error. w [out, in], g [in, in]."""
     out, inp = w.shape
     n_groups = inp // group
-    steps = max(1, int(round(cfg.awq_clip_max_shrink * cfg.awq_clip_grid)))
+    steps = max(1, int(round(cfg.method.clip_max_shrink * cfg.method.clip_grid)))
     blocks = torch.stack([g[j * group : (j + 1) * group, j * group : (j + 1) * group] for j in range(n_groups)])
     wg = w.reshape(out, n_groups, group)
     best_err = torch.full((out, n_groups), float("inf"), device=w.device)
     best_shrink = torch.ones(out, n_groups, device=w.device)
     for i in range(steps):
-        r = 1 - i / cfg.awq_clip_grid
+        r = 1 - i / cfg.method.clip_grid
         shrink = torch.full((out, n_groups), r, device=w.device)
         scale, zero = compute_qparams(w, cfg.bits, group, cfg.symmetric, scale_dtype, shrink)
         codes = quantize_codes(w, scale, zero, cfg.bits).float().reshape(out, n_groups, group)
@@ -164,7 +164,7 @@ def quantize_layer(layer: nn.Module, targets: dict[str, nn.Linear], inputs: dict
         assert all(inputs[n] is x for n in names), f"{names} do not share one captured input"
         if block_name is not None and rope is not None:
             # captured rows are whole sequences in order: [samples·T, hidden] -> [samples, T, hidden]
-            seqs = x[: cfg.awq_block_samples * seq_len].reshape(-1, seq_len, x.shape[-1])
+            seqs = x[: cfg.method.block_samples * seq_len].reshape(-1, seq_len, x.shape[-1])
             loss_fn = block_output_loss(modules[block_name], linears, seqs, rope)
         else:
             loss_fn = linear_output_loss(linears, gram_of(x))
@@ -181,7 +181,7 @@ def quantize_layer(layer: nn.Module, targets: dict[str, nn.Linear], inputs: dict
         w = lin.weight.float()
         group = cfg.group_for(name, w.shape[1])
         shrink = None
-        if cfg.awq_clip and not name.endswith(NO_CLIP):
+        if cfg.method.clip and not name.endswith(NO_CLIP):
             shrink = search_clip(w, gram_of(inputs[name]), group, cfg, scale_dtype)
         scale, zero = compute_qparams(w, cfg.bits, group, cfg.symmetric, scale_dtype, shrink)
         results[name] = QuantizedWeight(quantize_codes(w, scale, zero, cfg.bits), scale, zero, w)

@@ -18,7 +18,7 @@ from torch import nn
 
 from specquant.errors import SpecquantError
 from specquant.model.checkpoint import load_dense_into, save_model
-from specquant.quant.config import QuantConfig
+from specquant.quant.config import GPTQConfig, QuantConfig
 from specquant.quant.linear import QuantLinear
 
 SUPPORTED_FORMAT = "pack-quantized"
@@ -42,7 +42,7 @@ def quantization_config(model: nn.Module, cfg: QuantConfig | None = None) -> dic
         raise SpecquantError(f"mixed quantization schemes (bits, symmetric, group) {sorted(kinds)}, {group} cannot "
                              "be written as one compressed-tensors config group")
     bits, symmetric = kinds.pop()
-    act_order = bool(cfg and cfg.method == "gptq" and cfg.gptq_act_order)
+    act_order = bool(cfg and isinstance(cfg.method, GPTQConfig) and cfg.method.act_order)
     dense = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     weights = {
         "num_bits": bits, "type": "int", "symmetric": symmetric,

@@ -7,9 +7,15 @@ import json
 from pathlib import Path
 
 from specquant.errors import SpecquantError
-from specquant.quant.config import QuantConfig
+from specquant.quant.config import METHOD_CONFIGS, METHODS, QuantConfig
 from specquant.util.dtypes import DTYPES
 from specquant.util.flags import add_config_flags, config_from_args
+
+
+def quant_config(args: argparse.Namespace) -> QuantConfig:
+    """The QuantConfig the flags describe: the chosen method's settings from its own --<method>-* flags."""
+    method = config_from_args(METHOD_CONFIGS[args.method], args, prefix=f"{args.method}.")
+    return config_from_args(QuantConfig, args, method=method)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -21,7 +27,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="dtype of scales and dense weights in the output (default: the checkpoint's torch_dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--method", choices=METHODS, default=QuantConfig().method_name,
+                   help=f"algorithm (default: {QuantConfig().method_name}); its settings: the --<method>-* flags")
     add_config_flags(p, QuantConfig)
+    for name, settings in METHOD_CONFIGS.items():
+        add_config_flags(p, settings, prefix=f"{name}.")
     p.set_defaults(func=run)
     return p
 
@@ -47,7 +57,7 @@ def run(args) -> int:
     from specquant.quant.checkpoint import save_quantized
     from specquant.quant.pipeline import quantize, tensor_bytes
 
-    cfg = config_from_args(QuantConfig, args).validate()
+    cfg = quant_config(args).validate()
     src = resolve(args.model)
     out = Path(args.out).expanduser()
     if out.resolve() == src.resolve():
@@ -61,7 +71,7 @@ def run(args) -> int:
     dtype = DTYPES[dtype_name]
     # Calibrate in float32 (bf16 GEMMs are slow on many CPUs) but round scales to the output dtype first.
     model = load_dense(src, dtype=torch.float32)
-    tokenizer = load_tokenizer(src) if cfg.method != "rtn" or (src / "tokenizer.json").exists() else None
+    tokenizer = load_tokenizer(src) if cfg.method_name != "rtn" or (src / "tokenizer.json").exists() else None
     bytes_before = tensor_bytes(model) * dtype.itemsize // 4  # every tensor of the fp32 copy, at the output dtype
     report = quantize(model, cfg, tokenizer, scale_dtype=dtype, progress=not args.json)
     model.to(dtype)

@@ -1,4 +1,9 @@
-"""QuantConfig: the one home of weight-quantization defaults; the CLI flags are built from its fields."""
+"""QuantConfig: the one home of weight-quantization defaults; the CLI flags are built from its fields.
+
+Settings that belong to one algorithm live in that algorithm's own small dataclass (AWQConfig, GPTQConfig,
+RTNConfig), and the algorithm is chosen by that object's type: `QuantConfig(method=AWQConfig(grid=10))`.
+`QuantConfig(method="awq")` is shorthand for the method's default settings.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,79 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Union
 
 from specquant.errors import SpecquantError
 
-METHODS = ("rtn", "awq", "gptq")
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, -1)  # -1: one scale per output channel (compressed-tensors strategy "channel")
 BUNDLED_CALIB = Path(__file__).resolve().parent.parent / "data" / "calib.txt"
 
 
 @dataclass
+class RTNConfig:
+    """Round-to-nearest (quant/rtn.py): no settings of its own."""
+
+    name: ClassVar[str] = "rtn"
+
+    def validate(self) -> "RTNConfig":
+        return self
+
+
+@dataclass
+class AWQConfig:
+    """AWQ (quant/awq.py)."""
+
+    name: ClassVar[str] = "awq"
+    grid: int = field(default=20, metadata={"help": "AWQ: alpha grid points over [0, 1)", "flag": "--awq-grid"})
+    block_samples: int = field(default=8, metadata={
+        "help": "AWQ: calibration sequences scoring q/k/v scales on the attention output",
+        "flag": "--awq-block-samples"})
+    clip: bool = field(default=True, metadata={"help": "AWQ: per-group clipping search", "flag": "--awq-clip"})
+    clip_grid: int = field(default=20, metadata={"help": "AWQ: clip shrink step = 1/awq_clip_grid",
+                                                 "flag": "--awq-clip-grid"})
+    clip_max_shrink: float = field(default=0.5, metadata={"help": "AWQ: largest fraction of the max cut away",
+                                                          "flag": "--awq-clip-max-shrink"})
+
+    def validate(self) -> "AWQConfig":
+        for name in ("grid", "block_samples", "clip_grid"):
+            if getattr(self, name) < 1:
+                raise SpecquantError(f"awq {name}={getattr(self, name)} must be a positive integer")
+        if not 0.0 <= self.clip_max_shrink < 1.0:
+            raise SpecquantError(f"awq clip_max_shrink={self.clip_max_shrink} must be in [0, 1)")
+        return self
+
+
+@dataclass
+class GPTQConfig:
+    """GPTQ (quant/gptq.py)."""
+
+    name: ClassVar[str] = "gptq"
+    damp: float = field(default=0.01, metadata={"help": "GPTQ: dampening, fraction of mean(diag H)",
+                                                "flag": "--gptq-damp"})
+    act_order: bool = field(default=False, metadata={"help": "GPTQ: process columns by descending diag(H)",
+                                                     "flag": "--gptq-act-order"})
+    block: int = field(default=128, metadata={"help": "GPTQ: columns per lazy-update block", "flag": "--gptq-block"})
+
+    def validate(self) -> "GPTQConfig":
+        if self.block < 1:
+            raise SpecquantError(f"gptq block={self.block} must be a positive integer")
+        if self.damp <= 0:
+            raise SpecquantError(f"gptq damp={self.damp} must be > 0 (typical 0.01)")
+        return self
+
+
+MethodConfig = Union[RTNConfig, AWQConfig, GPTQConfig]
+METHOD_CONFIGS: dict[str, type] = {c.name: c for c in (RTNConfig, AWQConfig, GPTQConfig)}
+METHODS = tuple(METHOD_CONFIGS)
+
+
+@dataclass
 class QuantConfig:
     """Weight-only integer quantization of every targeted nn.Linear (W4A16 / W8A16)."""
 
-    method: str = field(default="awq", metadata={"help": "algorithm", "choices": METHODS})
+    # the algorithm and its own settings; its flags are added by quant/cli.py (--method, --awq-*, --gptq-*)
+    method: MethodConfig = field(default_factory=AWQConfig)
     bits: int = field(default=4, metadata={"help": "bits per weight", "choices": BITS})
     group_size: int = field(
         default=128,
@@ -39,23 +103,20 @@ class QuantConfig:
     calib_samples: int = field(default=64, metadata={"help": "calibration sequences"})
     seq_len: int = field(default=256, metadata={"help": "tokens per calibration sequence"})
     seed: int = field(default=0, metadata={"help": "seed for token subsampling"})
-    awq_grid: int = field(default=20, metadata={"help": "AWQ: alpha grid points over [0, 1)"})
-    awq_block_samples: int = field(default=8, metadata={"help": "AWQ: calibration sequences scoring q/k/v scales "
-                                                                 "on the attention output"})
-    awq_clip: bool = field(default=True, metadata={"help": "AWQ: per-group clipping search"})
-    awq_clip_grid: int = field(default=20, metadata={"help": "AWQ: clip shrink step = 1/awq_clip_grid"})
-    awq_clip_max_shrink: float = field(default=0.5, metadata={"help": "AWQ: largest fraction of the max cut away"})
-    gptq_damp: float = field(default=0.01, metadata={"help": "GPTQ: dampening, fraction of mean(diag H)"})
-    gptq_act_order: bool = field(default=False, metadata={"help": "GPTQ: process columns by descending diag(H)"})
-    gptq_block: int = field(default=128, metadata={"help": "GPTQ: columns per lazy-update block"})
 
     def __post_init__(self):
         if self.group_size is None:
             self.group_size = -1
+        if isinstance(self.method, str) and self.method in METHOD_CONFIGS:
+            self.method = METHOD_CONFIGS[self.method]()  # shorthand: the method's default settings
+
+    @property
+    def method_name(self) -> str:
+        return self.method.name
 
     def validate(self) -> "QuantConfig":
         """Check every field that does not depend on the model; raises SpecquantError."""
-        if self.method not in METHODS:
+        if not isinstance(self.method, tuple(METHOD_CONFIGS.values())):
             raise SpecquantError(f"unknown quantization method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.bits not in BITS:
             raise SpecquantError(f"bits={self.bits} is not supported; use 4 or 8 (--bits 4|8)")
@@ -63,15 +124,11 @@ class QuantConfig:
             raise SpecquantError(
                 f"group_size={self.group_size} is not supported; use one of 32, 64, 128 or -1 (per channel)"
             )
-        for name in ("calib_samples", "seq_len", "awq_grid", "awq_block_samples", "awq_clip_grid",
-                     "gptq_block"):
+        for name in ("calib_samples", "seq_len"):
             if getattr(self, name) < 1:
                 raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
-        if not 0.0 <= self.awq_clip_max_shrink < 1.0:
-            raise SpecquantError(f"awq_clip_max_shrink={self.awq_clip_max_shrink} must be in [0, 1)")
-        if self.gptq_damp <= 0:
-            raise SpecquantError(f"gptq_damp={self.gptq_damp} must be > 0 (typical 0.01)")
-        if self.method != "rtn" or self.calib:
+        self.method.validate()
+        if not isinstance(self.method, RTNConfig) or self.calib:
             self.calib_path()
         return self
 
@@ -97,17 +154,32 @@ class QuantConfig:
         return self.group_size
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """{"method": name, <common fields>, name: {the method's own settings}}."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "method"}
+        d["ignore"] = list(self.ignore)
+        d["method"] = self.method.name
+        d[self.method.name] = dataclasses.asdict(self.method)
+        return d
 
     @classmethod
     def from_json(cls, d: dict | str, strict: bool = True) -> "QuantConfig":
-        """From to_json's dict (or its JSON text); strict=False drops fields this version does not know."""
+        """From to_json's dict (or its JSON text). Sections for other methods are ignored (one overrides dict may
+        serve several methods); strict=False also drops fields this version does not know."""
         if isinstance(d, str):
             d = json.loads(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if not strict:
-            d = {k: v for k, v in d.items() if k in known}
-        elif unknown:
-            raise SpecquantError(f"unknown QuantConfig field(s) {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**d)
+        d = dict(d)
+        name = d.pop("method", "awq")
+        if name not in METHOD_CONFIGS:
+            raise SpecquantError(f"unknown quantization method {name!r}; use one of {', '.join(METHODS)}")
+        sections = {n: d.pop(n) for n in METHODS if n in d}
+        settings = _known(METHOD_CONFIGS[name], sections.get(name) or {}, strict, f"{name} setting")
+        common = _known(cls, d, strict, "QuantConfig field", skip=("method",))
+        return cls(method=METHOD_CONFIGS[name](**settings), **common)
+
+
+def _known(cls, d: dict, strict: bool, what: str, skip=()) -> dict:
+    known = {f.name for f in dataclasses.fields(cls)} - set(skip)
+    unknown = sorted(set(d) - known)
+    if unknown and strict:
+        raise SpecquantError(f"unknown {what}(s) {unknown}; known: {', '.join(sorted(known))}")
+    return {k: v for k, v in d.items() if k in known}

@@ -3,12 +3,12 @@ not-yet-quantized columns through the inverse Hessian of the layer's squared out
 
 Per Linear with calibration inputs x [n, in]:
   H = 2/n Σ xᵀx (float32); dead inputs (H_jj = 0) get H_jj = 1 and zero weight; H += damp·mean(diag H)·I;
-  U = chol(H⁻¹)ᵀ (upper). Columns are processed in blocks of `gptq_block`; inside a block the error
+  U = chol(H⁻¹)ᵀ (upper). Columns are processed in blocks of `GPTQConfig.block`; inside a block the error
   e_j = (w_j − q_j)/U_jj updates the block's later columns at once, and at block end the whole block's errors
   update every later column (the "lazy batch" form; same result as column by column).
 Group scales: without act-order, a group's scale/zero is computed (min/max, absmax/qmax when symmetric) from
 the *error-updated* weights when the sweep reaches the group's first column — what the reference GPTQ run did.
-Act-order (gptq_act_order): columns are visited by descending diag(H) and un-permuted at the end. Groups stay
+Act-order (GPTQConfig.act_order): columns are visited by descending diag(H) and un-permuted at the end. Groups stay
 in the original column order (so the checkpoint needs no g_idx and vLLM/compressed-tensors read it as a plain
 grouped layer); because a group's columns are then visited out of order, all group scales are computed up
 front from the original weights (what compressed-tensors calls actorder "static").
@@ -43,16 +43,16 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, cfg, group: int, scale_dtype
     h[dead, dead] = 1
     w[:, dead] = 0
     perm = None
-    if cfg.gptq_act_order:
+    if cfg.method.act_order:
         perm = torch.argsort(torch.diag(h), descending=True)
         w, h = w[:, perm], h[perm][:, perm]
-    h.diagonal().add_(cfg.gptq_damp * torch.diag(h).mean())
+    h.diagonal().add_(cfg.method.damp * torch.diag(h).mean())
     try:
         u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     except torch.linalg.LinAlgError:
         raise SpecquantError(
             f"GPTQ: the Hessian of {name or 'a layer'} is not positive definite even after dampening "
-            f"{cfg.gptq_damp}; raise --gptq-damp (e.g. 0.1) or use more calibration samples"
+            f"{cfg.method.damp}; raise --gptq-damp (e.g. 0.1) or use more calibration samples"
         ) from None
 
     qmin, qmax = qrange(cfg.bits)
@@ -65,8 +65,8 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, cfg, group: int, scale_dtype
     scale_f = scale.float()
     zero_f = None if zero is None else zero.float()
 
-    for i1 in range(0, inp, cfg.gptq_block):
-        i2 = min(i1 + cfg.gptq_block, inp)
+    for i1 in range(0, inp, cfg.method.block):
+        i2 = min(i1 + cfg.method.block, inp)
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
         u1 = u[i1:i2, i1:i2]

@@ -16,12 +16,13 @@ from specquant.model.fuse import check_unfused
 from specquant.quant import awq, gptq, rtn
 from specquant.quant.calib import calibration_tokens, run_sequential, subsample
 from specquant.quant.checkpoint import quantization_config
-from specquant.quant.config import QuantConfig
+from specquant.quant.config import AWQConfig, GPTQConfig, QuantConfig, RTNConfig
 from specquant.quant.grid import QuantizedWeight, dequantize, sqnr_db
 from specquant.quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
-METHODS: dict[str, ModuleType] = {"rtn": rtn, "awq": awq, "gptq": gptq}
+# the algorithm module for each settings type (QuantConfig.method)
+ALGORITHMS: dict[type, ModuleType] = {RTNConfig: rtn, AWQConfig: awq, GPTQConfig: gptq}
 REPORT_TOKENS = 2048  # calibration tokens per Linear for the output-error report
 
 
@@ -86,14 +87,14 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     cfg = config.validate()
     check_unfused(model, "quantize")
     started = time.perf_counter()
-    method = METHODS[cfg.method]
+    method = ALGORITHMS[type(cfg.method)]
     model.eval()
     targets = target_linears(model, cfg)
     dtype = model.model.embed_tokens.weight.dtype
     scale_dtype = scale_dtype or dtype
     bytes_before = tensor_bytes(model)
     if calib_tokens is None and method.NEEDS_CALIBRATION and tokenizer is None:
-        raise SpecquantError(f"calibration needs a tokenizer: {cfg.method} calibrates on text; pass tokenizer= "
+        raise SpecquantError(f"calibration needs a tokenizer: {cfg.method_name} calibrates on text; pass tokenizer= "
                              "(model.checkpoint.load_tokenizer) or calib_tokens=")
     if calib_tokens is None and tokenizer is not None:
         calib_tokens = calibration_tokens(tokenizer, cfg.calib_path(), cfg.calib_samples, cfg.seq_len)
@@ -128,7 +129,7 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=n_layers, desc=f"{cfg.method} {cfg.bits}-bit", unit="layer")
+        bar = tqdm(total=n_layers, desc=f"{cfg.method_name} {cfg.bits}-bit", unit="layer")
     if calib_tokens is not None:
         run_sequential(model, calib_tokens, per_layer, progress=bar)
     else:
@@ -145,7 +146,7 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
             _swap(model, name, res, lin, cfg.bits)
     model.quantization = quantization_config(model, cfg)
     return {
-        "method": cfg.method,
+        "method": cfg.method_name,
         "untied_lm_head": untied,
         "config": cfg.to_json(),
         "layers": rows,
