@@ -1,0 +1,42 @@
+"""ExportConfig: the one home of export defaults (`specquant export` builds its flags from these fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specquant.errors import SpecquantError
+from specquant.spec.config import SpecConfig
+
+ENGINES = ("vllm", "llama.cpp")
+DENSE_DTYPES = ("f32", "f16", "bf16")
+INEXACT_POLICIES = ("error", "warn")
+
+
+@dataclass
+class ExportConfig:
+    engine: str = field(default="llama.cpp", metadata={"choices": ENGINES})
+    # GGUF type of every tensor that is not one of our W4/W8 Linears (embeddings, dense Linears); norms and biases
+    # stay F32 whatever this says, as llama.cpp's own converter keeps them.
+    dense_dtype: str = field(default="f32", metadata={"choices": DENSE_DTYPES})
+    # A quantized group whose value d·(q-8) cannot be written exactly in GGUF (its scale, or Q4_1's offset, is not
+    # an fp16 number): "error" refuses the export, "warn" writes the nearest fp16 and reports the error per tensor.
+    inexact: str = field(default="error", metadata={"choices": INEXACT_POLICIES})
+    # draft tokens per verify step in the printed engine command lines; our engine's default k
+    num_speculative_tokens: int = SpecConfig.draft_len
+    # tensor-parallel size the printed vLLM command line uses (checked against heads / KV heads)
+    tensor_parallel_size: int = 1
+    # context the printed llama.cpp command lines ask for (0 = the model's max_position_embeddings)
+    ctx_size: int = 0
+
+    def validate(self) -> "ExportConfig":
+        for name, allowed in (("engine", ENGINES), ("dense_dtype", DENSE_DTYPES), ("inexact", INEXACT_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise SpecquantError(f"{name}={getattr(self, name)!r} is not supported; use one of "
+                                     f"{', '.join(allowed)}")
+        if self.num_speculative_tokens < 1:
+            raise SpecquantError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise SpecquantError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.ctx_size < 0:
+            raise SpecquantError(f"ctx_size={self.ctx_size} must be >= 0 (0 = the model's context length)")
+        return self

@@ -1,0 +1,189 @@
+"""GGUF export: every tensor, dequantized by the gguf package's own reference dequantizer, equals our weights.
+
+No llama.cpp binary is needed here (tests/test_export_llama_cpp.py runs the engine itself)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_model
+from specquant.errors import SpecquantError
+from specquant.model.checkpoint import BUNDLED_DIR, load_model
+from specquant.quant.checkpoint import save_quantized
+from specquant.quant.config import QuantConfig
+from specquant.quant.grid import dequantize
+from specquant.quant.linear import QuantLinear
+from specquant.quant.pipeline import quantize
+
+gguf = pytest.importorskip("gguf")
+
+from specquant.export.gguf import (  # noqa: E402  (after the importorskip)
+    _llama_permute, source_from_checkpoint, source_from_model, write_gguf)
+
+TOKENIZER = BUNDLED_DIR / "tiny-target"
+VOCAB = 8192  # the bundled tokenizer's
+
+
+def _quantized_checkpoint(tmp_path, model_type="qwen3", scale_dtype=torch.bfloat16, **quant) -> tuple:
+    """A random model (bundled vocabulary) RTN-quantized and saved as compressed-tensors; (dir, loaded model)."""
+    model = random_model(model_type, vocab_size=VOCAB, hidden_size=128, head_dim=32, intermediate_size=256,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=0)
+    model.source_path = TOKENIZER
+    cfg = QuantConfig(method="rtn", **quant)
+    quantize(model, cfg, scale_dtype=scale_dtype)
+    model.to(scale_dtype)
+    out = save_quantized(model, tmp_path / "ckpt", tokenizer_from=TOKENIZER, cfg=cfg)
+    return out, load_model(out, dtype=scale_dtype)
+
+
+def _read(path) -> dict[str, np.ndarray]:
+    """{GGUF name: float32 array in numpy [rows, cols] order} via gguf.quants.dequantize (the reference)."""
+    reader = gguf.GGUFReader(path)
+    out = {}
+    for t in reader.tensors:
+        deq = gguf.quants.dequantize(t.data, t.tensor_type)
+        out[t.name] = (deq, t.tensor_type.name)
+    return out
+
+
+def _expected(model, model_type: str) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """{GGUF name: (exact grid values in fp32, our dequantized weight in the model dtype | None)}."""
+    tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, model_type.upper()), model.config.num_hidden_layers)
+    cfg = model.config
+    exp = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            exact = dequantize(m.codes(), m.weight_scale.float(), m.zero_point())
+            ours = m.dequantized_weight()
+            if cfg.model_type == "llama" and name.endswith(("q_proj", "k_proj")):
+                heads = cfg.num_attention_heads if name.endswith("q_proj") else cfg.num_key_value_heads
+                exact, ours = _llama_permute(exact, heads), _llama_permute(ours, heads)
+            exp[tmap.get_name(name + ".weight", try_suffixes=(".weight",))] = (exact, ours)
+    for key, t in model.state_dict().items():
+        if key.endswith(".bias") or key.endswith(".weight") and not isinstance(
+                model.get_submodule(key.rpartition(".")[0]), QuantLinear):
+            if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            exp[tmap.get_name(key, try_suffixes=(".weight", ".bias"))] = (t.float(), None)
+    return exp
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("quant,kind", [
+    (dict(group_size=32), "Q4_0"),
+    (dict(group_size=128), "Q4_0"),
+    (dict(group_size=-1), "Q4_0"),
+    (dict(group_size=64, bits=8), "Q8_0"),
+])
+def test_gguf_export_is_lossless_against_reference_dequantizer(tmp_path, quant, kind):
+    """The lossless-export test: each GGUF tensor dequantized by gguf.quants is bit-identical to our grid values
+    (c - z)·s, and rounding it to the model dtype gives exactly QuantLinear.dequantized_weight()."""
+    ckpt, model = _quantized_checkpoint(tmp_path, **quant)
+    report = write_gguf(source_from_checkpoint(ckpt), tmp_path / "m.gguf")
+    assert report["file_type"] == kind and report["inexact_tensors"] == 0
+    got, expected = _read(tmp_path / "m.gguf"), _expected(model, "qwen3")
+    assert set(got) == set(expected)
+    n_quant = 0
+    for name, (exact, ours) in expected.items():
+        deq, tname = got[name]
+        deq = deq.reshape(exact.shape)
+        assert np.array_equal(_bits(deq), _bits(exact.numpy())), name
+        if ours is not None:
+            n_quant += 1
+            assert tname == kind
+            assert torch.equal(torch.from_numpy(deq).to(ours.dtype), ours), name
+    assert n_quant == 7 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_gguf_export_lossless_other_families(tmp_path, model_type):
+    """Llama (q/k rows permuted for llama.cpp's RoPE layout) and Qwen2 (q/k/v biases) export the same grid."""
+    ckpt, model = _quantized_checkpoint(tmp_path, model_type, group_size=64)
+    write_gguf(source_from_checkpoint(ckpt), tmp_path / "m.gguf")
+    got, expected = _read(tmp_path / "m.gguf"), _expected(model, model_type)
+    assert set(got) == set(expected)
+    for name, (exact, _) in expected.items():
+        assert np.array_equal(_bits(got[name][0].reshape(exact.shape)), _bits(exact.numpy())), name
+    if model_type == "qwen2":
+        assert "blk.0.attn_q.bias" in got
+
+
+def test_model_and_checkpoint_sources_write_the_same_tensors(tmp_path):
+    ckpt, model = _quantized_checkpoint(tmp_path, group_size=32)
+    write_gguf(source_from_checkpoint(ckpt), tmp_path / "a.gguf")
+    write_gguf(source_from_model(model), tmp_path / "b.gguf")
+    a, b = gguf.GGUFReader(tmp_path / "a.gguf"), gguf.GGUFReader(tmp_path / "b.gguf")
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert ta.tensor_type == tb.tensor_type and np.array_equal(ta.data, tb.data), ta.name
+
+
+def test_inexact_scales_fail_or_warn_with_the_measured_error(tmp_path, caplog):
+    """float32 scales are not fp16 numbers: refused by default; with inexact='warn' the reported error is the
+    true max |difference| and only flagged tensors differ."""
+    ckpt, model = _quantized_checkpoint(tmp_path, scale_dtype=torch.float32, group_size=32)
+    with pytest.raises(SpecquantError, match="fp16 cannot hold exactly"):
+        write_gguf(source_from_checkpoint(ckpt), tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf*"))
+    report = write_gguf(source_from_checkpoint(ckpt), tmp_path / "m.gguf", inexact="warn")
+    assert report["inexact_tensors"] > 0 and "inexact GGUF export" in caplog.text
+    got, expected = _read(tmp_path / "m.gguf"), _expected(model, "qwen3")
+    worst = max(float(np.abs(got[n][0].reshape(e.shape) - e.numpy()).max()) for n, (e, o) in expected.items()
+                if o is not None)
+    assert worst > 0 and report["max_abs_error_quantized"] == pytest.approx(worst, rel=0, abs=0)
+
+
+def test_asymmetric_exports_as_q4_1_exact_where_fp16_holds_the_offset(tmp_path):
+    """Q4_1 stores m = -s·(z + 8) in fp16: exact blocks are bit-identical, the others are flagged and bounded."""
+    ckpt, model = _quantized_checkpoint(tmp_path, scale_dtype=torch.float16, group_size=32, symmetric=False)
+    try:
+        report = write_gguf(source_from_checkpoint(ckpt), tmp_path / "m.gguf")
+    except SpecquantError as e:
+        assert "fp16 cannot hold exactly" in str(e)
+        report = write_gguf(source_from_checkpoint(ckpt), tmp_path / "m.gguf", inexact="warn")
+    assert report["file_type"] == "Q4_1"
+    got, expected = _read(tmp_path / "m.gguf"), _expected(model, "qwen3")
+    rows = {r["name"]: r for r in report["rows"]}
+    for name, (exact, ours) in expected.items():
+        deq = got[name][0].reshape(exact.shape)
+        err = float(np.abs(deq - exact.numpy()).max())
+        assert err == rows[name]["max_abs_error"], name
+        if rows[name]["inexact_blocks"] == 0:
+            assert np.array_equal(_bits(deq), _bits(exact.numpy())), name
+        else:  # one fp16 rounding of m: at most half an fp16 ulp of |m| <= 15·s
+            assert err <= 15 * float(model.get_submodule(rows[name]["source"][:-7]).weight_scale.max()) * 2 ** -11
+
+
+def test_dense_export_f32_exact_and_dense_dtype_choice(tmp_path):
+    """The bundled bf16 target written as F32 is exact; BF16 too; norms stay F32 whatever the choice."""
+    r32 = write_gguf(source_from_checkpoint("tiny-target"), tmp_path / "f32.gguf")
+    rbf = write_gguf(source_from_checkpoint("tiny-target"), tmp_path / "bf16.gguf", dense_dtype="bf16")
+    assert r32["file_type"] == "F32" and rbf["file_type"] == "BF16"
+    assert r32["max_abs_error_dense"] == 0.0 and rbf["max_abs_error_dense"] == 0.0
+    model = load_model("tiny-target")
+    got, expected = _read(tmp_path / "bf16.gguf"), _expected(model, "qwen3")
+    assert "output.weight" not in got  # tied embeddings: llama.cpp reads token_embd
+    for name, (exact, _) in expected.items():
+        deq, tname = got[name]
+        assert tname == ("F32" if exact.dim() == 1 else "BF16")
+        assert np.array_equal(_bits(deq.reshape(exact.shape)), _bits(exact.numpy())), name
+
+
+def test_tokenizer_metadata(tmp_path):
+    write_gguf(source_from_checkpoint("tiny-target"), tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+
+    def field(key):
+        f = reader.fields[key]
+        return f.contents()
+
+    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.pre") == "gpt-2"
+    tokens = field("tokenizer.ggml.tokens")
+    assert len(tokens) == VOCAB and tokens[0] == "<|endoftext|>"
+    assert field("tokenizer.ggml.eos_token_id") == 0 and field("tokenizer.ggml.add_bos_token") is False
+    assert field("qwen3.attention.head_count_kv") == 2 and field("qwen3.rope.freq_base") == 10000.0
