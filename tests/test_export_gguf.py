@@ -160,12 +160,12 @@ def test_asymmetric_exports_as_q4_1_exact_where_fp16_holds_the_offset(tmp_path):
 
 
 def test_dense_export_f32_exact_and_dense_dtype_choice(tmp_path):
-    """The bundled bf16 target written as F32 is exact; BF16 too; norms stay F32 whatever the choice."""
-    r32 = write_gguf(source_from_checkpoint("tiny-target"), tmp_path / "f32.gguf")
-    rbf = write_gguf(source_from_checkpoint("tiny-target"), tmp_path / "bf16.gguf", dense_dtype="bf16")
+    """The bundled bf16 draft written as F32 is exact; BF16 too; norms stay F32 whatever the choice."""
+    r32 = write_gguf(source_from_checkpoint("tiny-draft"), tmp_path / "f32.gguf")
+    rbf = write_gguf(source_from_checkpoint("tiny-draft"), tmp_path / "bf16.gguf", dense_dtype="bf16")
     assert r32["file_type"] == "F32" and rbf["file_type"] == "BF16"
     assert r32["max_abs_error_dense"] == 0.0 and rbf["max_abs_error_dense"] == 0.0
-    model = load_model("tiny-target")
+    model = load_model("tiny-draft")
     got, expected = _read(tmp_path / "bf16.gguf"), _expected(model, "qwen3")
     assert "output.weight" not in got  # tied embeddings: llama.cpp reads token_embd
     for name, (exact, _) in expected.items():
@@ -175,7 +175,7 @@ def test_dense_export_f32_exact_and_dense_dtype_choice(tmp_path):
 
 
 def test_tokenizer_metadata(tmp_path):
-    write_gguf(source_from_checkpoint("tiny-target"), tmp_path / "m.gguf")
+    write_gguf(source_from_checkpoint("tiny-draft"), tmp_path / "m.gguf")
     reader = gguf.GGUFReader(tmp_path / "m.gguf")
 
     def field(key):

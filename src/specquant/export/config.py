@@ -10,6 +10,7 @@ from specquant.spec.config import SpecConfig
 ENGINES = ("vllm", "llama.cpp")
 DENSE_DTYPES = ("f32", "f16", "bf16")
 INEXACT_POLICIES = ("error", "warn")
+MARKER = "specquant-export.json"  # written into every export directory: the report, and proof that we made it
 
 
 @dataclass
@@ -40,3 +41,26 @@ class ExportConfig:
         if self.ctx_size < 0:
             raise SpecquantError(f"ctx_size={self.ctx_size} must be >= 0 (0 = the model's context length)")
         return self
+
+
+def check_out(out, overwrite: bool):
+    """An existing --out is replaced only with --overwrite and only when an earlier export made it."""
+    from pathlib import Path
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise SpecquantError(f"--out {str(out)!r} is a file; pass a directory")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise SpecquantError(f"--out {str(out)!r} already exists; pass --overwrite to replace an earlier export "
+                                 "or choose a new directory")
+        if not (out / MARKER).is_file():
+            raise SpecquantError(f"--out {str(out)!r} exists and was not written by `specquant export` (no {MARKER}); "
+                                 "refusing to replace it: choose a new directory")
+
+
+def write_marker(tmp, report: dict):
+    import json
+    from pathlib import Path
+
+    (Path(tmp) / MARKER).write_text(json.dumps(report, indent=2, default=float) + "\n")

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from specquant.errors import SpecquantError
-from specquant.export.config import ExportConfig
+from specquant.export.config import ExportConfig, write_marker
 from specquant.model.checkpoint import atomic_dir, read_hf_config, resolve
 from specquant.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
 
@@ -147,5 +147,8 @@ def export_vllm(target, draft, out: Path, cfg: ExportConfig) -> dict:
         if draft_path is not None:
             shutil.copytree(draft_path, tmp / "draft")
         (tmp / "serve.sh").write_text("#!/usr/bin/env bash\n" + command + "\n")
-    return {"engine": "vllm", "out": str(out), "target": str(out_target), "draft": str(out_draft) if draft else None,
-            "speculative_config": spec, "command": command, "notes": notes}
+        report = {"engine": "vllm", "out": str(out), "target": str(out_target),
+                  "draft": str(out_draft) if draft else None, "speculative_config": spec, "command": command,
+                  "notes": notes}
+        write_marker(tmp, report)
+    return report

@@ -1,0 +1,66 @@
+"""`specquant export`: the target (and draft) for vLLM (compressed-tensors + speculative config) or llama.cpp (GGUF,
+lossless from our grid), with the command line that serves them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specquant.cliutil import add_config_flags, config_from_args
+from specquant.export.config import DENSE_DTYPES, ENGINES, INEXACT_POLICIES, ExportConfig, check_out
+
+HELPS = {
+    "engine": f"serving engine: {' | '.join(ENGINES)}",
+    "dense_dtype": f"GGUF type of unquantized matrices: {' | '.join(DENSE_DTYPES)}",
+    "inexact": f"a quantized scale fp16 cannot hold exactly: {' | '.join(INEXACT_POLICIES)} (warn reports the error)",
+    "num_speculative_tokens": "draft tokens per verify step in the printed command lines",
+    "tensor_parallel_size": "vLLM tensor-parallel size (checked against heads / KV heads)",
+    "ctx_size": "context for the printed command lines; 0 = the model's max_position_embeddings",
+}
+
+
+def add_parser(sub):
+    p = sub.add_parser("export", help="export target/draft for vLLM or llama.cpp and print the serve command",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="target checkpoint directory or bundled name (dense or W4)")
+    p.add_argument("--draft", default=None, help="draft checkpoint directory or bundled name (dense or W4)")
+    p.add_argument("--out", required=True, help="output directory (written atomically)")
+    add_config_flags(p, ExportConfig, HELPS, rename={"engine": "for"})
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    return p
+
+
+def _print_llama_cpp(report: dict):
+    for role, r in report["files"].items():
+        print(f"{role}: {r['path']}  {r['file_type']}, {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB, "
+              f"max |error| quantized {r['max_abs_error_quantized']:.3g}, dense {r['max_abs_error_dense']:.3g}")
+    for name, cmd in report["commands"].items():
+        print(f"\n{name}:\n  {cmd}")
+
+
+def _print_vllm(report: dict):
+    print(f"target: {report['target']}")
+    if report["draft"]:
+        print(f"draft:  {report['draft']}")
+    for note in report["notes"]:
+        print(f"note: {note}")
+    print(f"\nvllm serve:\n  {report['command']}")
+
+
+def run(args) -> int:
+    from specquant.export.llama_cpp import export_llama_cpp
+    from specquant.export.vllm import export_vllm
+
+    cfg = config_from_args(ExportConfig, args).validate()
+    out = Path(args.out).expanduser()
+    check_out(out, args.overwrite)
+    export = export_vllm if cfg.engine == "vllm" else export_llama_cpp
+    report = export(args.target, args.draft, out, cfg)
+    if args.json:
+        print(json.dumps(report, default=float))
+    elif cfg.engine == "vllm":
+        _print_vllm(report)
+    else:
+        _print_llama_cpp(report)
+    return 0
