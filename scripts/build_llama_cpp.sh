@@ -46,10 +46,16 @@ tar xzf "$SDIST" -C "$WORK" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 
 start=$(date +%s)
-cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-  -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >&2
-cmake --build "$WORK/build" --config Release -j "$JOBS" --target "${TOOLS[@]}" >&2
+LOG="$CACHE_ROOT/llama.cpp-$VERSION-build.log"
+echo "build_llama_cpp.sh: building llama.cpp ($VERSION sdist) with $JOBS jobs, log in $LOG" >&2
+if ! { cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+         -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON &&
+       cmake --build "$WORK/build" --config Release -j "$JOBS" --target "${TOOLS[@]}"; } >"$LOG" 2>&1; then
+  tail -n 30 "$LOG" >&2
+  echo "build_llama_cpp.sh: build failed; full log in $LOG" >&2
+  exit 1
+fi
 echo "build_llama_cpp.sh: built in $(( $(date +%s) - start )) s" >&2
 
 mkdir -p "$WORK/out/bin"

@@ -14,3 +14,9 @@ if [ ! -f "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
   .venv/bin/pip install -q -e ".[test]"
   touch "$marker"
 fi
+# llama.cpp's tools (export / bench --engine llama.cpp tests), built once per machine into
+# ${SPECQUANT_CACHE:-~/.cache/specquant}/llama.cpp-<version>; SPECQUANT_SKIP_LLAMA_CPP=1 skips it deliberately
+# (the tests that need the binaries then skip instead of failing).
+if [ "${SPECQUANT_SKIP_LLAMA_CPP:-0}" != 1 ]; then
+  PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh >/dev/null
+fi

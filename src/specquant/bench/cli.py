@@ -25,7 +25,24 @@ def add_parser(sub):
     add_config_flags(p, BenchConfig)
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON summary line instead of the table")
+    p.add_argument("--engine", choices=("specquant", "llama.cpp"), default="specquant",
+                   help="engine that runs the rows: ours, or llama.cpp's tools on the exported GGUF files")
+    p.add_argument("--llama-cpp", default=None, metavar="DIR",
+                   help="llama.cpp binaries for --engine llama.cpp (default: scripts/build_llama_cpp.sh's cache)")
     return p
+
+
+def run_llama_cpp(cfg: BenchConfig, args, log) -> int:
+    """The ablation rows inside llama.cpp (bench/llama_cpp.py), on the same checked inputs; greedy only."""
+    from specquant.bench.llama_cpp import format_table, run_bench
+
+    result = run_bench(cfg, args.target, args.draft, args.quantized_target, args.quantized_draft, args.llama_cpp,
+                       log)
+    if args.json:
+        print_json(result)
+    else:
+        print(format_table(result))
+    return 0
 
 
 def run(args) -> int:
@@ -34,6 +51,8 @@ def run(args) -> int:
 
     cfg = config_from_args(BenchConfig, args)
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    if args.engine == "llama.cpp":
+        return run_llama_cpp(cfg, args, log)
     results, files = run_bench(cfg, args.target, args.draft, args.quantized_target, args.quantized_draft,
                                args.device, log)
     if args.json:

@@ -1,0 +1,257 @@
+"""llama.cpp as a measured engine: the ablation rows run by llama.cpp's own tools on our exported GGUF files.
+
+Rows (all greedy, EOS ignored, the same prompts, interleaved prompt by prompt so machine noise hits every row):
+  f32          the high-precision target written as F32 GGUF                         llama-completion
+  q4_0_llama   llama.cpp's own Q4_0 of that F32 file (llama-quantize, round-to-nearest) llama-completion
+  w4           our W4 target (AWQ/GPTQ/QAD codes) as Q4_0, exact                        llama-completion
+  w4+draft     w4 + our high-precision draft (F32 GGUF)                                 llama-speculative-simple
+  w4+w4draft   w4 + our W4 draft as Q4_0                                               llama-speculative-simple
+tokens/s is what each tool reports for its decode loop (llama-completion: `eval time` over the generated tokens;
+llama-speculative-simple: `decoded N tokens in T s`, which includes drafting); acceptance is llama.cpp's
+n_accept / n_drafted. `match` is the fraction of generated tokens, from the start, equal to the reference row's:
+to the f32 row for every row, and for speculative rows also to their own target alone (w4), which greedy
+speculative decoding must reproduce.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specquant.errors import SpecquantError
+from specquant.export.gguf import source_from_checkpoint, write_gguf
+from specquant.export.llama_cpp import find_tool  # noqa: F401  (re-exported for the bench CLI)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    id: str
+    name: str
+    target: str  # key of the GGUF files
+    draft: str | None = None
+    alone: str | None = None  # row id of the same target without a draft
+
+
+ROWS = (
+    RowSpec("f32", "F32 target", "target-f32"),
+    RowSpec("q4_0_llama", "llama.cpp Q4_0 of the target (llama-quantize)", "target-q4_0-llama"),
+    RowSpec("w4", "our W4 target as Q4_0", "target-w4"),
+    RowSpec("w4+draft", "our W4 target + our draft", "target-w4", "draft-f32", alone="w4"),
+    RowSpec("w4+w4draft", "our W4 target + our W4 draft", "target-w4", "draft-w4", alone="w4"),
+)
+
+
+def run_tool(cmd: list, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run a llama.cpp tool; a non-zero exit raises with the tail of its stderr."""
+    try:
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
+                              errors="replace")
+    except subprocess.TimeoutExpired:
+        raise SpecquantError(f"{Path(str(cmd[0])).name} ran past {timeout:.0f} s: {' '.join(map(str, cmd))}") from None
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise SpecquantError(f"{Path(str(cmd[0])).name} exited with {proc.returncode}: {tail}")
+    return proc
+
+
+# --- files -----------------------------------------------------------------------------------------------------
+
+
+def export_files(paths: dict[str, Path], workdir: Path, bin_dir=None, log=print) -> dict[str, Path]:
+    """The GGUF files of every row: our exports (F32 dense, W4 exact with BF16 dense tensors, which the bf16 bundled
+    checkpoints hold exactly) plus llama.cpp's own Q4_0 of the F32 target. Reused when already written."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan = {"target-f32": (paths["target"], "f32"), "target-w4": (paths["quantized_target"], "bf16"),
+            "draft-f32": (paths["draft"], "f32"), "draft-w4": (paths["quantized_draft"], "bf16")}
+    files = {}
+    for key, (src, dense) in plan.items():
+        out = workdir / f"{key}.gguf"
+        if not out.exists():
+            report = write_gguf(source_from_checkpoint(src), out, dense_dtype=dense)
+            log(f"exported {src} -> {out} ({report['file_type']}, max |error| quantized "
+                f"{report['max_abs_error_quantized']:.3g})")
+        files[key] = out
+    files["target-q4_0-llama"] = llama_quantize(files["target-f32"], workdir / "target-q4_0-llama.gguf", "Q4_0",
+                                                bin_dir=bin_dir)
+    return files
+
+
+def llama_quantize(src: Path, out: Path, kind: str = "Q4_0", imatrix: Path | None = None, bin_dir=None) -> Path:
+    if not out.exists():
+        tmp = out.with_name(f".{out.name}.tmp")
+        cmd = [find_tool("llama-quantize", bin_dir)]
+        if imatrix is not None:
+            cmd += ["--imatrix", imatrix]
+        run_tool(cmd + [src, tmp, kind])
+        tmp.rename(out)
+    return out
+
+
+# --- one generation --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens_per_s: float
+    n_drafted: int = 0
+    n_accept: int = 0
+
+
+_EVAL = re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+
+
+def _field(pattern: str, text: str) -> int:
+    m = re.search(pattern, text)
+    if not m:
+        raise SpecquantError(f"llama.cpp output lacks {pattern!r}; the tool's output format changed")
+    return int(m.group(1))
+
+
+def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx: int,
+             draft: Path | None = None, draft_len: int = 3) -> Generation:
+    """Greedy continuation of the prompt by llama.cpp (with a draft: llama-speculative-simple)."""
+    common = ["-m", target, "-f", prompt_file, "-n", n, "--temp", "0", "--ignore-eos", "-t", threads, "-c", ctx,
+              "--seed", "0"]
+    if draft is None:
+        proc = run_tool([find_tool("llama-completion", bin_dir), *common, "-no-cnv", "--no-display-prompt",
+                         "--simple-io"])
+        m = _EVAL.search(proc.stderr)
+        if not m:
+            raise SpecquantError("llama-completion printed no `eval time` line; the tool's output format changed")
+        return Generation(proc.stdout, float(m.group(3)))
+    proc = run_tool([find_tool("llama-speculative-simple", bin_dir), *common, "-md", draft,
+                     "--spec-draft-n-max", draft_len, "-td", threads])
+    m = _DECODED.search(proc.stderr)
+    if not m:
+        raise SpecquantError("llama-speculative-simple printed no `decoded N tokens` line; its format changed")
+    return Generation(_strip_prompt(proc.stdout, prompt_file), float(m.group(3)),
+                      _field(r"n_drafted\s*=\s*(\d+)", proc.stderr), _field(r"n_accept\s*=\s*(\d+)", proc.stderr))
+
+
+def _strip_prompt(stdout: str, prompt_file: Path) -> str:
+    """llama-speculative-simple echoes the prompt before the continuation."""
+    out = stdout.strip("\n")
+    prompt = prompt_file.read_text()
+    return out[len(prompt):] if out.startswith(prompt) else out
+
+
+def match_fraction(encode, text: str, reference: str) -> float:
+    """Fraction of the reference's tokens (encode: str -> ids) reproduced from the start (1.0 = identical)."""
+    a, b = encode(text), encode(reference)
+    if not b:
+        return 1.0
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n / len(b)
+
+
+# --- the rows --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RowResult:
+    spec: RowSpec
+    tokens_per_s: list[float] = field(default_factory=list)  # per prompt: median over runs
+    drafted: int = 0
+    accepted: int = 0
+    texts: list[str] = field(default_factory=list)
+
+
+def run_rows(files: dict[str, Path], prompts: list[tuple[str, str]], encode, *, bin_dir=None,
+             max_new_tokens: int = 128, runs: int = 3, warmup: int = 1, threads: int = 2, ctx: int = 2048,
+             draft_len: int = 3, rows=ROWS, log=print) -> dict:
+    """Every row on every (id, text) prompt; returns the table rows as dicts."""
+    results = {r.id: RowResult(r) for r in rows}
+    with tempfile.TemporaryDirectory(prefix="specquant-llama-") as tmp:
+        for pid, text in prompts:
+            prompt_file = Path(tmp) / f"{pid}.txt"
+            prompt_file.write_text(text)
+            speeds = {r.id: [] for r in rows}
+            for rep in range(warmup + runs):
+                for r in rows:  # interleaved: each run visits every row before the next run
+                    g = generate(bin_dir, files[r.target], prompt_file, max_new_tokens, threads, ctx,
+                                 files[r.draft] if r.draft else None, draft_len)
+                    if rep < warmup:
+                        continue
+                    speeds[r.id].append(g.tokens_per_s)
+                    if rep == warmup:  # greedy: every run generates the same text
+                        res = results[r.id]
+                        res.texts.append(g.text)
+                        res.drafted += g.n_drafted
+                        res.accepted += g.n_accept
+            for r in rows:
+                results[r.id].tokens_per_s.append(statistics.median(speeds[r.id]))
+            log(f"llama.cpp: prompt {pid} done ({time.strftime('%H:%M:%S')})")
+    base = results[rows[0].id]
+    table = []
+    for r in rows:
+        res = results[r.id]
+        tps = statistics.mean(res.tokens_per_s)
+        row = {"id": r.id, "name": r.name, "target": files[r.target].name,
+               "draft": files[r.draft].name if r.draft else None, "tokens_per_s": round(tps, 1),
+               "speedup_vs_f32": round(tps / statistics.mean(base.tokens_per_s), 3),
+               "match_vs_f32": round(statistics.mean(match_fraction(encode, t, b) for t, b in
+                                                     zip(res.texts, base.texts)), 4)}
+        if r.draft:
+            alone = results[r.alone]
+            row["acceptance"] = round(res.accepted / res.drafted, 4) if res.drafted else None
+            row["n_drafted"], row["n_accept"] = res.drafted, res.accepted
+            row["speedup_vs_target_alone"] = round(tps / statistics.mean(alone.tokens_per_s), 3)
+            row["match_vs_target_alone"] = round(statistics.mean(
+                match_fraction(encode, t, b) for t, b in zip(res.texts, alone.texts)), 4)
+        table.append(row)
+    return {"engine": "llama.cpp", "prompts": [p for p, _ in prompts], "max_new_tokens": max_new_tokens,
+            "runs": runs, "threads": threads, "draft_len": draft_len, "rows": table}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'row':<44} {'tok/s':>8} {'vs f32':>7} {'vs alone':>9} {'accept':>7} {'match f32':>10} "
+             f"{'match alone':>12}"]
+    for r in result["rows"]:
+        def f(key, fmt):
+            v = r.get(key)
+            return "-" if v is None else format(v, fmt)
+        lines.append(f"{r['name']:<44} {r['tokens_per_s']:>8.1f} {f('speedup_vs_f32', '.2f'):>7} "
+                     f"{f('speedup_vs_target_alone', '.2f'):>9} {f('acceptance', '.1%'):>7} "
+                     f"{f('match_vs_f32', '.1%'):>10} {f('match_vs_target_alone', '.1%'):>12}")
+    lines.append(f"({len(result['prompts'])} prompts x {result['max_new_tokens']} new tokens, median of "
+                 f"{result['runs']} runs, {result['threads']} threads, k={result['draft_len']})")
+    return "\n".join(lines)
+
+
+def run_bench(cfg, paths: dict[str, Path], bin_dir=None, threads: int = 2, log=print) -> dict:
+    """`specquant bench --engine llama.cpp`: export the four checkpoints (paths: target, draft, quantized_target,
+    quantized_draft) to --out/llama.cpp/, run every row on the bench prompts, write llama_cpp.json / .md."""
+    import json
+
+    from specquant.bench.prompts import encode as encode_ids
+    from specquant.bench.prompts import fit_lengths, load_prompts
+    from specquant.model.checkpoint import load_tokenizer, read_config
+
+    for tool in ("llama-completion", "llama-speculative-simple", "llama-quantize"):
+        find_tool(tool, bin_dir)
+    out = Path(cfg.out)
+    files = export_files(paths, out / "llama.cpp", bin_dir, log)
+    tokenizer = load_tokenizer(paths["target"])
+    context = read_config(paths["target"]).max_position_embeddings
+    lengths = fit_lengths(cfg.lengths, context, cfg.max_new_tokens)
+    prompts = load_prompts(tokenizer, lengths, cfg.content_sets, cfg.prompts_per_length, cfg.prompts_per_set,
+                           cfg.content_max_tokens, cfg.prompts)
+    texts = [(p.id, tokenizer.decode(p.ids)) for p in prompts]
+    result = run_rows(files, texts, lambda t: encode_ids(tokenizer, t), bin_dir=bin_dir,
+                      max_new_tokens=cfg.max_new_tokens, runs=cfg.runs, warmup=cfg.warmup, threads=threads,
+                      ctx=context, draft_len=cfg.draft_len, log=log)
+    result["files"] = {k: str(v) for k, v in files.items()}
+    (out / "llama_cpp.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "llama_cpp.md").write_text("```\n" + format_table(result) + "\n```\n")
+    return result
