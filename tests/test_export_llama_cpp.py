@@ -117,3 +117,19 @@ def test_bench_rows_inside_llama_cpp(bin_dir, tmp_path):
         assert rows[rid]["match_vs_target_alone"] >= 0.5
     # the W4 target drafting for itself: every draft token is the target's own greedy choice
     assert rows["w4+w4draft"]["acceptance"] > 0.8
+
+
+def test_parse_kl_reads_llama_perplexity_summary():
+    """The summary lines as tools/perplexity/perplexity.cpp prints them (format strings copied from its LOG calls)."""
+    from specquant.bench.llama_cpp_quality import parse_kl
+
+    text = ("Mean PPL(Q)                   :  24.153412 ±   0.412000\n"
+            "Mean PPL(base)                :  23.901100 ±   0.405000\n"
+            "Mean    KLD:   0.012345 ±   0.000210\n"
+            "99.0%   KLD:   0.081000\n"
+            "Same top p: 96.512 ± 0.123 %\n")
+    r = parse_kl(text)
+    assert r == {"ppl": 24.153412, "ppl_err": 0.412, "ppl_base": 23.9011, "kld": 0.012345, "kld_err": 0.00021,
+                 "kld_99": 0.081, "same_top_p": 96.512, "same_top_p_err": 0.123}
+    with pytest.raises(Exception, match="lacks its 'kld' line"):
+        parse_kl(text.replace("Mean    KLD", "Mean KL"))

@@ -118,5 +118,8 @@ def test_out_rules(tmp_path, capsys):
     assert main(argv + ["--out", str(ours), "--overwrite"]) == 0
     err = capsys.readouterr().err
     assert "was not written by `specquant export`" in err and "pass --overwrite" in err
-    assert main(["export", "--target", "tiny-draft", "--for", "onnx", "--out", str(tmp_path / "x")]) == 2
+    with pytest.raises(SystemExit):
+        main(["export", "--target", "tiny-draft", "--for", "onnx", "--out", str(tmp_path / "x")])
+    assert main(["export", "--target", "tiny-draft", "--for", "vllm", "--tensor-parallel-size", "0",
+                 "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()

@@ -1,5 +1,8 @@
-"""`specquant export`: the target (and draft) for vLLM (compressed-tensors + speculative config) or llama.cpp (GGUF,
-lossless from our grid), with the command line that serves them."""
+"""`specquant export`: target (and draft) for vLLM or llama.cpp, with the command line that serves them.
+
+vLLM: the compressed-tensors checkpoints + `vllm serve --speculative-config`. llama.cpp: GGUF files whose W4 tensors
+are our codes and scales as Q4_0 / Q4_1 (exact, never re-quantized) + `llama-server` / `llama-speculative-simple`.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ from specquant.cliutil import add_config_flags, config_from_args
 from specquant.export.config import DENSE_DTYPES, ENGINES, INEXACT_POLICIES, ExportConfig, check_out
 
 HELPS = {
-    "engine": f"serving engine: {' | '.join(ENGINES)}",
     "dense_dtype": f"GGUF type of unquantized matrices: {' | '.join(DENSE_DTYPES)}",
     "inexact": f"a quantized scale fp16 cannot hold exactly: {' | '.join(INEXACT_POLICIES)} (warn reports the error)",
     "num_speculative_tokens": "draft tokens per verify step in the printed command lines",
@@ -25,7 +27,8 @@ def add_parser(sub):
     p.add_argument("--target", required=True, help="target checkpoint directory or bundled name (dense or W4)")
     p.add_argument("--draft", default=None, help="draft checkpoint directory or bundled name (dense or W4)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
-    add_config_flags(p, ExportConfig, HELPS, rename={"engine": "for"})
+    p.add_argument("--for", dest="engine", required=True, choices=ENGINES, help="serving engine")
+    add_config_flags(p, ExportConfig, HELPS)
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     return p

@@ -15,7 +15,7 @@ MARKER = "specquant-export.json"  # written into every export directory: the rep
 
 @dataclass
 class ExportConfig:
-    engine: str = field(default="llama.cpp", metadata={"choices": ENGINES})
+    engine: str = field(default="llama.cpp", metadata={"choices": ENGINES})  # the CLI makes --for required
     # GGUF type of every tensor that is not one of our W4/W8 Linears (embeddings, dense Linears); norms and biases
     # stay F32 whatever this says, as llama.cpp's own converter keeps them.
     dense_dtype: str = field(default="f32", metadata={"choices": DENSE_DTYPES})
