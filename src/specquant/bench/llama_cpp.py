@@ -6,8 +6,8 @@ Rows (all greedy, EOS ignored, the same prompts, interleaved prompt by prompt so
   w4           our W4 target (AWQ/GPTQ/QAD codes) as Q4_0, exact                        llama-completion
   w4+draft     w4 + our high-precision draft (F32 GGUF)                                 llama-speculative-simple
   w4+w4draft   w4 + our W4 draft as Q4_0                                               llama-speculative-simple
-tokens/s is what each tool reports for its decode loop (llama-completion: `eval time` over the generated tokens;
-llama-speculative-simple: `decoded N tokens in T s`, which includes drafting); acceptance is llama.cpp's
+tokens/s is each tool's own timing of its decode loop (llama-completion: `eval time` + `sampling time` over the
+generated tokens; llama-speculative-simple: `decoded N tokens in T s`, which includes drafting and sampling); acceptance is llama.cpp's
 n_accept / n_drafted. `match` is the fraction of generated tokens, from the start, equal to the reference row's:
 to the f32 row for every row, and for speculative rows also to their own target alone (w4), which greedy
 speculative decoding must reproduce.
@@ -104,6 +104,7 @@ class Generation:
 
 
 _EVAL = re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
+_SAMPLING = re.compile(r"sampling time =\s*([\d.]+) ms")
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 
 
@@ -122,10 +123,12 @@ def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx
     if draft is None:
         proc = run_tool([find_tool("llama-completion", bin_dir), *common, "-no-cnv", "--no-display-prompt",
                          "--simple-io"])
-        m = _EVAL.search(proc.stderr)
-        if not m:
-            raise SpecquantError("llama-completion printed no `eval time` line; the tool's output format changed")
-        return Generation(proc.stdout, float(m.group(3)))
+        m, ms = _EVAL.search(proc.stderr), _SAMPLING.search(proc.stderr)
+        if not m or not ms:
+            raise SpecquantError("llama-completion printed no `eval time` / `sampling time` line; its format changed")
+        # decode forwards + sampling, as llama-speculative-simple's `decoded` time also counts its sampling
+        seconds = (float(m.group(1)) + float(ms.group(1))) / 1e3
+        return Generation(proc.stdout, int(m.group(2)) / seconds)
     proc = run_tool([find_tool("llama-speculative-simple", bin_dir), *common, "-md", draft,
                      "--spec-draft-n-max", draft_len, "-td", threads])
     m = _DECODED.search(proc.stderr)
