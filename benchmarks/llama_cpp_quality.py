@@ -25,7 +25,7 @@ from specquant.model.checkpoint import resolve
 def our_w4(args, method: str, given: str | None, cache: Path) -> Path:
     if given:
         return resolve(given)
-    from specquant.bench.ablation import quantized_checkpoint
+    from specquant.bench.prepare import quantized_checkpoint
 
     path, _ = quantized_checkpoint(resolve(args.target), f"target-{method}-g{args.group_size}", method,
                                    {"group_size": args.group_size}, cache)

@@ -10,7 +10,8 @@ import torch
 
 from conftest import random_model
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import BUNDLED_DIR, load_model
+from specquant.loader import load_model
+from specquant.model.checkpoint import BUNDLED_DIR
 from specquant.quant.checkpoint import save_quantized
 from specquant.quant.config import QuantConfig
 from specquant.quant.grid import dequantize
@@ -30,7 +31,6 @@ def _quantized_checkpoint(tmp_path, model_type="qwen3", scale_dtype=torch.bfloat
     """A random model (bundled vocabulary) RTN-quantized and saved as compressed-tensors; (dir, loaded model)."""
     model = random_model(model_type, vocab_size=VOCAB, hidden_size=128, head_dim=32, intermediate_size=256,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=0)
-    model.source_path = TOKENIZER
     cfg = QuantConfig(method="rtn", **quant)
     quantize(model, cfg, scale_dtype=scale_dtype)
     model.to(scale_dtype)
@@ -116,7 +116,7 @@ def test_gguf_export_lossless_other_families(tmp_path, model_type):
 def test_model_and_checkpoint_sources_write_the_same_tensors(tmp_path):
     ckpt, model = _quantized_checkpoint(tmp_path, group_size=32)
     write_gguf(source_from_checkpoint(ckpt), tmp_path / "a.gguf")
-    write_gguf(source_from_model(model), tmp_path / "b.gguf")
+    write_gguf(source_from_model(model, TOKENIZER, name="ckpt"), tmp_path / "b.gguf")
     a, b = gguf.GGUFReader(tmp_path / "a.gguf"), gguf.GGUFReader(tmp_path / "b.gguf")
     assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
     for ta, tb in zip(a.tensors, b.tensors):

@@ -18,7 +18,8 @@ gguf = pytest.importorskip("gguf")
 from specquant.bench.llama_cpp import ROWS, generate, run_rows, run_tool  # noqa: E402
 from specquant.export.gguf import source_from_checkpoint, write_gguf  # noqa: E402
 from specquant.export.llama_cpp import default_bin_dir  # noqa: E402
-from specquant.model.checkpoint import load_model, load_tokenizer  # noqa: E402
+from specquant.loader import load_model  # noqa: E402
+from specquant.model.checkpoint import load_tokenizer  # noqa: E402
 
 TOOLS = ("llama-completion", "llama-speculative-simple", "llama-tokenize", "llama-quantize", "llama-perplexity")
 TEXTS = [
@@ -78,11 +79,9 @@ def test_llama_cpp_greedy_equals_ours_on_f32_export(bin_dir, draft_gguf, tmp_pat
     prompt = tmp_path / "p.txt"
     prompt.write_text(text)
     n = 24
-    g = generate(bin_dir, draft_gguf, prompt, n, threads=2, ctx=256)
-    llama_ids = tok.backend_tokenizer.encode(g.text, add_special_tokens=False).ids
+    g = generate(bin_dir, draft_gguf, prompt, n, threads=1, ctx=256)
     ours = _ours_greedy("tiny-draft", tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, n)
-    assert tok.decode(ours) == g.text
-    assert llama_ids[: len(ours)] == list(ours)[: len(llama_ids)]
+    assert len(ours) == n and g.text.startswith(tok.decode(ours))  # llama-completion may print one token more
     assert g.tokens_per_s > 0
 
 
@@ -108,7 +107,7 @@ def test_bench_rows_inside_llama_cpp(bin_dir, tmp_path):
     files["target-q4_0-llama"] = llama_quantize(files["target-f32"], tmp_path / "q.gguf", bin_dir=bin_dir)
     tok = load_tokenizer("tiny-draft")
     result = run_rows(files, [("p", TEXTS[0])], lambda t: tok.backend_tokenizer.encode(t).ids, bin_dir=bin_dir,
-                      max_new_tokens=16, runs=1, warmup=0, threads=2, ctx=256, log=lambda *_: None)
+                      max_new_tokens=16, runs=1, warmup=0, threads=1, ctx=256, log=lambda *_: None)
     rows = {r["id"]: r for r in result["rows"]}
     assert list(rows) == [r.id for r in ROWS]
     assert rows["f32"]["match_vs_f32"] == 1.0 and rows["f32"]["speedup_vs_f32"] == 1.0

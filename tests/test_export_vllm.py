@@ -11,9 +11,10 @@ import torch
 
 from specquant.cli import main
 from specquant.errors import SpecquantError
-from specquant.export.config import MARKER, ExportConfig
+from specquant.export.config import REPORT, ExportConfig
 from specquant.export.vllm import drafter_kind, speculative_config, tp_notes
-from specquant.model.checkpoint import BUNDLED_DIR, load_model, read_hf_config
+from specquant.loader import load_model
+from specquant.model.checkpoint import BUNDLED_DIR, read_hf_config
 
 # The fields of vLLM's SpeculativeConfig that we write, with their types and allowed values. Read from vLLM's
 # vllm/config/speculative.py (vllm-project/vllm at commit 002e77c, the v0.1x line): `num_speculative_tokens`
@@ -67,7 +68,7 @@ def test_vllm_export_command_line_and_spec_config(tmp_path, w4_draft, capsys):
         assert (out / "draft" / name).read_bytes() == (w4_draft / name).read_bytes()
         assert (out / "target" / name).read_bytes() == (BUNDLED_DIR / "tiny-target" / name).read_bytes()
     assert (out / "serve.sh").read_text().splitlines()[1] == report["command"]
-    assert json.loads((out / MARKER).read_text())["command"] == report["command"]
+    assert json.loads((out / REPORT).read_text())["command"] == report["command"]
 
 
 def test_vllm_tensor_parallel_divisibility():

@@ -49,8 +49,9 @@ ROWS = (
 def run_tool(cmd: list, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run a llama.cpp tool; a non-zero exit raises with the tail of its stderr."""
     try:
+        # stdin closed: llama-completion reads an inherited stdin's EOF as "stop" and exits before its timings
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
-                              errors="replace")
+                              stdin=subprocess.DEVNULL, errors="replace")
     except subprocess.TimeoutExpired:
         raise SpecquantError(f"{Path(str(cmd[0])).name} ran past {timeout:.0f} s: {' '.join(map(str, cmd))}") from None
     if proc.returncode != 0:
@@ -104,6 +105,7 @@ class Generation:
 
 
 _EVAL = re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
+COMPLETION_TRIES = 8
 _SAMPLING = re.compile(r"sampling time =\s*([\d.]+) ms")
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 
@@ -121,16 +123,22 @@ def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx
     common = ["-m", target, "-f", prompt_file, "-n", n, "--temp", "0", "--ignore-eos", "-t", threads, "-c", ctx,
               "--seed", "0"]
     if draft is None:
-        proc = run_tool([find_tool("llama-completion", bin_dir), *common, "-no-cnv", "--no-display-prompt",
-                         "--simple-io"])
-        m, ms = _EVAL.search(proc.stderr), _SAMPLING.search(proc.stderr)
+        # This llama-completion build sometimes (about 2 runs in 5 here, same inputs) exits 0 early, before its
+        # timings and with its text cut short; such a run is detected by the missing timings and repeated.
+        for _ in range(COMPLETION_TRIES):
+            proc = run_tool([find_tool("llama-completion", bin_dir), *common, "-no-cnv", "--no-display-prompt",
+                             "--simple-io"])
+            m, ms = _EVAL.search(proc.stderr), _SAMPLING.search(proc.stderr)
+            if m and ms:
+                break
         if not m or not ms:
-            raise SpecquantError("llama-completion printed no `eval time` / `sampling time` line; its format changed")
+            raise SpecquantError(f"llama-completion printed no `eval time` / `sampling time` line in "
+                                 f"{COMPLETION_TRIES} runs (its format changed?); stderr ends: {proc.stderr[-300:]!r}")
         # decode forwards + sampling, as llama-speculative-simple's `decoded` time also counts its sampling
         seconds = (float(m.group(1)) + float(ms.group(1))) / 1e3
         return Generation(proc.stdout, int(m.group(2)) / seconds)
-    proc = run_tool([find_tool("llama-speculative-simple", bin_dir), *common, "-md", draft,
-                     "--spec-draft-n-max", draft_len, "-td", threads])
+    proc = run_tool([find_tool("llama-speculative-simple", bin_dir), *common, "-md", draft, "--spec-type",
+                     "draft-simple", "--spec-draft-n-max", draft_len, "-td", threads])
     m = _DECODED.search(proc.stderr)
     if not m:
         raise SpecquantError("llama-speculative-simple printed no `decoded N tokens` line; its format changed")
@@ -139,10 +147,12 @@ def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx
 
 
 def _strip_prompt(stdout: str, prompt_file: Path) -> str:
-    """llama-speculative-simple echoes the prompt before the continuation."""
-    out = stdout.strip("\n")
+    """llama-speculative-simple prints "\\n\\n", the prompt, then the continuation."""
+    out = stdout.removeprefix("\n\n")
     prompt = prompt_file.read_text()
-    return out[len(prompt):] if out.startswith(prompt) else out
+    if not out.startswith(prompt):
+        raise SpecquantError("llama-speculative-simple did not echo the prompt first; its output format changed")
+    return out[len(prompt):]
 
 
 def match_fraction(encode, text: str, reference: str) -> float:
@@ -232,18 +242,27 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run_bench(cfg, paths: dict[str, Path], bin_dir=None, threads: int = 2, log=print) -> dict:
-    """`specquant bench --engine llama.cpp`: export the four checkpoints (paths: target, draft, quantized_target,
-    quantized_draft) to --out/llama.cpp/, run every row on the bench prompts, write llama_cpp.json / .md."""
+def run_bench(cfg, target, draft, quantized_target=None, quantized_draft=None, bin_dir=None, log=print) -> dict:
+    """`specquant bench --engine llama.cpp`: the same checked inputs as our bench (bench/prepare.py; W4 checkpoints
+    not given are quantized into --out/cache), exported to --out/llama.cpp/, every row run on the bench prompts;
+    writes llama_cpp.json / llama_cpp.md into --out. Greedy only."""
     import json
+    import os
 
+    from specquant.bench.prepare import prepare_quantized, validate
     from specquant.bench.prompts import encode as encode_ids
     from specquant.bench.prompts import fit_lengths, load_prompts
     from specquant.model.checkpoint import load_tokenizer, read_config
+    from specquant.util.files import atomic_write, claim_out_dir
 
+    if cfg.sampling.temperature != 0:
+        raise SpecquantError(f"--temperature {cfg.sampling.temperature}: the llama.cpp rows are greedy; use 0")
     for tool in ("llama-completion", "llama-speculative-simple", "llama-quantize"):
         find_tool(tool, bin_dir)
-    out = Path(cfg.out)
+    paths = validate(cfg, target, draft, quantized_target, quantized_draft, "cpu")
+    out = claim_out_dir(cfg.out, cfg.overwrite)
+    prepare_quantized(cfg, paths, log)
+    threads = cfg.threads or os.cpu_count() or 1
     files = export_files(paths, out / "llama.cpp", bin_dir, log)
     tokenizer = load_tokenizer(paths["target"])
     context = read_config(paths["target"]).max_position_embeddings
@@ -253,8 +272,8 @@ def run_bench(cfg, paths: dict[str, Path], bin_dir=None, threads: int = 2, log=p
     texts = [(p.id, tokenizer.decode(p.ids)) for p in prompts]
     result = run_rows(files, texts, lambda t: encode_ids(tokenizer, t), bin_dir=bin_dir,
                       max_new_tokens=cfg.max_new_tokens, runs=cfg.runs, warmup=cfg.warmup, threads=threads,
-                      ctx=context, draft_len=cfg.draft_len, log=log)
+                      ctx=context, draft_len=cfg.spec.draft_len, log=log)
     result["files"] = {k: str(v) for k, v in files.items()}
-    (out / "llama_cpp.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "llama_cpp.md").write_text("```\n" + format_table(result) + "\n```\n")
+    atomic_write(out / "llama_cpp.json", json.dumps(result, indent=2) + "\n")
+    atomic_write(out / "llama_cpp.md", "```\n" + format_table(result) + "\n```\n")
     return result

@@ -6,19 +6,10 @@ are our codes and scales as Q4_0 / Q4_1 (exact, never re-quantized) + `llama-ser
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from specquant.cliutil import add_config_flags, config_from_args
-from specquant.export.config import DENSE_DTYPES, ENGINES, INEXACT_POLICIES, ExportConfig, check_out
-
-HELPS = {
-    "dense_dtype": f"GGUF type of unquantized matrices: {' | '.join(DENSE_DTYPES)}",
-    "inexact": f"a quantized scale fp16 cannot hold exactly: {' | '.join(INEXACT_POLICIES)} (warn reports the error)",
-    "num_speculative_tokens": "draft tokens per verify step in the printed command lines",
-    "tensor_parallel_size": "vLLM tensor-parallel size (checked against heads / KV heads)",
-    "ctx_size": "context for the printed command lines; 0 = the model's max_position_embeddings",
-}
+from specquant.export.config import ENGINES, ExportConfig
+from specquant.util.flags import add_config_flags, config_from_args, print_json
 
 
 def add_parser(sub):
@@ -28,7 +19,7 @@ def add_parser(sub):
     p.add_argument("--draft", default=None, help="draft checkpoint directory or bundled name (dense or W4)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--for", dest="engine", required=True, choices=ENGINES, help="serving engine")
-    add_config_flags(p, ExportConfig, HELPS)
+    add_config_flags(p, ExportConfig)
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     return p
@@ -56,12 +47,10 @@ def run(args) -> int:
     from specquant.export.vllm import export_vllm
 
     cfg = config_from_args(ExportConfig, args).validate()
-    out = Path(args.out).expanduser()
-    check_out(out, args.overwrite)
     export = export_vllm if cfg.engine == "vllm" else export_llama_cpp
-    report = export(args.target, args.draft, out, cfg)
+    report = export(args.target, args.draft, Path(args.out).expanduser(), cfg, args.overwrite)
     if args.json:
-        print(json.dumps(report, default=float))
+        print_json(report)
     elif cfg.engine == "vllm":
         _print_vllm(report)
     else:

@@ -124,14 +124,14 @@ def source_from_checkpoint(name_or_dir) -> Source:
     return Source(read_hf_config(path), load_tensors(path), path, name=path.name)
 
 
-def source_from_model(model) -> Source:
-    """A loaded specquant Transformer (dense or with QuantLinear modules, unfused)."""
+def source_from_model(model, tokenizer_dir=None, name: str = "model") -> Source:
+    """A loaded specquant Transformer (dense or with QuantLinear modules, unfused); the tokenizer from
+    tokenizer_dir (a checkpoint directory or bundled name)."""
     from specquant.model.fuse import check_unfused
 
     check_unfused(model, "export")
-    src = getattr(model, "source_path", None)
-    return Source(model.config.to_hf(), state_dict_for_save(model), Path(src) if src else None,
-                  name=Path(src).name if src else "model")
+    return Source(model.config.to_hf(), state_dict_for_save(model),
+                  resolve(tokenizer_dir) if tokenizer_dir is not None else None, name=name)
 
 
 # --- blocks ----------------------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ import shlex
 from pathlib import Path
 
 from specquant.errors import SpecquantError
-from specquant.export.config import ExportConfig, write_marker
+from specquant.export.config import ExportConfig, check_out, write_marker
 from specquant.export.gguf import source_from_checkpoint, write_gguf
-from specquant.model.checkpoint import atomic_dir, read_hf_config, resolve
+from specquant.model.checkpoint import read_hf_config, resolve
+from specquant.util.files import atomic_dir
 
 LLAMA_CPP_VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp scripts/build_llama_cpp.sh builds
 BUILD_SCRIPT = "scripts/build_llama_cpp.sh"
@@ -37,7 +38,8 @@ def commands(target_gguf: Path, draft_gguf: Path | None, cfg: ExportConfig, ctx:
     server = ["llama-server", "-m", str(target_gguf), "-c", str(ctx), "--port", "8080"]
     out = {}
     if draft_gguf is not None:
-        spec = ["-md", str(draft_gguf), "--spec-draft-n-max", str(cfg.num_speculative_tokens)]
+        spec = ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max",
+                str(cfg.num_speculative_tokens)]
         out["llama-server"] = shlex.join(server + spec)
         out["llama-speculative-simple"] = shlex.join(
             ["llama-speculative-simple", "-m", str(target_gguf), *spec, "-c", str(ctx), "--temp", "0", "-n", "128",
@@ -49,8 +51,9 @@ def commands(target_gguf: Path, draft_gguf: Path | None, cfg: ExportConfig, ctx:
     return out
 
 
-def export_llama_cpp(target, draft, out: Path, cfg: ExportConfig) -> dict:
+def export_llama_cpp(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = False) -> dict:
     """Write out/target.gguf (and out/draft.gguf) atomically; return the report with the command lines."""
+    check_out(out, overwrite)
     target_path = resolve(target)
     draft_path = resolve(draft) if draft else None
     if draft_path is not None:
@@ -68,7 +71,7 @@ def export_llama_cpp(target, draft, out: Path, cfg: ExportConfig) -> dict:
     reports = {}
     ctx = cfg.ctx_size or sources["target"].config.max_position_embeddings
     cmds = commands((out / "target.gguf").resolve(), (out / "draft.gguf").resolve() if draft_path else None, cfg, ctx)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, overwrite=True) as tmp:  # check_out above is the stricter rule
         for role, src in sources.items():
             reports[role] = write_gguf(src, tmp / f"{role}.gguf", cfg.dense_dtype, cfg.inexact)
             reports[role]["path"] = str(out / f"{role}.gguf")

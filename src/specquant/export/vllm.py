@@ -16,8 +16,9 @@ import shutil
 from pathlib import Path
 
 from specquant.errors import SpecquantError
-from specquant.export.config import ExportConfig, write_marker
-from specquant.model.checkpoint import atomic_dir, read_hf_config, resolve
+from specquant.export.config import ExportConfig, check_out, write_marker
+from specquant.model.checkpoint import read_hf_config, resolve
+from specquant.util.files import atomic_dir
 from specquant.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
 
 DFLASH_ARCH = "DFlashDraftModel"
@@ -124,8 +125,9 @@ def check_pair(target_hf: dict, draft_hf: dict):
                                  "an LM drafter must share the target's tokenizer")
 
 
-def export_vllm(target, draft, out: Path, cfg: ExportConfig) -> dict:
+def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = False) -> dict:
     """Copy target (and draft) into out/target, out/draft and return the report with the serve command line."""
+    check_out(out, overwrite)
     target_path = resolve(target)
     target_hf = read_hf_config(target_path)
     ModelConfig.from_hf(target_hf)
@@ -142,7 +144,7 @@ def export_vllm(target, draft, out: Path, cfg: ExportConfig) -> dict:
     out_target, out_draft = out / "target", out / "draft"
     spec = speculative_config(out_draft.resolve(), draft_hf, cfg) if draft_hf is not None else None
     command = serve_command(out_target.resolve(), spec, target_hf, cfg)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, overwrite=True) as tmp:  # check_out above is the stricter rule
         shutil.copytree(target_path, tmp / "target")
         if draft_path is not None:
             shutil.copytree(draft_path, tmp / "draft")
