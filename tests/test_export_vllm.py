@@ -32,7 +32,8 @@ VLLM_SPEC_SCHEMA = {
 
 
 def check_vllm_spec(spec: dict):
-    assert set(spec) <= set(VLLM_SPEC_SCHEMA), f"fields vLLM's SpeculativeConfig lacks: {set(spec) - set(VLLM_SPEC_SCHEMA)}"
+    unknown = set(spec) - set(VLLM_SPEC_SCHEMA)
+    assert not unknown, f"fields vLLM's SpeculativeConfig lacks: {unknown}"
     for key, value in spec.items():
         kind, ok = VLLM_SPEC_SCHEMA[key]
         assert isinstance(value, kind) and ok(value), (key, value)

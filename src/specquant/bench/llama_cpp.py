@@ -7,10 +7,10 @@ Rows (all greedy, EOS ignored, the same prompts, interleaved prompt by prompt so
   w4+draft     w4 + our high-precision draft (F32 GGUF)                                 llama-speculative-simple
   w4+w4draft   w4 + our W4 draft as Q4_0                                               llama-speculative-simple
 tokens/s is each tool's own timing of its decode loop (llama-completion: `eval time` + `sampling time` over the
-generated tokens; llama-speculative-simple: `decoded N tokens in T s`, which includes drafting and sampling); acceptance is llama.cpp's
-n_accept / n_drafted. `match` is the fraction of generated tokens, from the start, equal to the reference row's:
-to the f32 row for every row, and for speculative rows also to their own target alone (w4), which greedy
-speculative decoding must reproduce.
+generated tokens; llama-speculative-simple: `decoded N tokens in T s`, which includes drafting and sampling);
+acceptance is llama.cpp's n_accept / n_drafted. `match` is the fraction of generated tokens, from the start, equal
+to the reference row's: to the f32 row for every row, and for speculative rows also to their own target alone (w4),
+which greedy speculative decoding must reproduce.
 """
 
 from __future__ import annotations
@@ -105,16 +105,22 @@ class Generation:
 
 
 _EVAL = re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
-COMPLETION_TRIES = 8
+TRIES = 8
 _SAMPLING = re.compile(r"sampling time =\s*([\d.]+) ms")
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+_DRAFTED, _ACCEPTED = re.compile(r"n_drafted\s*=\s*(\d+)"), re.compile(r"n_accept\s*=\s*(\d+)")
 
 
-def _field(pattern: str, text: str) -> int:
-    m = re.search(pattern, text)
-    if not m:
-        raise SpecquantError(f"llama.cpp output lacks {pattern!r}; the tool's output format changed")
-    return int(m.group(1))
+def _run_until(cmd: list, needed: tuple[re.Pattern, ...]) -> tuple[subprocess.CompletedProcess, list]:
+    """Run a tool until its stderr has every `needed` line. This llama.cpp build's tools sometimes (about 2 runs in
+    5 here, same inputs) exit 0 early, before their timings and with the text cut short; such runs are repeated."""
+    for _ in range(TRIES):
+        proc = run_tool(cmd)
+        found = [p.search(proc.stderr) for p in needed]
+        if all(found):
+            return proc, found
+    raise SpecquantError(f"{Path(str(cmd[0])).name} printed no {' / '.join(p.pattern[:20] for p in needed)} line "
+                         f"in {TRIES} runs (its format changed?); stderr ends: {proc.stderr[-300:]!r}")
 
 
 def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx: int,
@@ -123,36 +129,31 @@ def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx
     common = ["-m", target, "-f", prompt_file, "-n", n, "--temp", "0", "--ignore-eos", "-t", threads, "-c", ctx,
               "--seed", "0"]
     if draft is None:
-        # This llama-completion build sometimes (about 2 runs in 5 here, same inputs) exits 0 early, before its
-        # timings and with its text cut short; such a run is detected by the missing timings and repeated.
-        for _ in range(COMPLETION_TRIES):
-            proc = run_tool([find_tool("llama-completion", bin_dir), *common, "-no-cnv", "--no-display-prompt",
-                             "--simple-io"])
-            m, ms = _EVAL.search(proc.stderr), _SAMPLING.search(proc.stderr)
-            if m and ms:
-                break
-        if not m or not ms:
-            raise SpecquantError(f"llama-completion printed no `eval time` / `sampling time` line in "
-                                 f"{COMPLETION_TRIES} runs (its format changed?); stderr ends: {proc.stderr[-300:]!r}")
+        proc, (m, ms) = _run_until([find_tool("llama-completion", bin_dir), *common, "-no-cnv",
+                                    "--no-display-prompt", "--simple-io"], (_EVAL, _SAMPLING))
         # decode forwards + sampling, as llama-speculative-simple's `decoded` time also counts its sampling
         seconds = (float(m.group(1)) + float(ms.group(1))) / 1e3
         return Generation(proc.stdout, int(m.group(2)) / seconds)
-    proc = run_tool([find_tool("llama-speculative-simple", bin_dir), *common, "-md", draft, "--spec-type",
-                     "draft-simple", "--spec-draft-n-max", draft_len, "-td", threads])
-    m = _DECODED.search(proc.stderr)
-    if not m:
-        raise SpecquantError("llama-speculative-simple printed no `decoded N tokens` line; its format changed")
-    return Generation(_strip_prompt(proc.stdout, prompt_file), float(m.group(3)),
-                      _field(r"n_drafted\s*=\s*(\d+)", proc.stderr), _field(r"n_accept\s*=\s*(\d+)", proc.stderr))
+    proc, (m, drafted, accepted) = _run_until(
+        [find_tool("llama-speculative-simple", bin_dir), *common, "-md", draft, "--spec-type", "draft-simple",
+         "--spec-draft-n-max", draft_len, "-td", threads], (_DECODED, _DRAFTED, _ACCEPTED))
+    return Generation(_strip_prompt(proc.stdout, prompt_file), float(m.group(3)), int(drafted.group(1)),
+                      int(accepted.group(1)))
 
 
 def _strip_prompt(stdout: str, prompt_file: Path) -> str:
     """llama-speculative-simple prints "\\n\\n", the prompt, then the continuation."""
     out = stdout.removeprefix("\n\n")
-    prompt = prompt_file.read_text()
-    if not out.startswith(prompt):
+    prompt = prompt_file.read_text().removesuffix("\n")  # as llama.cpp reads -f
+    if out.startswith(prompt):
+        return out[len(prompt):]
+    # the echo is the prompt's tokens printed piece by piece, which can differ from the file's text in a few bytes
+    # (e.g. a prompt cut inside a multi-byte character); its last characters still mark where generation starts
+    tail = prompt[-48:]
+    at = out.find(tail, max(0, len(prompt) - 256))
+    if at < 0:
         raise SpecquantError("llama-speculative-simple did not echo the prompt first; its output format changed")
-    return out[len(prompt):]
+    return out[at + len(tail):]
 
 
 def match_fraction(encode, text: str, reference: str) -> float:
@@ -188,7 +189,7 @@ def run_rows(files: dict[str, Path], prompts: list[tuple[str, str]], encode, *, 
     with tempfile.TemporaryDirectory(prefix="specquant-llama-") as tmp:
         for pid, text in prompts:
             prompt_file = Path(tmp) / f"{pid}.txt"
-            prompt_file.write_text(text)
+            prompt_file.write_text(text.rstrip("\n"))  # llama.cpp's -f drops a trailing newline itself
             speeds = {r.id: [] for r in rows}
             for rep in range(warmup + runs):
                 for r in rows:  # interleaved: each run visits every row before the next run

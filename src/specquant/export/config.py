@@ -23,7 +23,8 @@ class ExportConfig:
     # A quantized group whose value d·(q-8) cannot be written exactly in GGUF (its scale, or Q4_1's offset, is not
     # an fp16 number): "error" refuses the export, "warn" writes the nearest fp16 and reports the error per tensor.
     inexact: str = field(default="error", metadata={
-        "choices": INEXACT_POLICIES, "help": "a quantized scale fp16 cannot hold exactly: refuse, or warn with the error"})
+        "choices": INEXACT_POLICIES,
+        "help": "a quantized scale fp16 cannot hold exactly: refuse, or warn with the error"})
     # draft tokens per verify step in the printed engine command lines; our engine's default k
     num_speculative_tokens: int = field(default=SpecConfig.draft_len, metadata={
         "help": "draft tokens per verify step in the printed command lines"})
