@@ -15,6 +15,7 @@ VERBS = {
     "quantize": "specquant.quant.cli",
     "bench": "specquant.bench.cli",
     "demo": "specquant.bench.demo",
+    "gate": "specquant.gate.cli",
 }
 
 

@@ -56,6 +56,8 @@ class SpecquantLM(TemplateLM):
     def __init__(self, batch_size=1, max_batch_size=None, **model_args):
         super().__init__()
         device = model_args.pop("device", None)
+        if "pretrained" in model_args:  # lm-eval's usual name for the model path (its logs are filed under it)
+            model_args.setdefault("target", model_args.pop("pretrained"))
         cfg = BackendConfig(**_parse(BackendConfig, model_args))
         if device is not None:  # lm-eval's --device (its CLI default is cuda:0): fall back to cpu without CUDA
             cfg.device = str(device)

@@ -49,7 +49,7 @@ class GateConfig:
     kl_samples: int = 16
     kl_seq_len: int = 256
     kl_batch_size: int = 4
-    thresholds: dict = field(default_factory=lambda: {**_seed_ratios(), "kl": _kl_defaults()})
+    default_thresholds: dict = field(default_factory=lambda: {**_seed_ratios(), "kl": _kl_defaults()})
 
 
 @dataclass

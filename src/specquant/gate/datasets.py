@@ -81,11 +81,12 @@ def locate(gate: str, data_dir: str | os.PathLike | None) -> LocalData:
     return LocalData(builders.pop(), {split: str(p.resolve()) for split, p in files.items()})
 
 
-def check_columns(gate: str, data: LocalData):
-    """Load each split with `datasets` (as lm-eval will) and check the columns the task reads."""
+def check_columns(gate: str, data: LocalData) -> dict:
+    """Load each split with `datasets` (as lm-eval will) and check the columns the task reads; split -> Dataset."""
     import datasets
 
     schema = SCHEMAS[gate]
+    loaded = {}
     for split, path in data.files.items():
         try:
             ds = datasets.load_dataset(data.builder, data_files={split: path}, split=split)
@@ -99,3 +100,5 @@ def check_columns(gate: str, data: LocalData):
                                  f"{', '.join(ds.column_names)}")
         if len(ds) == 0:
             raise SpecquantError(f"{path} has no rows")
+        loaded[split] = ds
+    return loaded

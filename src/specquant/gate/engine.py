@@ -43,6 +43,11 @@ class EvalEngine:
     def eos_ids(self) -> list[int]:
         return list(self.target.config.eos_ids)
 
+    @property
+    def draft_steps(self) -> int:
+        """Verify steps that carried draft tokens so far (0 without a draft)."""
+        return self.spec.metrics.drafts if self.spec is not None else 0
+
     @torch.no_grad()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         """Cache-free forward over ids -> float32 log-probabilities [len(ids), vocab] of each next token."""

@@ -1,0 +1,149 @@
+"""`specquant gate`: thresholds and the pass/fail decision, exit codes, bad input as one-line errors (before any slow
+step), the output folder policy, and the kl gate end to end on the bundled target and its W4 twin."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from specquant.cli import main
+from specquant.errors import SpecquantError
+from specquant.gate.cli import add_parser
+from specquant.gate.config import GateConfig
+from specquant.gate.run import MARKER, prepare_out
+from specquant.gate.thresholds import decide_kl, decide_score, exit_code, load_thresholds
+
+
+def test_flag_defaults_come_from_gate_config():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="verb"))
+    args = parser.parse_args(["gate", "--model", "x"])
+    for f in dataclasses.fields(GateConfig):
+        if hasattr(args, f.name) and f.name != "tasks":
+            assert getattr(args, f.name) == getattr(GateConfig(), f.name), f.name
+    assert args.tasks == ",".join(GateConfig().tasks)
+
+
+def test_default_thresholds_are_the_seed_ratios():
+    rules = GateConfig().default_thresholds
+    assert rules["mmlu_pro"] == {"ratio": 0.9} and rules["ifeval"] == {"ratio": 0.95}
+    assert rules["gpqa_diamond"] == {"ratio": 0.9}
+    # the seed's BF16 scores then give the seed's gates
+    assert decide_score("mmlu_pro", rules["mmlu_pro"], 0.621, 0.690).passed
+    assert not decide_score("mmlu_pro", rules["mmlu_pro"], 0.620, 0.690).passed
+    assert decide_score("ifeval", rules["ifeval"], 0.8142, 0.857).passed
+    assert not decide_score("ifeval", rules["ifeval"], 0.813, 0.857).passed
+
+
+def test_absolute_and_ratio_thresholds_take_the_stricter():
+    both = {"min": 0.5, "ratio": 0.9}
+    assert decide_score("gpqa_diamond", both, 0.55, 0.5).passed  # bound max(0.5, 0.45) = 0.5
+    assert not decide_score("gpqa_diamond", both, 0.55, 0.7).passed  # bound max(0.5, 0.63) = 0.63
+    assert not decide_score("gpqa_diamond", {"min": 0.6}, 0.59, None).passed
+    r = decide_score("ifeval", {"min": 0.3, "metric": "prompt_level_loose_acc,none"}, 0.4, None)
+    assert r.passed and r.metric == "prompt_level_loose_acc,none"
+
+
+def test_kl_bounds_and_exit_codes():
+    stats = {"kl": 0.02, "ppl_ratio": 1.03, "ppl_ref": 200.0, "top1_agree": 0.9}
+    rows = decide_kl({"max_kl": 0.05, "max_ppl_ratio": 1.05, "min_top1": 0.85}, stats)
+    assert [r.passed for r in rows] == [True, True, True] and exit_code(rows) == 0
+    rows = decide_kl({"max_kl": 0.01, "max_ppl_ratio": 1.05, "min_top1": 0.95}, stats)
+    assert [r.passed for r in rows] == [False, True, False] and exit_code(rows) == 1
+    assert exit_code([]) == 1  # no gate evaluated is not a pass
+
+
+def test_thresholds_file_overrides_and_validation(tmp_path):
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"ifeval": {"min": 0.8}}))
+    rules = load_thresholds(str(f), GateConfig().default_thresholds)
+    assert rules["ifeval"] == {"min": 0.8} and rules["mmlu_pro"] == {"ratio": 0.9}
+    for bad, msg in [({"hellaswag": {"min": 1}}, "unknown gate 'hellaswag'"), ({"ifeval": {"max": 1}}, "takes a"),
+                     ({"kl": {"min": 1}}, "takes a"), ({"ifeval": {"min": "high"}}, "must be a number")]:
+        f.write_text(json.dumps(bad))
+        with pytest.raises(SpecquantError, match=msg):
+            load_thresholds(str(f), GateConfig().default_thresholds)
+    f.write_text("{not json")
+    with pytest.raises(SpecquantError, match="not valid JSON"):
+        load_thresholds(str(f), {})
+
+
+def _one_line_error(capsys, argv, needle):
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("specquant gate: error:") and needle in err[0], err
+
+
+def test_bad_input_is_one_line_error_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "out"
+    base = ["gate", "--model", "tiny-target", "--out", str(out)]
+    _one_line_error(capsys, base + ["--tasks", "mmlu_pro,bogus"], "unknown gate 'bogus'")
+    _one_line_error(capsys, base + ["--tasks", "ifeval"], "threshold {'ratio': 0.95} is a ratio: pass --baseline")
+    _one_line_error(capsys, base + ["--tasks", "kl"], "the kl gate compares the model with its baseline")
+    _one_line_error(capsys, ["gate", "--model", "/nope", "--out", str(out)], "does not exist")
+    absolute = tmp_path / "abs.json"
+    absolute.write_text(json.dumps({"ifeval": {"min": 0.5}, "gpqa_diamond": {"min": 0.5}}))
+    base += ["--thresholds", str(absolute)]
+    _one_line_error(capsys, base + ["--tasks", "ifeval", "--data-dir", str(tmp_path / "missing")],
+                    "data directory")
+    _one_line_error(capsys, base + ["--tasks", "gpqa_diamond", "--data-dir", str(tmp_path)],
+                    f"needs {tmp_path / 'gpqa_diamond'}/")
+    wrong = tmp_path / "gpqa_diamond" / "train.jsonl"
+    wrong.parent.mkdir()
+    wrong.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    _one_line_error(capsys, base + ["--tasks", "gpqa_diamond", "--data-dir", str(tmp_path)],
+                    "lacks column(s) Question, Correct Answer")
+    wrong.write_text("{broken json\n")
+    _one_line_error(capsys, base + ["--tasks", "gpqa_diamond", "--data-dir", str(tmp_path)], "cannot read")
+    _one_line_error(capsys, ["gate", "--server", "127.0.0.1:8000", "--model-name", "m", "--tasks", "ifeval"],
+                    "not an http(s) URL")
+    _one_line_error(capsys, ["gate", "--server", "http://127.0.0.1:9", "--tasks", "ifeval"], "--model-name")
+    assert not out.exists()  # nothing written
+
+
+def test_out_policy(tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("user data")
+    with pytest.raises(SpecquantError, match="did not create"):
+        prepare_out(foreign, overwrite=False)
+    prepare_out(foreign, overwrite=True)
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / MARKER).write_text("")
+    (ours / "results.json").write_text("{}")
+    prepare_out(ours, overwrite=False)  # a folder this command wrote may be replaced
+    prepare_out(tmp_path / "new", overwrite=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SpecquantError, match="is a file"):
+        prepare_out(tmp_path / "file", overwrite=False)
+
+
+@pytest.fixture(scope="module")
+def w4_target(tmp_path_factory):
+    out = tmp_path_factory.mktemp("w4") / "tiny-target-w4"
+    assert main(["quantize", "--model", "tiny-target", "--out", str(out), "--method", "rtn", "--group-size", "32"]) == 0
+    return out
+
+
+def test_kl_gate_end_to_end(w4_target, tmp_path, capsys):
+    """fp32 against itself: KL 0, every bound passes (exit 0). W4 against fp32: KL > 0; with bounds it cannot meet
+    it fails (exit 1). Outputs: results.json, gates.md, the marker; a rerun into the same --out is allowed."""
+    out = tmp_path / "gate"
+    small = ["--kl-samples", "4", "--kl-seq-len", "64", "--json"]
+    assert main(["gate", "--model", "tiny-target", "--baseline", "tiny-target", "--tasks", "kl", "--out", str(out),
+                 *small]) == 0
+    same = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert same["kl"]["kl"] == pytest.approx(0.0, abs=1e-6) and same["kl"]["top1_agree"] == 1.0
+    assert json.loads((out / "results.json").read_text())["passed"] is True
+    strict = tmp_path / "strict.json"
+    strict.write_text(json.dumps({"kl": {"max_kl": 1e-6}}))
+    assert main(["gate", "--model", str(w4_target), "--baseline", "tiny-target", "--tasks", "kl", "--out", str(out),
+                 "--thresholds", str(strict), *small]) == 1
+    w4 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert w4["kl"]["kl"] > 1e-4 and w4["gates"][0]["passed"] is False
+    assert "FAIL" in (out / "gates.md").read_text() and (out / MARKER).exists()
