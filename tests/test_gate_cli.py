@@ -123,16 +123,10 @@ def test_out_policy(tmp_path):
         prepare_out(tmp_path / "file", overwrite=False)
 
 
-@pytest.fixture(scope="module")
-def w4_target(tmp_path_factory):
-    out = tmp_path_factory.mktemp("w4") / "tiny-target-w4"
-    assert main(["quantize", "--model", "tiny-target", "--out", str(out), "--method", "rtn", "--group-size", "32"]) == 0
-    return out
-
-
-def test_kl_gate_end_to_end(w4_target, tmp_path, capsys):
-    """fp32 against itself: KL 0, every bound passes (exit 0). W4 against fp32: KL > 0; with bounds it cannot meet
-    it fails (exit 1). Outputs: results.json, gates.md, the marker; a rerun into the same --out is allowed."""
+def test_kl_gate_end_to_end(tmp_path, capsys):
+    """The target against itself: KL 0, every bound passes (exit 0). The bundled draft (same tokenizer, a different,
+    smaller model) against the target: far apart, the default bounds fail (exit 1). Outputs: results.json,
+    gates.md, the marker; a rerun into the same --out is allowed. (The W4 target's numbers: docs/GATES.md.)"""
     out = tmp_path / "gate"
     small = ["--kl-samples", "4", "--kl-seq-len", "64", "--json"]
     assert main(["gate", "--model", "tiny-target", "--baseline", "tiny-target", "--tasks", "kl", "--out", str(out),
@@ -140,10 +134,9 @@ def test_kl_gate_end_to_end(w4_target, tmp_path, capsys):
     same = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert same["kl"]["kl"] == pytest.approx(0.0, abs=1e-6) and same["kl"]["top1_agree"] == 1.0
     assert json.loads((out / "results.json").read_text())["passed"] is True
-    strict = tmp_path / "strict.json"
-    strict.write_text(json.dumps({"kl": {"max_kl": 1e-6}}))
-    assert main(["gate", "--model", str(w4_target), "--baseline", "tiny-target", "--tasks", "kl", "--out", str(out),
-                 "--thresholds", str(strict), *small]) == 1
-    w4 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert w4["kl"]["kl"] > 1e-4 and w4["gates"][0]["passed"] is False
+    assert main(["gate", "--model", "tiny-draft", "--baseline", "tiny-target", "--tasks", "kl", "--out", str(out),
+                 *small]) == 1
+    far = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert far["kl"]["kl"] > 0.1 and not far["passed"]
+    assert [g["metric"] for g in far["gates"]] == ["kl", "ppl_ratio", "top1_agree"]
     assert "FAIL" in (out / "gates.md").read_text() and (out / MARKER).exists()

@@ -120,9 +120,45 @@ def test_gate_scores_equal_hand_checked_and_lm_eval(data_dir, tmp_path, capsys):
         assert (s["prompt_level_strict_acc"], s["prompt_level_loose_acc"]) == IFEVAL_ANSWERS[k][1:], k
     gpqa_filtered = [s for s in samples["samples_gpqa_diamond_cot_zeroshot"] if s["filter"] == "flexible-extract"]
     assert sorted(s["exact_match"] for s in gpqa_filtered) == [0.0, 0.0, 1.0, 1.0]
-    math = [s for s in samples["samples_mmlu_pro_math"]]
-    assert sorted(s["filtered_resps"][0] for s in math if s["exact_match"] == 0.0) == [mmlu[1]["answer"] and
-                                                                                       next(c for c in "ABCDEFGHIJ"
-                                                                                            if c != mmlu[1]["answer"])]
+    wrong_letter = next(c for c in "ABCDEFGHIJ" if c != mmlu[1]["answer"])
+    math = {s["doc"]["question"]: s for s in samples["samples_mmlu_pro_math"]}
+    assert math[mmlu[0]["question"]]["filtered_resps"][0] == mmlu[0]["answer"]
+    assert math[mmlu[1]["question"]]["filtered_resps"][0] == wrong_letter  # 'answer is C' without parentheses
+    (physics,) = samples["samples_mmlu_pro_physics"]
+    assert physics["filtered_resps"][0] == mmlu[2]["answer"] and physics["exact_match"] == 1.0
     assert (out / "gates.md").read_text().count("FAIL") == 1
     assert (out / "tasks" / "gpqa_diamond.yaml").exists()
+
+
+def test_server_path_matches_the_specquant_backend(tmp_path, capsys):
+    """The same model behind a loopback OpenAI-compatible server (our engine, greedy) and through the `specquant`
+    backend: lm-eval gets the same responses and the gate the same scores."""
+    from specquant.decode.sampling import SamplingConfig
+    from specquant.gate.engine import EvalEngine
+
+    engine = EvalEngine("tiny-target")
+
+    def respond(prompt, max_tokens, stop):
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        new, _ = engine.generate(ids, max_tokens, SamplingConfig())
+        return engine.tokenizer.decode(new, skip_special_tokens=True)
+
+    thresholds = tmp_path / "thr.json"
+    thresholds.write_text(json.dumps({"ifeval": {"min": 0.0}}))
+    common = ["--tasks", "ifeval", "--limit", "2", "--ifeval-max-gen-toks", "16", "--thresholds", str(thresholds),
+              "--json"]
+    assert main(["gate", "--model", "tiny-target", "--out", str(tmp_path / "local"), *common]) == 0
+    local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    with StubServer(respond) as server:
+        assert main(["gate", "--server", server.url, "--model-name", "tiny", "--out", str(tmp_path / "served"),
+                     *common]) == 0
+        assert [r["max_tokens"] for r in server.requests] == [16, 16]
+    served = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert served["lm_eval"]["model"]["results"]["ifeval"] == local["lm_eval"]["model"]["results"]["ifeval"]
+
+    def responses(folder):
+        (path,) = (tmp_path / folder / "model").rglob("samples_ifeval_*.jsonl")
+        return [json.loads(x)["resps"] for x in path.read_text().splitlines()]
+
+    assert responses("served") == responses("local")
+    assert any(r[0][0].strip() for r in responses("local"))  # the model said something

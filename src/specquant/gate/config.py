@@ -27,10 +27,11 @@ def _seed_ratios() -> dict:
 
 
 def _kl_defaults() -> dict:
-    # Forward KL(baseline || model) in nats per token, perplexity ratio model/baseline, top-1 agreement. The W4 (g32,
-    # AWQ) bundled target measures KL ~0.02, ppl ratio ~1.02, top-1 ~0.93 (docs/GATES.md); these bounds pass a sound
-    # 4-bit model and fail a broken one (e.g. 2-bit or a wrong scale layout), which is what the gate is for.
-    return {"max_kl": 0.1, "max_ppl_ratio": 1.10, "min_top1": 0.85}
+    # Forward KL(baseline || model) in nats per token, perplexity ratio model/baseline, top-1 agreement. Bounds a
+    # sound 4-bit model meets with room (the seed accepted a PTQ start at KL 0.037 on its 4B target; the bundled
+    # AWQ g32 target measures KL 0.0002, ppl ratio 1.001, top-1 0.985: docs/GATES.md) and a broken one does not
+    # (the bundled draft against the target: KL > 1).
+    return {"max_kl": 0.05, "max_ppl_ratio": 1.05, "min_top1": 0.90}
 
 
 @dataclass

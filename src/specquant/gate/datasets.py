@@ -9,6 +9,8 @@ Layout under --data-dir (any of .jsonl/.json, .parquet, .csv per split, as the H
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,23 @@ def locate(gate: str, data_dir: str | os.PathLike | None) -> LocalData:
     return LocalData(builders.pop(), {split: str(p.resolve()) for split, p in files.items()})
 
 
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bars or logged tracebacks from `datasets` during the check: its failure becomes our one line."""
+    import datasets
+
+    logger = logging.getLogger("datasets")
+    level, bars = logger.level, datasets.is_progress_bar_enabled()
+    logger.setLevel(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
 def check_columns(gate: str, data: LocalData) -> dict:
     """Load each split with `datasets` (as lm-eval will) and check the columns the task reads; split -> Dataset."""
     import datasets
@@ -89,7 +108,8 @@ def check_columns(gate: str, data: LocalData) -> dict:
     loaded = {}
     for split, path in data.files.items():
         try:
-            ds = datasets.load_dataset(data.builder, data_files={split: path}, split=split)
+            with _quiet_datasets():
+                ds = datasets.load_dataset(data.builder, data_files={split: path}, split=split)
         except Exception as e:  # noqa: BLE001 - any parse failure is bad input: say which file
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise SpecquantError(f"cannot read {path} as {data.builder} ({first}); export it from {schema.source} "

@@ -32,3 +32,14 @@ def kl_stats(model: str, baseline: str, cfg: GateConfig, text: str | None = None
     stats["tokens"] = int(tokens.numel())
     stats["text"] = str(path)
     return stats
+
+
+def kl_gate(model: str, baseline: str, cfg: GateConfig | None = None, rules: dict | None = None,
+            text: str | None = None, dtype: str = "float32"):
+    """(stats, rows) of the kl gate with the default (or given) bounds: what `specquant demo` prints."""
+    from specquant.gate.config import KL_GATE
+    from specquant.gate.thresholds import decide_kl
+
+    cfg = cfg or GateConfig()
+    stats = kl_stats(model, baseline, cfg, text, dtype)
+    return stats, decide_kl(rules or cfg.default_thresholds[KL_GATE], stats)

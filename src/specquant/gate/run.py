@@ -18,7 +18,8 @@ from pathlib import Path
 from specquant.errors import SpecquantError
 from specquant.gate import datasets as local
 from specquant.gate.config import KL_GATE, LM_EVAL_GATES, BackendConfig, GateConfig
-from specquant.gate.thresholds import GateResult, decide_kl, decide_score, exit_code, metric_of, needs_baseline, table
+from specquant.gate.kl import kl_gate
+from specquant.gate.thresholds import GateResult, decide_score, exit_code, metric_of, needs_baseline, table
 
 MARKER = ".specquant-gate"  # marks an output folder this command created (it may replace it)
 
@@ -191,9 +192,9 @@ def run_gates(cfg: GateConfig, backend: BackendConfig, model: Subject, baseline:
                 rows.append(decide_score(g, rules[g], value, base))
         if KL_GATE in cfg.tasks:
             log(f"  kl: {model.model} against {baseline.model}")
-            stats = kl_stats_for(model.model, baseline.model, cfg, kl_text, backend.dtype)
+            stats, kl_rows = kl_gate(model.model, baseline.model, cfg, rules[KL_GATE], kl_text, backend.dtype)
             summary["kl"] = stats
-            rows.extend(decide_kl(rules[KL_GATE], stats))
+            rows.extend(kl_rows)
         summary["gates"] = [r.to_dict() for r in rows]
         summary["exit_code"] = exit_code(rows)
         summary["passed"] = summary["exit_code"] == 0
@@ -202,9 +203,3 @@ def run_gates(cfg: GateConfig, backend: BackendConfig, model: Subject, baseline:
     summary["table"] = table(rows)
     summary["out"] = str(out_path)
     return summary
-
-
-def kl_stats_for(model: str, baseline: str, cfg: GateConfig, text: str | None, dtype: str) -> dict:
-    from specquant.gate.kl import kl_stats
-
-    return kl_stats(model, baseline, cfg, text, dtype)
