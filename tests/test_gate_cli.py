@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -140,3 +144,19 @@ def test_kl_gate_end_to_end(tmp_path, capsys):
     assert far["kl"]["kl"] > 0.1 and not far["passed"]
     assert [g["metric"] for g in far["gates"]] == ["kl", "ppl_ratio", "top1_agree"]
     assert "FAIL" in (out / "gates.md").read_text() and (out / MARKER).exists()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and util-linux unshare")
+def test_gate_runs_without_network(tmp_path):
+    """In a network namespace with no interfaces up, with no HF_*_OFFLINE set by the caller: lm-eval, datasets and
+    IFEval's NLTK data all come from local files (specquant sets the offline switches itself)."""
+    thresholds = tmp_path / "thr.json"
+    thresholds.write_text(json.dumps({"ifeval": {"min": 0.0}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    cmd = ["unshare", "-n", sys.executable, "-m", "specquant.cli", "gate", "--model", "tiny-target", "--tasks",
+           "ifeval", "--limit", "1", "--ifeval-max-gen-toks", "8", "--thresholds", str(thresholds), "--out",
+           str(tmp_path / "out"), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["gates"][0]["gate"] == "ifeval" and summary["passed"]
