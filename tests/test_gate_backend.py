@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance
 from specquant.errors import SpecquantError
 from specquant.gate.backend import SpecquantLM
 from specquant.gate.datasets import FIXTURES
-from specquant.model.checkpoint import load_model
+from specquant.loader import load_model
 
 
 @pytest.fixture(scope="module")

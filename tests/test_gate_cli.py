@@ -4,7 +4,6 @@ step), the output folder policy, and the kl gate end to end on the bundled targe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -16,8 +15,9 @@ import pytest
 from specquant.cli import main
 from specquant.errors import SpecquantError
 from specquant.gate.cli import add_parser
-from specquant.gate.config import GateConfig
-from specquant.gate.run import MARKER, prepare_out
+from specquant.gate.config import BackendConfig, GateConfig
+from specquant.util.flags import config_from_args
+from specquant.util.files import MARKER
 from specquant.gate.thresholds import decide_kl, decide_score, exit_code, load_thresholds
 
 
@@ -25,10 +25,12 @@ def test_flag_defaults_come_from_gate_config():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="verb"))
     args = parser.parse_args(["gate", "--model", "x"])
-    for f in dataclasses.fields(GateConfig):
-        if hasattr(args, f.name) and f.name != "tasks":
-            assert getattr(args, f.name) == getattr(GateConfig(), f.name), f.name
+    assert config_from_args(GateConfig, args, tasks=GateConfig().tasks) == GateConfig()
+    assert config_from_args(BackendConfig, args) == BackendConfig()
     assert args.tasks == ",".join(GateConfig().tasks)
+    args = parser.parse_args(["gate", "--model", "x", "--limit", "3", "--gpqa-max-gen-toks", "4096", "--draft-len", "5"])
+    cfg, backend = config_from_args(GateConfig, args), config_from_args(BackendConfig, args)
+    assert (cfg.limit, cfg.gpqa_max_gen_toks, backend.draft_len) == (3, 4096, 5)
 
 
 def test_default_thresholds_are_the_seed_ratios():
@@ -109,22 +111,15 @@ def test_bad_input_is_one_line_error_before_anything_runs(tmp_path, capsys):
     assert not out.exists()  # nothing written
 
 
-def test_out_policy(tmp_path):
+def test_out_refuses_a_foreign_non_empty_folder(tmp_path, capsys):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("user data")
-    with pytest.raises(SpecquantError, match="did not create"):
-        prepare_out(foreign, overwrite=False)
-    prepare_out(foreign, overwrite=True)
-    ours = tmp_path / "ours"
-    ours.mkdir()
-    (ours / MARKER).write_text("")
-    (ours / "results.json").write_text("{}")
-    prepare_out(ours, overwrite=False)  # a folder this command wrote may be replaced
-    prepare_out(tmp_path / "new", overwrite=False)
+    argv = ["gate", "--model", "tiny-target", "--baseline", "tiny-target", "--tasks", "kl", "--out", str(foreign)]
+    _one_line_error(capsys, argv, "did not create")
+    assert (foreign / "keep.txt").read_text() == "user data" and not (foreign / MARKER).exists()
     (tmp_path / "file").write_text("")
-    with pytest.raises(SpecquantError, match="is a file"):
-        prepare_out(tmp_path / "file", overwrite=False)
+    _one_line_error(capsys, argv[:-1] + [str(tmp_path / "file")], "is a file")
 
 
 def test_kl_gate_end_to_end(tmp_path, capsys):
@@ -143,7 +138,7 @@ def test_kl_gate_end_to_end(tmp_path, capsys):
     far = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert far["kl"]["kl"] > 0.1 and not far["passed"]
     assert [g["metric"] for g in far["gates"]] == ["kl", "ppl_ratio", "top1_agree"]
-    assert "FAIL" in (out / "gates.md").read_text() and (out / MARKER).exists()
+    assert "FAIL" in (out / "gates.md").read_text() and (out / MARKER).exists()  # rerun into its own --out
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and util-linux unshare")

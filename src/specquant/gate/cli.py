@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specquant.cliutil import add_config_flags, config_from_args
+from specquant.util.flags import add_config_flags, config_from_args, print_json
 from specquant.gate.config import ALL_GATES, BackendConfig, GateConfig
 
 DEFAULT_OUT = "runs/gate"
@@ -30,23 +30,13 @@ def add_parser(sub):
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out this command did not create")
     p.add_argument("--kl-text", default=None, help="held-out text for the kl gate (default: the bundled held-out set)")
-    add_config_flags(p, GateConfig, {
-        "limit": "documents per lm-eval task (per subject for MMLU-Pro)",
-        "mmlu_pro_max_gen_toks": "MMLU-Pro generation limit (default: lm-eval's task value)",
-        "ifeval_max_gen_toks": "IFEval generation limit (default: lm-eval's task value)",
-        "gpqa_max_gen_toks": "GPQA-Diamond generation limit (lm-eval's default of 256 cuts the reasoning)",
-        "apply_chat_template": "apply the tokenizer's (or server's) chat template",
-        "kl_samples": "kl gate: held-out blocks", "kl_seq_len": "kl gate: tokens per block"})
-    add_config_flags(p, BackendConfig, {
-        "dtype": "weights/activations dtype for local checkpoints", "device": "cpu or cuda",
-        "draft_len": "draft tokens per verify step (k)",
-        "max_gen_toks_cap": "cap every generation at this many tokens (quick runs; changes scores)"})
+    add_config_flags(p, GateConfig)
+    add_config_flags(p, BackendConfig)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     return p
 
 
 def run(args) -> int:
-    from specquant.cli import print_json
     from specquant.gate.run import Subject, run_gates
     from specquant.gate.thresholds import load_thresholds
 

@@ -37,18 +37,23 @@ def _kl_defaults() -> dict:
 @dataclass
 class GateConfig:
     tasks: tuple[str, ...] = ("mmlu_pro", "ifeval", "gpqa_diamond", "kl")
-    limit: int | None = None  # documents per lm-eval task (per subject for MMLU-Pro); None = all
+    limit: int | None = field(default=None, metadata={
+        "help": "documents per lm-eval task (per subject for MMLU-Pro); None: all"})
     # lm-eval's seeds (python random, numpy, torch, few-shot sampler); python random drives GPQA's choice shuffle
     seeds: tuple[int, int, int, int] = (0, 1234, 1234, 1234)
     # generation limits (None = the task's own default: MMLU-Pro 2048, IFEval 1280). GPQA's task sets none, so
     # lm-eval would stop CoT at 256 tokens; the seed allowed 12288 for the reasoning.
-    mmlu_pro_max_gen_toks: int | None = None
-    ifeval_max_gen_toks: int | None = None
-    gpqa_max_gen_toks: int = 12288
-    apply_chat_template: bool = False
+    mmlu_pro_max_gen_toks: int | None = field(default=None, metadata={
+        "help": "MMLU-Pro generation limit; None: lm-eval's task value, 2048"})
+    ifeval_max_gen_toks: int | None = field(default=None, metadata={
+        "help": "IFEval generation limit; None: lm-eval's task value, 1280"})
+    gpqa_max_gen_toks: int = field(default=12288, metadata={
+        "help": "GPQA-Diamond generation limit (lm-eval's default of 256 cuts the reasoning)"})
+    apply_chat_template: bool = field(default=False, metadata={
+        "help": "apply the tokenizer's chat template (with --server: chat completions)"})
     # kl gate: held-out blocks cut from the bundled held-out text (or --kl-text FILE)
-    kl_samples: int = 16
-    kl_seq_len: int = 256
+    kl_samples: int = field(default=16, metadata={"help": "kl gate: held-out blocks"})
+    kl_seq_len: int = field(default=256, metadata={"help": "kl gate: tokens per block"})
     kl_batch_size: int = 4
     default_thresholds: dict = field(default_factory=lambda: {**_seed_ratios(), "kl": _kl_defaults()})
 
@@ -59,12 +64,14 @@ class BackendConfig:
 
     target: str = "tiny-target"
     draft: str | None = None  # speculative decoding when given
-    dtype: str = "float32"
-    device: str = "cpu"
-    draft_len: int = 3  # k; SpecConfig's other defaults apply
+    dtype: str = field(default="float32", metadata={"help": "dtype of local checkpoints",
+                                                     "choices": ("float32", "bfloat16", "float16")})
+    device: str = field(default="cpu", metadata={"help": "device of local checkpoints (cpu, cuda)"})
+    draft_len: int = field(default=3, metadata={"help": "draft tokens per verify step (k)"})  # SpecConfig's others
     max_length: int | None = None  # context; None = the target's max_position_embeddings
     # stop strings are checked between chunks of generation (the engine has no stop-string hook): the first chunk is
     # this long and each next one twice as long, so a stopped answer costs a few re-prefills, not max_gen_toks tokens
     first_chunk: int = 32
     # the most tokens one generation may produce; lm-eval's max_gen_toks is capped to it and to the context
-    max_gen_toks_cap: int | None = None
+    max_gen_toks_cap: int | None = field(default=None, metadata={
+        "help": "cap every generation at this many tokens (quick runs; changes scores)"})

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import load_model, load_tokenizer, resolve
+from specquant.loader import load_model
+from specquant.model.checkpoint import load_tokenizer, resolve
 
 
 class EvalEngine:
@@ -28,8 +29,8 @@ class EvalEngine:
         self.device = torch.device(device)
         self.spec = None
         if draft is not None:
-            from specquant.spec.config import SpecConfig
-            from specquant.spec.engine import SpecEngine
+            from specquant.spec_decode.config import SpecConfig
+            from specquant.spec_decode.engine import SpecEngine
 
             draft_model = load_model(draft, dtype, device, fuse=True)
             self.spec = SpecEngine(self.target, draft_model, SpecConfig(draft_len=draft_len),
@@ -46,7 +47,7 @@ class EvalEngine:
     @property
     def draft_steps(self) -> int:
         """Verify steps that carried draft tokens so far (0 without a draft)."""
-        return self.spec.metrics.drafts if self.spec is not None else 0
+        return self.spec.metrics.num_drafts if self.spec is not None else 0
 
     @torch.no_grad()
     def logprobs(self, ids: list[int]) -> torch.Tensor:

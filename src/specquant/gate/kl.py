@@ -13,7 +13,8 @@ HELDOUT = Path(__file__).resolve().parent.parent / "data" / "heldout.txt"
 
 def kl_stats(model: str, baseline: str, cfg: GateConfig, text: str | None = None, dtype: str = "float32") -> dict:
     """KL(baseline || model) nats/token, perplexities and their ratio, top-1 agreement on held-out blocks."""
-    from specquant.model.checkpoint import load_model, load_tokenizer, read_config
+    from specquant.loader import load_model
+    from specquant.model.checkpoint import load_tokenizer, read_config
     from specquant.quant.quality import compare, heldout_tokens
 
     m_cfg, b_cfg = read_config(model), read_config(baseline)

@@ -21,9 +21,6 @@ from specquant.gate.config import KL_GATE, LM_EVAL_GATES, BackendConfig, GateCon
 from specquant.gate.kl import kl_gate
 from specquant.gate.thresholds import GateResult, decide_score, exit_code, metric_of, needs_baseline, table
 
-MARKER = ".specquant-gate"  # marks an output folder this command created (it may replace it)
-
-
 @dataclass
 class Subject:
     """What is evaluated: a local checkpoint (+ draft) through the specquant backend, or an OpenAI-compatible server."""
@@ -78,14 +75,6 @@ def lm_eval_model(s: Subject, backend: BackendConfig, chat: bool) -> tuple[str, 
     return "specquant", args
 
 
-def prepare_out(out: Path, overwrite: bool):
-    if out.exists() and not out.is_dir():
-        raise SpecquantError(f"--out {str(out)!r} is a file; pass a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists() and not overwrite:
-        raise SpecquantError(f"--out {str(out)!r} is a non-empty directory this command did not create; pass an "
-                             "empty or new directory, or --overwrite to replace it")
-
-
 def run_lm_eval(s: Subject, tasks: list[str], include: list[str], cfg: GateConfig, backend: BackendConfig,
                 out: Path, log) -> dict:
     """lm-eval's simple_evaluate with its own task definitions (via our include path); saves its own logs."""
@@ -135,7 +124,7 @@ def headline(results: dict) -> dict:
 def run_gates(cfg: GateConfig, backend: BackendConfig, model: Subject, baseline: Subject | None, rules: dict,
               data_dir: str | None, out: str, overwrite: bool = False, kl_text: str | None = None, log=print) -> dict:
     """Every selected gate; returns the summary written to results.json (its "exit_code": 0 pass, 1 fail)."""
-    from specquant.model.checkpoint import atomic_dir
+    from specquant.util.files import atomic_dir, check_out_dir
 
     # ---- bad input first, before anything slow
     unknown = [t for t in cfg.tasks if t not in (*LM_EVAL_GATES, KL_GATE)]
@@ -162,8 +151,7 @@ def run_gates(cfg: GateConfig, backend: BackendConfig, model: Subject, baseline:
         splits = local.check_columns(g, data[g])
         if g == "mmlu_pro":
             categories = set(splits["test"]["category"])
-    out_path = Path(out)
-    prepare_out(out_path, overwrite)
+    out_path = check_out_dir(out, overwrite)  # a non-empty folder specquant did not create needs --overwrite
     if "ifeval" in lm_gates:
         from specquant.gate.punkt import ensure_punkt
 
@@ -175,8 +163,7 @@ def run_gates(cfg: GateConfig, backend: BackendConfig, model: Subject, baseline:
                "data_dir": str(data_dir) if data_dir else str(local.FIXTURES), "config": dataclasses.asdict(cfg),
                "backend": dataclasses.asdict(backend), "thresholds": {g: rules[g] for g in cfg.tasks}}
     rows: list[GateResult] = []
-    with atomic_dir(out_path) as tmp:
-        (tmp / MARKER).write_text("written by specquant gate\n")
+    with atomic_dir(out_path, overwrite) as tmp:
         if lm_gates:
             names = write_overrides(tmp / "tasks", data, cfg, categories)
             include = include_paths(tmp / "tasks", lm_gates)
