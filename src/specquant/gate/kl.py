@@ -44,3 +44,20 @@ def kl_gate(model: str, baseline: str, cfg: GateConfig | None = None, rules: dic
     cfg = cfg or GateConfig()
     stats = kl_stats(model, baseline, cfg, text, dtype)
     return stats, decide_kl(rules or cfg.default_thresholds[KL_GATE], stats)
+
+
+def demo_gate(model: str, baseline: str, quick: bool = False, log=print) -> dict:
+    """`specquant demo`'s quality step: the kl gate with its default bounds, printed as a pass/fail table."""
+    import dataclasses
+
+    from specquant.gate.thresholds import exit_code, table
+
+    cfg = GateConfig()
+    if quick:  # the quick demo's budget: 4 x 128 held-out tokens instead of 16 x 256
+        cfg = dataclasses.replace(cfg, kl_samples=4, kl_seq_len=128)
+    stats, rows = kl_gate(model, baseline, cfg)
+    passed = exit_code(rows) == 0
+    log(f"quality gate (kl, {stats['tokens']} held-out tokens): {model} against {baseline}")
+    log(table(rows))
+    log(f"quality gate: {'PASS' if passed else 'FAIL'}")
+    return {"kl": stats, "gates": [r.to_dict() for r in rows], "passed": passed}
