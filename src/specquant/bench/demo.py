@@ -22,7 +22,6 @@ PRESETS = {
 NOT_YET = {
     "QAD": "quantization-aware distillation of the W4 target",
     "drafter adaptation": "fine-tuning the draft on the W4 target's outputs",
-    "quality gates": "held-out quality thresholds for the W4 target",
 }
 DEFAULT_OUT = "runs/demo"
 
@@ -48,12 +47,17 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
 
     cfg = dataclasses.replace(demo_config(out, quick), **overrides)
     t0 = time.perf_counter()
-    log(f"[1/2] quantize {target} with {cfg.target_method.upper()} and {draft} with {cfg.draft_method.upper()}, "
+    log(f"[1/3] quantize {target} with {cfg.target_method.upper()} and {draft} with {cfg.draft_method.upper()}, "
         f"then bench rows (a)-(e) and the transformers comparison ({'quick' if quick else 'full'} preset)")
     for name, what in NOT_YET.items():
         log(f"      {name}: not built yet ({what}; a later issue)")
     results, files = run_bench(cfg, target, draft, log=log)
-    log(f"[2/2] done in {time.perf_counter() - t0:.0f} s\n")
+    log("[2/3] quality gate: the W4 target against the fp32 target (specquant gate's kl gate)")
+    from specquant.gate.kl import demo_gate
+
+    w4 = results["quantized"]["quantized_target"]
+    results["quality_gate"] = demo_gate(w4["path"] if isinstance(w4, dict) else w4, target, quick, log)
+    log(f"[3/3] done in {time.perf_counter() - t0:.0f} s\n")
     log(summary_table(results))
     log(f"\nreport: {Path(cfg.out) / 'report.md'}; numbers: {Path(cfg.out) / 'results.json'}; plots: "
         + ", ".join(f.name for f in files if f.suffix == ".png"))
