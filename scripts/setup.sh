@@ -14,3 +14,5 @@ if [ ! -f "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
   .venv/bin/pip install -q -e ".[test]"
   touch "$marker"
 fi
+# the native W4 kernel (a second, no network; without g++ or AVX-512 BF16 it says why and QuantLinear uses torch's)
+.venv/bin/python -m specquant.quant.native
