@@ -36,7 +36,10 @@ class QuantConfig:
                           "also matches as the last name component(s)", "metavar": "PATTERN"},
     )
     calib: str | None = field(default=None, metadata={"help": "calibration text file (default: bundled calib.txt)"})
-    calib_samples: int = field(default=64, metadata={"help": "calibration sequences"})
+    calib_samples: int = field(default=64, metadata={"help": "calibration sequences (AWQ/GPTQ; see docs/QUANT.md "
+                                                              "for the time/quality trade-off)"})
+    report_samples: int = field(default=1, metadata={"help": "RTN: calibration sequences run only to report "
+                                                              "per-layer output errors (0: weight SQNR only)"})
     seq_len: int = field(default=256, metadata={"help": "tokens per calibration sequence"})
     seed: int = field(default=0, metadata={"help": "seed for token subsampling"})
     awq_grid: int = field(default=20, metadata={"help": "AWQ: alpha grid points over [0, 1)"})
@@ -63,6 +66,8 @@ class QuantConfig:
             raise SpecquantError(
                 f"group_size={self.group_size} is not supported; use one of 32, 64, 128 or -1 (per channel)"
             )
+        if self.report_samples < 0:
+            raise SpecquantError(f"report_samples={self.report_samples} must be >= 0 (0 skips the output-error report)")
         for name in ("calib_samples", "seq_len", "awq_grid", "awq_block_samples", "awq_clip_grid",
                      "gptq_block"):
             if getattr(self, name) < 1:

@@ -95,8 +95,10 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     if calib_tokens is None and method.NEEDS_CALIBRATION and tokenizer is None:
         raise SpecquantError(f"calibration needs a tokenizer: {cfg.method} calibrates on text; pass tokenizer= "
                              "(model.checkpoint.load_tokenizer) or calib_tokens=")
-    if calib_tokens is None and tokenizer is not None:
-        calib_tokens = calibration_tokens(tokenizer, cfg.calib_path(), cfg.calib_samples, cfg.seq_len)
+    # RTN runs calibration forwards only for the output-error report: report_samples sequences (0: none).
+    samples = cfg.calib_samples if method.NEEDS_CALIBRATION else cfg.report_samples
+    if calib_tokens is None and tokenizer is not None and samples:
+        calib_tokens = calibration_tokens(tokenizer, cfg.calib_path(), samples, cfg.seq_len)
     if calib_tokens is not None and int(calib_tokens.max()) >= model.config.vocab_size:
         raise SpecquantError(f"calibration token id {int(calib_tokens.max())} >= vocab_size "
                              f"{model.config.vocab_size}; the tokenizer does not match the model")
