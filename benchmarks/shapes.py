@@ -17,7 +17,8 @@ the model's mask; `lm_head` = the head on T rows; `rest` = step minus the three 
 embedding, Python).
 
 W4 = RTN, 4 bits, group 32, symmetric (GGUF Q4_0's grid), activations in the model dtype (float32); the head's
-precision is --lm-head (dense: the model's fp32 matrix, tied to the embedding).
+precision is --lm-head (dense: the model's fp32 matrix, tied to the embedding; bf16 / w8 / w4: see
+specquant.quant.head).
 
 With --llama-cpp DIR, llama-bench (DIR/build/bin/llama-bench or DIR/bin/llama-bench) is run on the GGUF files
 DIR/shapes/<shape>-<f32|q4_0>.gguf for tg (decode) and pp2..pp16 (verify-sized prompt batches); the column says
@@ -46,6 +47,7 @@ from specquant.model.checkpoint import read_config
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer, attention_mask
 from specquant.model.fuse import fuse_projections
+from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
 
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -56,7 +58,6 @@ SHAPES = {
     "qwen3-1.7b": lambda: ModelConfig(hidden_size=2048, intermediate_size=6144, **QWEN3),
 }
 MODES = {"fp32": torch.float32, "bf16": torch.bfloat16, "w4": torch.float32}
-LM_HEADS = ("dense",)
 
 
 def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
@@ -92,6 +93,7 @@ def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
         from specquant.quant.pipeline import quantize
 
         quantize(model, QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True))
+        set_lm_head(model, lm_head)
     fuse_projections(model)
     return model
 
@@ -202,7 +204,8 @@ def main():
     ap.add_argument("--context", type=int, default=128, help="tokens in the KV cache before the timed steps")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--lm-head", default="dense", choices=LM_HEADS, help="W4 models: the head's precision")
+    ap.add_argument("--lm-head", default="dense", choices=HEAD_PRECISIONS,
+                    help="W4 models: the head's precision (specquant.quant.head)")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp directory with llama-bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -219,12 +219,33 @@ def _native_w4_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], m.out_features)
 
 
+def _int8pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:
+    return (m.bits == 8 and m.symmetric and m.group_size == m.in_features and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
+
+
+def _int8pack_cpu(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """torch's W8 per-channel CPU kernel (aten._weight_int8pack_mm): int8 weight [out, in], scales [out]."""
+    codes = m._cache.get("int8")
+    if codes is None:
+        codes = m._cache["int8"] = m.codes().contiguous()
+    key = ("int8_scale", x.dtype)
+    scale = m._cache.get(key)
+    if scale is None:
+        scale = m._cache[key] = m.weight_scale.reshape(-1).to(x.dtype).contiguous()
+    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, m.in_features).contiguous(), codes, scale)
+    if m.bias is not None:
+        y = y + m.bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], m.out_features)
+
+
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(_reference, lambda m, x: True),
     "dequant_cached": Backend(_dequant_cached, lambda m, x: True),
     "int4pack_cpu": Backend(_int4pack_cpu, _int4pack_supports),
     "int4pack_cpu_bf16": Backend(_int4pack_cpu_bf16, _int4pack_supports),
     "native_w4_bf16": Backend(_native_w4_bf16, _native_supports),
+    "int8pack_cpu": Backend(_int8pack_cpu, _int8pack_supports),
 }
 
 
@@ -253,6 +274,8 @@ def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
     rows = x.numel() // m.in_features
     if rows >= LARGE_ROWS:
         choice, why = "reference", f"{rows} rows (>= {LARGE_ROWS}): dequantize per call, then one dense GEMM"
+    elif _int8pack_supports(m, x):  # W8 per channel (the W8 lm_head): torch's int8 kernel, no dense copy
+        choice, why = "int8pack_cpu", f"{x.dtype} activations on CPU, 8-bit per-channel: the int8 kernel"
     elif x.dtype in (torch.float32, torch.bfloat16) and _native_supports(m, x):
         choice, why = "native_w4_bf16", f"{x.dtype} activations on CPU: the native AVX-512 BF16 W4 kernel"
     elif x.dtype in (torch.float32, torch.bfloat16) and _int4pack_supports(m, x):

@@ -89,6 +89,8 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     method = METHODS[cfg.method]
     model.eval()
     targets = target_linears(model, cfg)
+    if cfg.lm_head != "dense":  # the head gets its own precision (quant.head), not the layers' scheme
+        targets.pop("lm_head", None)
     dtype = model.model.embed_tokens.weight.dtype
     scale_dtype = scale_dtype or dtype
     bytes_before = tensor_bytes(model)
@@ -145,6 +147,11 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
             res = rtn.quantize_linear(name, lin, cfg, scale_dtype)
             rows.append(_error_row(name, res, None, cfg.seed))
             _swap(model, name, res, lin, cfg.bits)
+    if cfg.lm_head != "dense":
+        from specquant.quant.head import set_lm_head
+
+        untied = untied or model.config.tie_word_embeddings
+        set_lm_head(model, cfg.lm_head, scale_dtype)
     model.quantization = quantization_config(model, cfg)
     return {
         "method": cfg.method,
