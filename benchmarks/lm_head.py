@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from specquant.model.checkpoint import load_model, load_tokenizer
+from specquant.loader import load_model
+from specquant.model.checkpoint import load_tokenizer
 from specquant.quant.config import HEAD_PRECISIONS
 from specquant.quant.head import set_lm_head
 from specquant.quant.quality import compare, heldout_tokens, logprobs

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import load_model
-from specquant.quant.checkpoint import quantization_config, save_quantized
+from specquant.loader import load_model
+from specquant.quant.checkpoint import save_quantized
 from specquant.quant.config import HEAD_PRECISIONS, QuantConfig
 from specquant.quant.head import CastLinear, set_lm_head
 from specquant.quant.linear import QuantLinear, auto_backend
@@ -56,7 +56,7 @@ def test_quantize_with_head_precision_round_trips_through_the_checkpoint(precisi
     model = tiny()
     cfg = QuantConfig(method="rtn", group_size=32, lm_head=precision, report_samples=0)
     quantize(model, cfg)
-    qc = quantization_config(model)
+    qc = model.quantization  # what quantize() built with cfg (save_quantized writes it)
     tokens = torch.randint(0, model.config.vocab_size, (1, 12))
     want = model(tokens)
     save_quantized(model, tmp_path / "q", cfg=cfg)
