@@ -43,8 +43,8 @@ class QuantConfig:
                   "choices": HEAD_PRECISIONS},
     )
     calib: str | None = field(default=None, metadata={"help": "calibration text file (default: bundled calib.txt)"})
-    calib_samples: int = field(default=64, metadata={"help": "calibration sequences (AWQ/GPTQ; see docs/QUANT.md "
-                                                              "for the time/quality trade-off)"})
+    calib_samples: int = field(default=64, metadata={"help": "calibration sequences (AWQ/GPTQ; their calibration "
+                                                              "forwards grow linearly with it)"})
     report_samples: int = field(default=1, metadata={"help": "RTN: calibration sequences run only to report "
                                                               "per-layer output errors (0: weight SQNR only)"})
     seq_len: int = field(default=256, metadata={"help": "tokens per calibration sequence"})
