@@ -108,3 +108,14 @@ def test_config_json_round_trip():
         QuantConfig.from_json({"method": "awq", "awq": {"grdi": 3}})
     with pytest.raises(SpecquantError, match="unknown QuantConfig field"):
         QuantConfig.from_json({"method": "rtn", "nbits": 4})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_big_endian_word_assembly_matches_the_little_endian_view(bits):
+    from specquant.quant.pack import _pack_words
+
+    codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (5, 64), dtype=torch.int8)
+    u = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    if bits == 4:
+        u = u[:, 0::2] | (u[:, 1::2] << 4)
+    assert torch.equal(_pack_words(u, 5), pack_codes(codes, bits))

@@ -27,7 +27,19 @@ SUPPORTED_STRATEGIES = ("group", "channel")
 
 def quantization_config(model: nn.Module, cfg: QuantConfig | None = None) -> dict:
     """The config.json `quantization_config` dict for a model holding QuantLinear modules."""
-    qlinears = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    from specquant.quant.head import CastLinear, head_scheme
+
+    lm_head = getattr(model, "lm_head", None)
+    if cfg is not None:
+        head = head_scheme(lm_head) if cfg.lm_head != "dense" else None
+    else:  # no config: a quantized head whose scheme differs from the layers' gets its own group
+        others = {(m.bits, m.group_size == m.in_features or m.group_size) for n, m in model.named_modules()
+                  if isinstance(m, QuantLinear) and n != "lm_head"}
+        own = isinstance(lm_head, QuantLinear) and {(lm_head.bits, lm_head.group_size == lm_head.in_features
+                                                     or lm_head.group_size)} != others
+        head = head_scheme(lm_head) if own else None
+    qlinears = {n: m for n, m in model.named_modules()
+                if isinstance(m, QuantLinear) and not (head and n == "lm_head")}
     if not qlinears:
         raise SpecquantError("model has no quantized Linear; run specquant.quant.quantize(model, config) first")
     kinds = {(m.bits, m.symmetric) for m in qlinears.values()}
@@ -43,7 +55,7 @@ def quantization_config(model: nn.Module, cfg: QuantConfig | None = None) -> dic
                              "be written as one compressed-tensors config group")
     bits, symmetric = kinds.pop()
     act_order = bool(cfg and isinstance(cfg.method, GPTQConfig) and cfg.method.act_order)
-    dense = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    dense = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, CastLinear))]
     weights = {
         "num_bits": bits, "type": "int", "symmetric": symmetric,
         "strategy": "channel" if per_channel else "group", "group_size": None if per_channel else group,
@@ -58,6 +70,9 @@ def quantization_config(model: nn.Module, cfg: QuantConfig | None = None) -> dic
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                       "output_activations": None}},
     }
+    if head:  # QuantConfig.lm_head: its own scheme; a group naming a module wins over the "Linear" group
+        qc["config_groups"] = {"lm_head": {"targets": ["lm_head"], "weights": head, "input_activations": None,
+                                           "output_activations": None}, **qc["config_groups"]}
     if cfg is not None:
         qc["specquant"] = cfg.to_json()
     return qc
@@ -130,10 +145,12 @@ def _plan(model: nn.Module, qc: dict) -> dict[str, dict]:
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or _matches(name, qc.get("ignore"), type(m).__name__):
             continue
-        for scheme in groups.values():
-            if _matches(name, scheme.get("targets"), "Linear"):
-                plan[name] = scheme["weights"]
-                break
+        # a group naming the module (exactly or by regex) wins over one targeting its class, as in
+        # compressed-tensors: e.g. an "lm_head" group beside a "Linear" group (QuantConfig.lm_head)
+        by_name = [sc for sc in groups.values() if _matches(name, sc.get("targets"))]
+        by_class = [sc for sc in groups.values() if _matches(name, sc.get("targets"), "Linear")]
+        if by_name or by_class:
+            plan[name] = (by_name or by_class)[0]["weights"]
     return plan
 
 
@@ -177,5 +194,9 @@ def load_quantized_into(model: nn.Module, tensors: dict[str, torch.Tensor], qc: 
                 raise SpecquantError(f"{name}.weight_shape is {shape}; the config implies "
                                      f"{[m.out_features, m.in_features]}")
             m.invalidate()
+    if (qc.get("specquant") or {}).get("lm_head") == "bf16":  # stored dense (bf16 values): run it as bf16 again
+        from specquant.quant.head import set_lm_head
+
+        set_lm_head(model, "bf16")
     return model
 

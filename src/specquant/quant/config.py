@@ -17,6 +17,7 @@ from specquant.errors import SpecquantError
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, -1)  # -1: one scale per output channel (compressed-tensors strategy "channel")
+HEAD_PRECISIONS = ("dense", "bf16", "w8", "w4")  # specquant.quant.head
 BUNDLED_CALIB = Path(__file__).resolve().parent.parent / "data" / "calib.txt"
 
 
@@ -99,8 +100,17 @@ class QuantConfig:
         metadata={"help": "module-name patterns left unquantized (fnmatch; 're:' prefix = regex); a bare name "
                           "also matches as the last name component(s)", "metavar": "PATTERN"},
     )
+    lm_head: str = field(
+        default="dense",
+        metadata={"help": "lm_head precision: dense (as the checkpoint), bf16, w8 (RTN per channel) or w4 (RTN "
+                          "g32); overrides 'lm_head' in --ignore; KL/top-1 of each: benchmarks/lm_head.py",
+                  "choices": HEAD_PRECISIONS},
+    )
     calib: str | None = field(default=None, metadata={"help": "calibration text file (default: bundled calib.txt)"})
-    calib_samples: int = field(default=64, metadata={"help": "calibration sequences"})
+    calib_samples: int = field(default=64, metadata={"help": "calibration sequences (AWQ/GPTQ; their calibration "
+                                                              "forwards grow linearly with it)"})
+    report_samples: int = field(default=1, metadata={"help": "RTN: calibration sequences run only to report "
+                                                              "per-layer output errors (0: weight SQNR only)"})
     seq_len: int = field(default=256, metadata={"help": "tokens per calibration sequence"})
     seed: int = field(default=0, metadata={"help": "seed for token subsampling"})
 
@@ -124,6 +134,10 @@ class QuantConfig:
             raise SpecquantError(
                 f"group_size={self.group_size} is not supported; use one of 32, 64, 128 or -1 (per channel)"
             )
+        if self.lm_head not in HEAD_PRECISIONS:
+            raise SpecquantError(f"lm_head={self.lm_head!r} is not supported; use one of {', '.join(HEAD_PRECISIONS)}")
+        if self.report_samples < 0:
+            raise SpecquantError(f"report_samples={self.report_samples} must be >= 0 (0 skips the output-error report)")
         for name in ("calib_samples", "seq_len"):
             if getattr(self, name) < 1:
                 raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")

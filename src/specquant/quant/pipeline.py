@@ -90,14 +90,18 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     method = ALGORITHMS[type(cfg.method)]
     model.eval()
     targets = target_linears(model, cfg)
+    if cfg.lm_head != "dense":  # the head gets its own precision (quant.head), not the layers' scheme
+        targets.pop("lm_head", None)
     dtype = model.model.embed_tokens.weight.dtype
     scale_dtype = scale_dtype or dtype
     bytes_before = tensor_bytes(model)
     if calib_tokens is None and method.NEEDS_CALIBRATION and tokenizer is None:
         raise SpecquantError(f"calibration needs a tokenizer: {cfg.method_name} calibrates on text; pass tokenizer= "
                              "(model.checkpoint.load_tokenizer) or calib_tokens=")
-    if calib_tokens is None and tokenizer is not None:
-        calib_tokens = calibration_tokens(tokenizer, cfg.calib_path(), cfg.calib_samples, cfg.seq_len)
+    # RTN runs calibration forwards only for the output-error report: report_samples sequences (0: none).
+    samples = cfg.calib_samples if method.NEEDS_CALIBRATION else cfg.report_samples
+    if calib_tokens is None and tokenizer is not None and samples:
+        calib_tokens = calibration_tokens(tokenizer, cfg.calib_path(), samples, cfg.seq_len)
     if calib_tokens is not None and int(calib_tokens.max()) >= model.config.vocab_size:
         raise SpecquantError(f"calibration token id {int(calib_tokens.max())} >= vocab_size "
                              f"{model.config.vocab_size}; the tokenizer does not match the model")
@@ -144,6 +148,11 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
             res = rtn.quantize_linear(name, lin, cfg, scale_dtype)
             rows.append(_error_row(name, res, None, cfg.seed))
             _swap(model, name, res, lin, cfg.bits)
+    if cfg.lm_head != "dense":
+        from specquant.quant.head import set_lm_head
+
+        untied = untied or model.config.tie_word_embeddings
+        set_lm_head(model, cfg.lm_head, scale_dtype)
     model.quantization = quantization_config(model, cfg)
     return {
         "method": cfg.method_name,

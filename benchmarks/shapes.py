@@ -1,0 +1,254 @@
+"""The engine at real model shapes: decode tok/s and verify cost (2..16 rows) in fp32, bf16 and W4, beside the floor.
+
+Random-init models (speed does not depend on the weights' values; nothing is downloaded) of three shapes: the
+bundled target (`tiny-target`), Qwen3-0.6B and Qwen3-1.7B (their published config.json architecture fields).
+Each model runs the engine's decode path: fused projections, a prompt of --context tokens in the KV cache, then
+forwards of T = 1, 2, 4, 8, 16 tokens at that position (T = 1 is a decode step, T > 1 a verify step returning
+T rows of logits). Per repetition every T and every component is timed once, interleaved, so background load hits
+them alike; figures are medians over --reps, and `spread` is the largest (max - min) / median over a shape's rows.
+
+Floor: the bytes one step must read (every linear's weight buffers, the lm_head, the K/V cache) divided by the
+streamed read bandwidth measured at the start of the same run (torch.sum over a buffer far larger than the LLC).
+`floor tok/s` is 1 / that time: no memory-bound engine can beat it.
+
+Breakdown (ms per forward, each part timed alone in the same repetition): `linears` = every decoder-layer Linear
+called on T rows in layer order; `attention` = scaled_dot_product_attention per layer on that layer's cache, with
+the model's mask; `lm_head` = the head on T rows; `rest` = step minus the three (norms, RoPE, cache writes,
+embedding, Python).
+
+W4 = RTN, 4 bits, group 32, symmetric (GGUF Q4_0's grid), activations in the model dtype (float32); the head's
+precision is --lm-head (dense: the model's fp32 matrix, tied to the embedding; bf16 / w8 / w4: see
+specquant.quant.head).
+
+With --llama-cpp DIR, llama-bench (DIR/build/bin/llama-bench or DIR/bin/llama-bench) is run on the GGUF files
+DIR/shapes/<shape>-<f32|q4_0>.gguf for tg (decode) and pp2..pp16 (verify-sized prompt batches); the column says
+"not built" when the binary is absent and "no gguf" when a file is.
+
+Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b] [--modes fp32,bf16,w4]
+       [--rows 1,2,4,8,16] [--context 128] [--reps 5] [--threads N] [--lm-head dense] [--llama-cpp DIR]
+A table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specquant.model.checkpoint import read_config
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Transformer, attention_mask
+from specquant.model.fuse import fuse_projections
+from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
+
+QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+             max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True)
+SHAPES = {
+    "tiny-target": lambda: read_config("tiny-target"),
+    "qwen3-0.6b": lambda: ModelConfig(hidden_size=1024, intermediate_size=3072, **QWEN3),
+    "qwen3-1.7b": lambda: ModelConfig(hidden_size=2048, intermediate_size=6144, **QWEN3),
+}
+MODES = {"fp32": torch.float32, "bf16": torch.bfloat16, "w4": torch.float32}
+
+
+def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
+    """Read bandwidth in GB/s: median of torch.sum over `mb` MB (past any LLC), all threads."""
+    buf = torch.ones(mb * (1 << 20) // 4)
+    buf.sum()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        samples.append(time.perf_counter() - t0)
+    return buf.numel() * 4 / statistics.median(samples) / 1e9
+
+
+def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
+    """Random-init model in the mode's dtype (W4: RTN g32 of the fp32 weights), fused like the engine's loads."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.split(".")[-2]:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model._set_rope(cfg.max_position_embeddings)
+    model = model.to(MODES[mode]).eval()
+    if mode == "w4":
+        from specquant.quant.config import QuantConfig
+        from specquant.quant.pipeline import quantize
+
+        quantize(model, QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True))
+        set_lm_head(model, lm_head)
+    fuse_projections(model)
+    return model
+
+
+def layer_linears(model: Transformer) -> list[torch.nn.Module]:
+    out = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out += [a.qkv_proj or a.q_proj, *( [] if a.qkv_proj else [a.k_proj, a.v_proj]), a.o_proj,
+                *([m.gate_up_proj] if m.gate_up_proj is not None else [m.gate_proj, m.up_proj]), m.down_proj]
+    return out
+
+
+def module_bytes(mod: torch.nn.Module) -> int:
+    seen = {id(t): t for t in list(mod.parameters()) + list(mod.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dict:
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    gen = torch.Generator().manual_seed(1)
+    model.setup_cache(1, context + max(rows) + 1)
+    model(torch.randint(0, cfg.vocab_size, (1, context), generator=gen), 0)
+    linears = layer_linears(model)
+    xs = {t: {lin.in_features: torch.randn(1, t, lin.in_features, generator=gen).to(dtype) for lin in linears}
+          for t in rows}
+    hidden = {t: torch.randn(1, t, cfg.hidden_size, generator=gen).to(dtype) for t in rows}
+    toks = {t: torch.randint(0, cfg.vocab_size, (1, t), generator=gen) for t in rows}
+    attn = [layer.self_attn for layer in model.model.layers]
+    gqa = cfg.num_key_value_heads != cfg.num_attention_heads
+
+    def attention(t):
+        q = torch.randn(1, cfg.num_attention_heads, t, cfg.head_dim, dtype=dtype)
+        mask = attention_mask(context, t, 0, context + t, None, "cpu")
+        for a in attn:
+            k, v = a.cache.k[:, :, : context + t], a.cache.v[:, :, : context + t]
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    parts = {"step": lambda t: model(toks[t], context),
+             "linears": lambda t: [lin(xs[t][lin.in_features]) for lin in linears],
+             "attention": attention,
+             "lm_head": lambda t: model.lm_head(hidden[t])}
+    samples = {(p, t): [] for p in parts for t in rows}
+    with torch.inference_mode():
+        for fn in parts.values():  # warm-up: backend choices, repacks, allocator
+            for t in rows:
+                fn(t)
+        for _ in range(reps):
+            for t in rows:
+                for p, fn in parts.items():
+                    samples[(p, t)].append(timed(lambda: fn(t)))
+    res = {}
+    for t in rows:
+        med = {p: statistics.median(samples[(p, t)]) for p in parts}
+        s = samples[("step", t)]
+        res[t] = {"ms": med["step"] * 1e3, "spread": (max(s) - min(s)) / med["step"],
+                  "linears_ms": med["linears"] * 1e3, "attention_ms": med["attention"] * 1e3,
+                  "lm_head_ms": med["lm_head"] * 1e3,
+                  "rest_ms": (med["step"] - med["linears"] - med["attention"] - med["lm_head"]) * 1e3}
+    model.clear_cache()
+    return res
+
+
+def step_bytes(model: Transformer, context: int, t: int) -> int:
+    cfg = model.config
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + t) * cfg.head_dim
+    kv *= model.model.embed_tokens.weight.element_size()
+    return sum(module_bytes(m) for m in layer_linears(model)) + module_bytes(model.lm_head) + kv
+
+
+def llama_bench(root: Path | None, shape: str, mode: str, rows: list[int]) -> dict | str:
+    """llama-bench tok/s for decode (tg) and pp<T>, or why not."""
+    if root is None:
+        return "not asked"
+    exe = next((p for p in (root / "build" / "bin" / "llama-bench", root / "bin" / "llama-bench") if p.is_file()),
+               None) or shutil.which("llama-bench", path=str(root))
+    if exe is None:
+        return "not built"
+    kind = {"fp32": "f32", "bf16": "bf16", "w4": "q4_0"}[mode]
+    gguf = root / "shapes" / f"{shape}-{kind}.gguf"
+    if not gguf.is_file():
+        return "no gguf"
+    cmd = [str(exe), "-m", str(gguf), "-t", str(torch.get_num_threads()), "-o", "json", "-r", "3",
+           "-p", ",".join(str(t) for t in rows if t > 1), "-n", "32"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout
+    except (subprocess.SubprocessError, OSError) as e:
+        return f"failed: {str(e).splitlines()[0][:80]}"
+    res = {}
+    for r in json.loads(out):
+        key = "tg" if r.get("n_gen") else f"pp{r['n_prompt']}"
+        res[key] = r["avg_ts"]
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--context", type=int, default=128, help="tokens in the KV cache before the timed steps")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--lm-head", default="dense", choices=HEAD_PRECISIONS,
+                    help="W4 models: the head's precision (specquant.quant.head)")
+    ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp directory with llama-bench")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = sorted({1, *(int(r) for r in args.rows.split(","))})
+    bw = streamed_bandwidth()
+    print(f"streamed read bandwidth: {bw:.1f} GB/s, {args.threads} threads, context {args.context}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    head = (f"{'shape':<12} {'mode':<5} {'tok/s':>7} {'floor':>7} "
+            + " ".join(f"{'v' + str(t):>6}" for t in rows if t > 1)
+            + f" {'lin ms':>7} {'attn':>6} {'head':>6} {'rest':>6} {'v4 lin/attn/head':>17} {'spread':>6}  llama.cpp")
+    print(head)
+    results = []
+    for shape in args.shapes.split(","):
+        cfg = SHAPES[shape]()
+        for mode in args.modes.split(","):
+            t0 = time.perf_counter()
+            model = build(cfg, mode, args.lm_head)
+            build_s = time.perf_counter() - t0
+            res = measure(model, rows, args.context, args.reps)
+            floor = {t: step_bytes(model, args.context, t) / (bw * 1e9) * 1e3 for t in rows}
+            one = res[1]
+            lc = llama_bench(args.llama_cpp, shape, mode, rows)
+            row = {"shape": shape, "mode": mode, "lm_head": args.lm_head if mode == "w4" else "dense",
+                   "decode_tok_s": 1e3 / one["ms"], "floor_tok_s": 1e3 / floor[1],
+                   "verify_steps": {t: res[t]["ms"] / one["ms"] for t in rows if t > 1},
+                   "floor_verify_steps": {t: floor[t] / floor[1] for t in rows if t > 1},
+                   "step_bytes": step_bytes(model, args.context, 1), "build_s": build_s,
+                   "per_rows": res, "llama_cpp": lc}
+            results.append(row)
+            v4 = res.get(4, one)
+            lc_s = lc if isinstance(lc, str) else " ".join(f"{k}={v:.1f}" for k, v in lc.items())
+            print(f"{shape:<12} {mode:<5} {row['decode_tok_s']:7.1f} {row['floor_tok_s']:7.1f} "
+                  + " ".join(f"{row['verify_steps'][t]:6.2f}" for t in rows if t > 1)
+                  + f" {one['linears_ms']:7.2f} {one['attention_ms']:6.2f} {one['lm_head_ms']:6.2f} "
+                  f"{one['rest_ms']:6.2f} {v4['linears_ms']:5.1f}/{v4['attention_ms']:4.1f}/{v4['lm_head_ms']:5.1f} "
+                  f"{max(r['spread'] for r in res.values()):6.2f}  {lc_s}", flush=True)
+            del model
+    print("columns: tok/s = 1 / one-token step; floor = streamed-bandwidth bound; vT = T-row verify / 1-row step; "
+          "lin/attn/head/rest = 1-row ms; v4 = the same parts at 4 rows")
+    print(json.dumps({"benchmark": "shapes", "bandwidth_gb_s": bw, "threads": args.threads, "context": args.context,
+                      "reps": args.reps, "load_avg": os.getloadavg()[0], "torch": torch.__version__,
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""lm_head precision: dense / bf16 / W8 / W4 (QuantConfig.lm_head).
+
+At real vocabulary sizes the head is the largest matrix a decode step reads: Qwen3-0.6B's tied fp32 head is
+151936 x 1024 = 622 MB, more than all its W4 decoder layers (~275 MB with g32 scales), so W4 layers cannot pay
+off while the head stays dense fp32. The options, by bytes per step at that shape:
+  dense  the model's own matrix (fp32: 622 MB), tied to the embedding when the checkpoint ties them;
+  bf16   the same matrix rounded to bf16 (311 MB), run as a bf16 GEMM (activations rounded to bf16);
+  w8     RTN int8, one scale per output row (156 MB), run by torch's aten._weight_int8pack_mm;
+  w4     RTN int4, group 32, symmetric (97 MB with fp32 scales), run by the W4 backends (native kernel first).
+The head gets its own weight (the embedding keeps the dense one), so quantizing it unties a tied checkpoint.
+KL and top-1 agreement of each against the dense head: benchmarks/lm_head.py (docs/SHAPES.md has the numbers).
+The reference recipe keeps the target's head BF16; QuantConfig's default stays dense (see docs/SHAPES.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specquant.errors import SpecquantError
+from specquant.quant.grid import quantize_weight
+from specquant.quant.linear import QuantLinear
+
+from specquant.quant.config import HEAD_PRECISIONS
+W4_HEAD_GROUP = 32  # GGUF Q4_0's grid; the native kernel's best case
+
+
+class CastLinear(nn.Module):
+    """A bias-free Linear whose weight is stored in another dtype (bf16): x is cast to it, the result cast back."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+    def _apply(self, fn, recurse=True):  # model.to(float32) must not widen the head back: keep the stored dtype
+        dtype = self.weight.dtype
+        super()._apply(fn, recurse)
+        self.weight.data = self.weight.data.to(dtype)
+        return self
+
+
+def head_module(weight: torch.Tensor, precision: str, scale_dtype: torch.dtype) -> nn.Module:
+    """A module computing x @ Q(weight)^T for precision in HEAD_PRECISIONS (dense returns an nn.Linear copy)."""
+    from specquant.quant.config import QuantConfig  # config imports nothing from here; keep the import local
+
+    w = weight.detach()
+    if precision == "dense":
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device=w.device)
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        return lin
+    if precision == "bf16":
+        return CastLinear(w.to(torch.bfloat16).clone())
+    bits, group = (8, -1) if precision == "w8" else (4, W4_HEAD_GROUP)
+    if precision not in ("w8", "w4"):
+        raise SpecquantError(f"unknown lm_head precision {precision!r}; use one of {', '.join(HEAD_PRECISIONS)}")
+    cfg = QuantConfig(method="rtn", bits=bits, group_size=group, symmetric=True)
+    codes, scale, zero = quantize_weight(w.float(), cfg, scale_dtype=scale_dtype)
+    return QuantLinear.from_codes(codes, scale, zero, bits)
+
+
+def head_scheme(head: nn.Module) -> dict | None:
+    """compressed-tensors weights args of a quantized head (None when it is dense or bf16)."""
+    if not isinstance(head, QuantLinear):
+        return None
+    per_channel = head.group_size == head.in_features
+    return {"num_bits": head.bits, "type": "int", "symmetric": head.symmetric,
+            "strategy": "channel" if per_channel else "group", "group_size": None if per_channel else head.group_size,
+            "dynamic": False, "actorder": None, "observer": "minmax"}
+
+
+def set_lm_head(model: nn.Module, precision: str, scale_dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace model.lm_head by `precision`'s module (in place; "dense" leaves it as is). Returns the new head.
+
+    scale_dtype: the quantized head's scale dtype (default: the embedding's dtype)."""
+    if precision not in HEAD_PRECISIONS:
+        raise SpecquantError(f"unknown lm_head precision {precision!r}; use one of {', '.join(HEAD_PRECISIONS)}")
+    if precision == "dense":
+        return model.lm_head
+    weight = model.lm_head.weight if isinstance(model.lm_head, nn.Linear) else None
+    if weight is None:
+        raise SpecquantError("lm_head is already converted; set its precision once, on the dense model")
+    model.lm_head = head_module(weight, precision, scale_dtype or model.model.embed_tokens.weight.dtype)
+    model.config.tie_word_embeddings = False
+    return model.lm_head
