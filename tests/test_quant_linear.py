@@ -56,7 +56,9 @@ def test_reference_equals_dense_linear_on_dequantized_weight():
     dense = torch.nn.functional.linear(x, m.dequantized_weight(), m.bias)
     m.backend = "reference"
     assert torch.equal(m(x), dense)
-    for name in BACKENDS:  # leading dims are preserved by every backend
+    for name in BACKENDS:  # leading dims are preserved by every backend (that runs on this device)
+        if not BACKENDS[name].supports(m, x):
+            continue
         m.backend = name
         assert m(x).shape == (3, 5, 64)
 
