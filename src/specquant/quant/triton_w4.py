@@ -147,6 +147,20 @@ def w4a16_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: tor
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+# A torch custom op, so torch.compile treats the kernel as one opaque call (its fake shape below) and CUDA-graph
+# capture sees a plain launch; registered when this module is first imported (quant/linear.py imports it lazily).
+@torch.library.custom_op("specquant::w4a16_matmul", mutates_args=())
+def w4a16_op(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+             weight_zero_point: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
+    return w4a16_matmul(x, weight_packed, weight_scale, weight_zero_point, bits, group_size)
+
+
+@w4a16_op.register_fake
+def _(x, weight_packed, weight_scale, weight_zero_point, bits, group_size):
+    return x.new_empty(*x.shape[:-1], weight_scale.shape[0])
+
+
 def forward(m, x: torch.Tensor) -> torch.Tensor:
     """The QuantLinear backend: m's own buffers, no cache."""
-    return w4a16_matmul(x, m.weight_packed, m.weight_scale, m.weight_zero_point, m.bits, m.group_size, m.bias)
+    y = w4a16_op(x, m.weight_packed, m.weight_scale, m.weight_zero_point, m.bits, m.group_size)
+    return y if m.bias is None else y + m.bias.to(y.dtype)
