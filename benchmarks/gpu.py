@@ -4,7 +4,8 @@ draft/target cost ratios, and the A10G speedups they project. See docs/GPU.md.
 No download: the Qwen3-4B (target) and Qwen3-0.6B (LM drafter) shapes are built from their configs with random
 weights (speed does not depend on the values); W4 = our RTN, 4 bits, group 32, symmetric, lm_head kept in bf16
 (the reference recipe's target format). Every model decodes through decode/graphs.py: the one-token and the
-(k+1)-token steps replayed as CUDA graphs over the static cache (--compile: torch.compile the model first).
+(k+1)-token steps replayed as CUDA graphs over the static cache (--compile: the target's one-token step is
+torch.compile'd first; each further shape would be another compilation of a 36-layer model).
 
 Measured, on this device:
   copy_gbps          2·bytes / time of one large device-to-device copy (read + write), median of 10
@@ -165,7 +166,7 @@ def measure_model(model: Transformer, device, context: int, new_tokens: int, max
     return {"weight_bytes": wb, "kv_bytes": kv, "bytes_per_step": wb + kv, "context": context,
             "decode_tokens_per_s": new_tokens / decode_s, "step_ms": step_ms,
             "verify_ratio": {t: step_ms[t] / step_ms[1] for t in ts}, "setup_s": setup_s,
-            "graphs": device.type == "cuda", "compiled": compile}
+            "graphs": device.type == "cuda", "compiled_shapes": sorted(stepper.compile_shapes)}
 
 
 # --- acceptance (bundled pair) --------------------------------------------------------------------------------
@@ -359,7 +360,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="output folder (default: $OUT, else runs/gpu)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes instead of Qwen3-4B / 0.6B (CPU smoke run)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the target before capturing its graphs")
+    p.add_argument("--compile", action="store_true", help="torch.compile the target's one-token step before capture")
     p.add_argument("--context", type=int, default=None, help="prompt tokens before the timed steps (256; tiny 32)")
     p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens per timed run (128; tiny 8)")
     p.add_argument("--max-t", type=int, default=16, help="largest verify step timed (k+1)")

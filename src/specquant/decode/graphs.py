@@ -66,15 +66,19 @@ class StepGraph:
 class GraphStepper:
     """`stepper(tokens [1, T], start, last_only) -> logits` with steps of T <= max_t tokens as CUDA graphs.
 
-    compile: torch.compile the model first (kernel fusion; the graph then removes the launches). Longer inputs
-    (prompts) run eagerly through the same static cache.
+    compile: torch.compile the steps of compile_shapes tokens first (kernel fusion; the graph then removes the
+    launches). Each shape is its own compilation (a minute or more for a 4B model), so by default only the decode
+    step, as gpt-fast does; the engine adds its verify shape. Longer inputs (prompts) run eagerly through the same
+    static cache.
     """
 
-    def __init__(self, model: Transformer, compile: bool = False, capture: bool = True, max_t: int = COMPILED_MAX_T):
+    def __init__(self, model: Transformer, compile: bool = False, capture: bool = True, max_t: int = COMPILED_MAX_T,
+                 compile_shapes: tuple[int, ...] = (1,)):
         self.model, self.capture, self.max_t = model, capture, max_t
+        self.compile_shapes = set(compile_shapes) if compile else set()
         if compile:
             _raise_recompile_limit()
-        self.fn = torch.compile(model, dynamic=False) if compile else model
+        self.compiled = torch.compile(model, dynamic=False) if compile else None
         self.graphs: dict[tuple[int, bool], StepGraph] = {}
         self.pool = None
         self._cache_key = None
@@ -102,9 +106,9 @@ class GraphStepper:
         if graph is None:
             if self.pool is None and tokens.device.type == "cuda":
                 self.pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every captured shape
+            fn = self.compiled if t in self.compile_shapes else self.model
             graph = self.graphs[(t, last_only)] = StepGraph(
-                lambda tok, pos: self.fn(tok, 0, last_only, pos), (tokens, input_pos), self.pool,
-                capture=self.capture)
+                lambda tok, pos: fn(tok, 0, last_only, pos), (tokens, input_pos), self.pool, capture=self.capture)
             return graph.output
         return graph(tokens, input_pos)
 
