@@ -18,6 +18,10 @@ Measured, on this device:
   step_ms[T]         one captured T-token step at the context (T = 1..16), median over interleaved rounds;
                      verify_ratio[T] = step_ms[T] / step_ms[1]
   draft/target ratio c = step_ms[1] of the 0.6B drafter / step_ms[1] of the 4B target (bf16/bf16, w4/w4, bf16/w4)
+  layers             per distinct Linear shape of the W4 target (fused q/k/v, o, fused gate/up, down) and rows
+                     1/4/16: QuantLinear (auto backend: the Triton kernel on CUDA) vs the dense bf16 matmul, and the
+                     GB/s the W4 layer streams its packed weight at; on CUDA also the kernel's tile choices
+                     (block_n x num_warps x split-K) at one row, so the defaults can be set from a measurement
 Goals (docs/GPU.md): BF16 decode >= 85% of floor_tokens_per_s, W4 decode >= 2.5x our BF16 decode (4B shape).
 
 Projected for an A10G (the competition's GPU), from bytes, not measured there:
@@ -169,6 +173,58 @@ def measure_model(model: Transformer, device, context: int, new_tokens: int, max
             "graphs": device.type == "cuda", "compiled_shapes": sorted(stepper.compile_shapes)}
 
 
+@torch.no_grad()
+def measure_layers(model: Transformer, device, rows=(1, 4, 16), rounds: int = 5, reps: int = 20) -> list[dict]:
+    """Each distinct QuantLinear shape of a W4 model: its forward vs a dense bf16 matmul of the same shape."""
+    from specquant.quant.linear import QuantLinear, resolve_backend
+
+    seen, out = set(), []
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantLinear) or (m.out_features, m.in_features) in seen:
+            continue
+        seen.add((m.out_features, m.in_features))
+        dense = torch.randn(m.out_features, m.in_features, dtype=torch.bfloat16, device=device)
+        packed = sum(t.numel() * t.element_size() for t in (m.weight_packed, m.weight_scale))
+        for r in rows:
+            x = torch.randn(r, m.in_features, dtype=torch.bfloat16, device=device)
+            m(x), torch.nn.functional.linear(x, dense)  # warm-up: backend choice, kernel compilation
+            tw, td = [], []
+            for _ in range(rounds):  # interleaved
+                tw.append(timed(lambda: m(x), device, reps))
+                td.append(timed(lambda: torch.nn.functional.linear(x, dense), device, reps))
+            tw, td = statistics.median(tw), statistics.median(td)
+            out.append({"layer": name.split(".", 3)[-1], "out": m.out_features, "in": m.in_features, "rows": r,
+                        "w4_us": tw * 1e6, "bf16_us": td * 1e6, "w4_speedup": td / tw, "w4_gbps": packed / tw / 1e9,
+                        "bf16_gbps": dense.numel() * 2 / td / 1e9, "backend": resolve_backend(m, x)})
+    return out
+
+
+@torch.no_grad()
+def sweep_kernel(model: Transformer, device, reps: int = 20) -> list[dict]:
+    """CUDA only: the Triton kernel's tile choices at one row on every distinct W4 layer shape."""
+    from specquant.quant import triton_w4
+    from specquant.quant.linear import QuantLinear
+
+    seen, out = set(), []
+    for m in model.modules():
+        if not isinstance(m, QuantLinear) or (m.out_features, m.in_features) in seen:
+            continue
+        seen.add((m.out_features, m.in_features))
+        x = torch.randn(1, m.in_features, dtype=torch.bfloat16, device=device)
+        for block_n in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for split in (None, 1):
+                    def f():
+                        return triton_w4.w4a16_matmul(x, m.weight_packed, m.weight_scale, m.weight_zero_point,
+                                                      m.bits, m.group_size, block_n=block_n, split_k=split,
+                                                      num_warps=warps)
+                    f()
+                    t = statistics.median(timed(f, device, reps) for _ in range(3))
+                    out.append({"out": m.out_features, "in": m.in_features, "block_n": block_n, "num_warps": warps,
+                                "split_k": "auto" if split is None else split, "us": t * 1e6})
+    return out
+
+
 # --- acceptance (bundled pair) --------------------------------------------------------------------------------
 
 
@@ -281,6 +337,10 @@ def run(args) -> dict:
             r["floor_tokens_per_s"] = res["copy_gbps"] * 1e9 / r["bytes_per_step"]
             r["fraction_of_floor"] = r["decode_tokens_per_s"] / r["floor_tokens_per_s"]
             models.setdefault(role, {})[prec] = r
+            if role == "target" and prec == "w4":
+                res["layers"] = measure_layers(model, device, rounds=2 if args.tiny else 5, reps=args.reps)
+                res["kernel_sweep"] = (sweep_kernel(model, device) if device.type == "cuda"
+                                       else "not measured: the Triton kernel runs compiled on CUDA only")
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -319,6 +379,8 @@ def summary(res: dict) -> dict:
             **{f"{role}_{p}_{k}": round(m[p][k], 3) for role, m in (("target", t), ("draft", d)) for p in ("bf16", "w4")
                for k in ("decode_tokens_per_s", "floor_tokens_per_s", "fraction_of_floor")},
             "w4_over_bf16_decode": round(res["w4_over_bf16_decode"], 3),
+            "w4_layer_speedup_1_row": {f"{r['layer']} {r['out']}x{r['in']}": round(r["w4_speedup"], 3)
+                                       for r in res["layers"] if r["rows"] == 1},
             "verify_ratio_w4": {k: round(v, 3) for k, v in t["w4"]["verify_ratio"].items()},
             "draft_target_ratio": {k: (round(v, 3) if isinstance(v, float) else v)
                                    for k, v in res["draft_target_ratio"]["lm"].items()},
@@ -340,6 +402,11 @@ def print_table(res: dict):
             vrs = "/".join(f"{vr[t]:.2f}" for t in (4, 8, 16) if t in vr)
             print(f"{role + ' ' + prec:<14}{m['bytes_per_step'] / 1e9:>9.3f}{m['floor_tokens_per_s']:>13.1f}"
                   f"{m['decode_tokens_per_s']:>14.1f}{m['fraction_of_floor']:>10.1%}{m['step_ms'][1]:>9.3f}{vrs:>24}")
+    print(f"{'W4 layer':<30}{'rows':>5}{'backend':>18}{'W4 us':>9}{'bf16 us':>9}{'W4 x':>7}{'W4 GB/s':>9}")
+    for r in res["layers"]:
+        label = f"{r['layer']} {r['out']}x{r['in']}"
+        print(f"{label:<30}{r['rows']:>5}{r['backend']:>18}{r['w4_us']:>9.1f}{r['bf16_us']:>9.1f}"
+              f"{r['w4_speedup']:>7.2f}{r['w4_gbps']:>9.1f}")
     lm = res["draft_target_ratio"]["lm"]
     print("draft/target step ratio c: " + ", ".join(f"{k} {v:.3f}" for k, v in lm.items())
           + f"; block drafter: {res['draft_target_ratio']['block']}")

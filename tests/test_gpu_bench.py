@@ -61,6 +61,8 @@ def test_json_line_has_every_field(run):
     assert all(v > 0 for v in line["draft_target_ratio"].values())
     assert line["block_draft_target_ratio"].startswith("not measured")
     assert set(line["goals_met"]) == {"bf16_fraction_of_floor", "w4_over_bf16_decode"}
+    # fused q/k/v, o, fused gate/up, down: the W4 target's four distinct layer shapes
+    assert len(line["w4_layer_speedup_1_row"]) == 4 and all(v > 0 for v in line["w4_layer_speedup_1_row"].values())
     for src in ("a10g_from_bundled", "a10g_from_seed_mal"):
         assert set(line[src]) == {f"{c}/{r}" for c in ("short", "medium", "long") for r in "abcde"}
         assert all(line[src][f"{c}/a"] == 1.0 for c in ("short", "medium", "long"))
@@ -78,6 +80,10 @@ def test_full_numbers_are_consistent(run):
             assert m["verify_ratio"]["4"] == pytest.approx(m["step_ms"]["4"] / m["step_ms"]["1"])
         # W4 holds 4-bit codes + group scales (+ the bf16 tied embedding): fewer bytes than bf16
         assert ms["w4"]["weight_bytes"] < ms["bf16"]["weight_bytes"]
+    assert {r["rows"] for r in res["layers"]} == {1, 4, 16}
+    for r in res["layers"]:
+        assert r["w4_speedup"] == pytest.approx(r["bf16_us"] / r["w4_us"]) and r["backend"] == "int4pack_cpu_bf16"
+    assert res["kernel_sweep"].startswith("not measured")
     t = res["models"]["target"]
     assert res["w4_over_bf16_decode"] == pytest.approx(t["w4"]["decode_tokens_per_s"] / t["bf16"]["decode_tokens_per_s"])
     # row b is pure bytes: bf16 over W4 target bytes at each category's context
