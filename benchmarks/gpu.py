@@ -213,15 +213,15 @@ def sweep_kernel(model: Transformer, device, reps: int = 20) -> list[dict]:
         x = torch.randn(1, m.in_features, dtype=torch.bfloat16, device=device)
         for block_n in (32, 64, 128):
             for warps in (2, 4, 8):
-                for split in (None, 1):
+                for split, gemv in ((None, False), (1, False), (None, True)):
                     def f():
                         return triton_w4.w4a16_matmul(x, m.weight_packed, m.weight_scale, m.weight_zero_point,
                                                       m.bits, m.group_size, block_n=block_n, split_k=split,
-                                                      num_warps=warps)
+                                                      num_warps=warps, gemv=gemv)
                     f()
                     t = statistics.median(timed(f, device, reps) for _ in range(3))
                     out.append({"out": m.out_features, "in": m.in_features, "block_n": block_n, "num_warps": warps,
-                                "split_k": "auto" if split is None else split, "us": t * 1e6})
+                                "split_k": "auto" if split is None else split, "gemv": gemv, "us": t * 1e6})
     return out
 
 
@@ -407,6 +407,17 @@ def print_table(res: dict):
         label = f"{r['layer']} {r['out']}x{r['in']}"
         print(f"{label:<30}{r['rows']:>5}{r['backend']:>18}{r['w4_us']:>9.1f}{r['bf16_us']:>9.1f}"
               f"{r['w4_speedup']:>7.2f}{r['w4_gbps']:>9.1f}")
+    if isinstance(res["kernel_sweep"], list):
+        best = {}
+        for r in res["kernel_sweep"]:
+            key = (r["out"], r["in"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+        for (o, i), r in best.items():
+            default = next(x["us"] for x in res["kernel_sweep"] if x["out"] == o and x["in"] == i
+                           and x["block_n"] == 64 and x["num_warps"] == 4 and x["split_k"] == "auto" and not x["gemv"])
+            print(f"kernel {o}x{i}, 1 row: best block_n {r['block_n']} warps {r['num_warps']} split {r['split_k']}"
+                  f" gemv {r['gemv']}: {r['us']:.1f} us (default {default:.1f} us)")
     lm = res["draft_target_ratio"]["lm"]
     print("draft/target step ratio c: " + ", ".join(f"{k} {v:.3f}" for k, v in lm.items())
           + f"; block drafter: {res['draft_target_ratio']['block']}")

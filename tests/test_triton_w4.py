@@ -64,15 +64,16 @@ def test_dequantized_weight_exact(kernel, dtype, symmetric, bits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_matches_reference(kernel, dtype, symmetric):
-    """1..16 rows (decode, verify), 17 (a second M tile); groups 32 and 128; split-K forced and automatic."""
+    """1..16 rows (decode, verify), 17 (a second M tile); groups 32, 64, 128; split-K forced and automatic; the
+    GEMV variant (one row per program)."""
     mod, device = kernel
-    for group, split_k in ((32, None), (128, 2)):
+    for group, split_k, gemv in ((32, None, False), (128, 2, False), (64, None, True)):
         m, g = make(symmetric, dtype, group=group, inp=256, device=device)
-        for rows in (1, 16, 17):
+        for rows in (1, 3) if gemv else (1, 16, 17):
             x = torch.randn(rows, 256, generator=g).to(device, dtype)
             ref = reference(m, x)
             got = mod.w4a16_matmul(x, m.weight_packed, m.weight_scale, m.weight_zero_point, m.bits, m.group_size,
-                                   m.bias, split_k=split_k)
+                                   m.bias, split_k=split_k, gemv=gemv)
             assert got.shape == ref.shape and got.dtype == dtype
             err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
             assert err <= REL_TOL[dtype], f"group {group} rows {rows} split_k {split_k}: rel err {err:.2e}"

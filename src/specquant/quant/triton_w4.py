@@ -42,7 +42,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, groups, k_tiles_per_split,
                   stride_xm, stride_om, stride_os,
                   BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, USE_DOT: tl.constexpr):
     PER: tl.constexpr = 32 // BITS  # codes per int32 word
     MASK: tl.constexpr = (1 << BITS) - 1
     OFFSET: tl.constexpr = 1 << (BITS - 1)  # stored value = code + OFFSET (offset binary)
@@ -73,7 +73,9 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, groups, k_tiles_
             q = q - (((zw >> z_shift) & MASK) - OFFSET)[None, :]
         # (code - zero)·scale is exact in fp32; one rounding to the scale dtype = QuantLinear.dequantized_weight()
         w = (q.to(tl.float32) * scale.to(tl.float32)[None, :]).to(scale.dtype)
-        if DOT_F32:
+        if not USE_DOT:  # GEMV (BLOCK_M = 1): multiply-add on CUDA cores, no 16-row padding
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(x.dtype).to(tl.float32)[None, :, :], axis=1)
+        elif DOT_F32:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
@@ -115,8 +117,12 @@ def split_k_for(n_tiles: int, k_tiles: int, sms: int) -> int:
 
 def w4a16_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                  weight_zero_point: torch.Tensor | None, bits: int, group_size: int, bias: torch.Tensor | None = None,
-                 block_n: int = 64, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype. split_k None: chosen from the SM count (see split_k_for)."""
+                 block_n: int = 64, split_k: int | None = None, num_warps: int = 4,
+                 gemv: bool = False) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype. split_k None: chosen from the SM count (see split_k_for).
+
+    gemv: one row per program and no tl.dot (a plain multiply-add reduction) — an alternative for 1-row decode
+    that benchmarks/gpu.py times against the default; not the default until a GPU measurement says so."""
     n, k = weight_scale.shape[0], x.shape[-1]
     groups = weight_scale.shape[1]
     bk = block_k(group_size)
@@ -134,12 +140,13 @@ def w4a16_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: tor
     else:  # fp32 partial sums, reduced below (one extra small kernel; captured in the CUDA graph with the rest)
         out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     zp = weight_zero_point if weight_zero_point is not None else weight_packed  # dummy pointer when symmetric
-    grid = (n_tiles, splits, triton.cdiv(m, BLOCK_M))
+    block_m = 1 if gemv else BLOCK_M
+    grid = (n_tiles, splits, triton.cdiv(m, block_m))
     _w4a16_kernel[grid](
         x2, weight_packed, weight_scale, zp, out, m, n, k, groups, per_split,
         x2.stride(0), out.stride(1), out.stride(0),
-        BITS=bits, GROUP=group_size, HAS_ZERO=weight_zero_point is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=bk, DOT_F32=x.dtype == torch.float32 or interpreting(), num_warps=num_warps,
+        BITS=bits, GROUP=group_size, HAS_ZERO=weight_zero_point is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=bk, DOT_F32=x.dtype == torch.float32 or interpreting(), USE_DOT=not gemv, num_warps=num_warps,
     )
     y = out[0] if splits == 1 else out.sum(0)
     if bias is not None:
