@@ -89,3 +89,12 @@ def test_step_graph_copies_inputs_into_static_buffers():
     assert torch.equal(out, torch.full((3,), 11.0)) and out is g.output
     assert len(set(calls)) == 1  # always the same static input buffers, never the caller's tensors
     assert calls[0][0] not in (x.data_ptr(),)
+
+
+def test_step_graph_tuple_outputs():
+    """Tuple outputs (logits plus hidden states, for drafters that read the target's layers) stay static too."""
+    g = StepGraph(lambda a: (a + 1, None, a * 3), (torch.ones(2),))
+    first = g.output
+    out = g(torch.full((2,), 2.0))
+    assert out[1] is None and out[0] is first[0] and torch.equal(out[0], torch.full((2,), 3.0))
+    assert torch.equal(out[2], torch.full((2,), 6.0))

@@ -30,7 +30,8 @@ SEQ_ROUND = 128  # cache lengths are rounded up to this: the attention reads the
 
 
 class StepGraph:
-    """fn(*inputs) -> output, captured as a CUDA graph on its first inputs (eager stand-in off CUDA)."""
+    """fn(*inputs) -> output (a tensor or a tuple of tensors), captured as a CUDA graph on its first inputs (eager
+    stand-in off CUDA). Any forward with fixed shapes fits: a Transformer step, or a block drafter's block forward."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], pool=None,
                  warmup: int = 2, capture: bool = True):
@@ -50,17 +51,25 @@ class StepGraph:
             with torch.cuda.graph(self.graph, pool=pool):
                 self.output = fn(*self.inputs)
             self.graph.replay()  # capture launched nothing: compute this call's output
-        else:
-            self.output = fn(*self.inputs).clone()  # a static output as on CUDA: callers see the same aliasing
+        else:  # static outputs as on CUDA, so callers see the same aliasing
+            self.output = _map(torch.clone, fn(*self.inputs))
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *inputs: torch.Tensor):
+        """Copy inputs into the static buffers and run: -> the static output (a tensor or a tuple of them)."""
         for buf, x in zip(self.inputs, inputs):
             buf.copy_(x)
         if self.graph is not None:
             self.graph.replay()
         else:
-            self.output.copy_(self.fn(*self.inputs))
+            _map(lambda dst, src: dst.copy_(src), self.output, self.fn(*self.inputs))
         return self.output
+
+
+def _map(f, *outs):
+    """f over a tensor output, or elementwise over a tuple of them (None entries stay None)."""
+    if isinstance(outs[0], tuple):
+        return tuple(None if o[0] is None else f(*o) for o in zip(*outs))
+    return f(*outs)
 
 
 class GraphStepper:
