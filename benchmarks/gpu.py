@@ -149,7 +149,7 @@ def measure_model(model: Transformer, device, context: int, new_tokens: int, max
     def decode(n: int):
         tok, pos = logits[:, -1].argmax(-1, keepdim=True), torch.tensor([context], device=device)
         for _ in range(n):  # tokens and positions stay on the device
-            tok = stepper.step(tok, pos, True)[:, -1].argmax(-1, keepdim=True)
+            tok = stepper.replay(tok, pos, True)[:, -1].argmax(-1, keepdim=True)
             pos = pos + 1
 
     decode(2)  # captures the one-token graph
@@ -157,13 +157,13 @@ def measure_model(model: Transformer, device, context: int, new_tokens: int, max
     steps = {t: torch.randint(0, model.config.vocab_size, (1, t), generator=gen).to(device) for t in ts}
     pos = {t: torch.arange(context, context + t, device=device) for t in ts}
     for t in ts:  # capture every verify shape before timing
-        stepper.step(steps[t], pos[t], False)
+        stepper.replay(steps[t], pos[t], False)
     setup_s = time.perf_counter() - t0
     decode_s = statistics.median(timed(lambda: decode(new_tokens), device, 1) for _ in range(3))
     samples = {t: [] for t in ts}
     for _ in range(rounds):  # interleaved, so load drifts hit every T alike
         for t in ts:
-            samples[t].append(timed(lambda t=t: stepper.step(steps[t], pos[t], False), device, reps))
+            samples[t].append(timed(lambda t=t: stepper.replay(steps[t], pos[t], False), device, reps))
     step_ms = {t: statistics.median(v) * 1e3 for t, v in samples.items()}
     wb = weight_bytes(model)
     kv = kv_bytes_per_position(model.config) * capacity

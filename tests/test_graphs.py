@@ -45,7 +45,7 @@ def test_graph_steps_match_eager(device, window, compile):
         stepper = GraphStepper(model, compile=compile)
         stepper.setup(1, 256, max_block=16)
         graphed = _run(stepper, tokens)
-        assert {t for _, t, _ in SCHEDULE if t <= stepper.max_t} == {t for t, _ in stepper.graphs}
+        assert {t for _, t, _ in SCHEDULE if t <= stepper.max_t} == {t for t, _, _ in stepper.graphs}
         captured = dict(stepper.graphs)
         stepper.setup(1, 256, max_block=16)  # a second request of the same shape reuses buffers and graphs
         assert stepper.graphs == captured

@@ -12,7 +12,7 @@ device without CUDA graphs the same buffers are used and the forward runs eagerl
 tests cover everything except the capture itself (tests/test_graphs.py; the capture is checked on CUDA by
 scripts/gpu_check.sh).
 
-`GraphStepper` is a drop-in for decode.compiled.Stepper (same call), plus `step(tokens, input_pos, last_only)`
+`GraphStepper` is a drop-in for decode.compiled.Stepper (same calls), plus `replay(tokens, input_pos, last_only)`
 taking positions already on the device, so a loop that keeps its tokens on the GPU never waits for the host.
 """
 
@@ -88,7 +88,7 @@ class GraphStepper:
         if compile:
             _raise_recompile_limit()
         self.compiled = torch.compile(model, dynamic=False) if compile else None
-        self.graphs: dict[tuple[int, bool], StepGraph] = {}
+        self.graphs: dict[tuple[int, bool, tuple[int, ...]], StepGraph] = {}
         self.pool = None
         self._cache_key = None
 
@@ -106,21 +106,34 @@ class GraphStepper:
         self.graphs.clear()
         self._cache_key = key
 
-    def step(self, tokens: torch.Tensor, input_pos: torch.Tensor, last_only: bool) -> torch.Tensor:
-        """tokens [1, T], input_pos [T] on the model's device -> logits [1, T or 1, vocab] (a static buffer)."""
+    def replay(self, tokens: torch.Tensor, input_pos: torch.Tensor, last_only: bool,
+               hidden_layers: tuple[int, ...] = ()):
+        """tokens [1, T], input_pos [T] on the model's device -> logits [1, T or 1, vocab] (a static buffer), or
+        (logits, hidden [1, T, len(hidden_layers), hidden_size]) when hidden_layers is not empty."""
         t = tokens.shape[1]
+        kw = {"hidden_layers": hidden_layers} if hidden_layers else {}
         if t > self.max_t:
-            return self.model(tokens, 0, last_only, input_pos)
-        graph = self.graphs.get((t, last_only))
+            return self.model(tokens, 0, last_only, input_pos, **kw)
+        key = (t, last_only, hidden_layers)
+        graph = self.graphs.get(key)
         if graph is None:
             if self.pool is None and tokens.device.type == "cuda":
                 self.pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every captured shape
             fn = self.compiled if t in self.compile_shapes else self.model
-            graph = self.graphs[(t, last_only)] = StepGraph(
-                lambda tok, pos: fn(tok, 0, last_only, pos), (tokens, input_pos), self.pool, capture=self.capture)
+            graph = self.graphs[key] = StepGraph(
+                lambda tok, pos: fn(tok, 0, last_only, pos, **kw), (tokens, input_pos), self.pool,
+                capture=self.capture)
             return graph.output
         return graph(tokens, input_pos)
 
-    def __call__(self, tokens: torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
-        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        return self.step(tokens, pos, last_only)
+    def __call__(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
+        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)  # on the device: no host sync
+        return self.replay(tokens, pos, last_only, hidden_layers)
+
+    def step(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
+        """(logits, hidden or None), as decode.compiled.Stepper.step."""
+        out = self(tokens, start, last_only, hidden_layers)
+        return out if hidden_layers else (out, None)
+
+    def rollback(self, length: int):
+        self.model.rollback(length)
