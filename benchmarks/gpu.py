@@ -57,13 +57,13 @@ import torch
 
 from specquant.bench.measure import environment
 from specquant.bench.predict import predict_row
-from specquant.decode.generate import sync
 from specquant.decode.graphs import GraphStepper
 from specquant.errors import SpecquantError
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
 from specquant.quant import QuantConfig, quantize
+from specquant.util.device import sync
 
 A10G_GBPS = 600.0
 SEED_MAL, SEED_K = 5.03, 15  # the reference system's mean acceptance length at num_speculative_tokens = 15
@@ -233,9 +233,10 @@ def bundled_acceptance(prompts: int, new_tokens: int, window: int) -> dict:
     """Greedy acceptance histograms of the bundled pair for rows c-e (CPU, fp32; greedy acceptance is a property
     of the models, not of the device). W4 copies: RTN with the W4 / DRAFT_W4 settings above."""
     from specquant.bench.prompts import load_prompts
-    from specquant.model.checkpoint import load_model, load_tokenizer
-    from specquant.spec.config import SpecConfig
-    from specquant.spec.engine import SpecEngine
+    from specquant.loader import load_model
+    from specquant.model.checkpoint import load_tokenizer
+    from specquant.spec_decode.config import SpecConfig
+    from specquant.spec_decode.engine import SpecEngine
 
     def model(name, quant):
         m = load_model(name, torch.float32)
@@ -257,7 +258,7 @@ def bundled_acceptance(prompts: int, new_tokens: int, window: int) -> dict:
         for p in ps:
             engine.generate(torch.tensor([p.ids]), new_tokens, stop_on_eos=False)
         m = engine.metrics
-        out[row] = {"histogram": list(m.histogram), "drafts": m.drafts, "draft_tokens": m.draft_tokens,
+        out[row] = {"histogram": list(m.histogram), "drafts": m.num_drafts, "draft_tokens": m.num_draft_tokens,
                     "k": cfg.draft_len, "window": w, "mal": m.mean_acceptance_length, "prompts": len(ps)}
     return out
 
