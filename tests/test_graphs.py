@@ -14,9 +14,9 @@ from specquant.model.decoder import Transformer
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _model(device, window=None, dtype=torch.float32):
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=80, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+def _model(device, window=None, dtype=torch.float32, seed=0, layers=2):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=80, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                       sliding_window=window)
     return Transformer(cfg).eval().to(device, dtype)
@@ -98,3 +98,56 @@ def test_step_graph_tuple_outputs():
     out = g(torch.full((2,), 2.0))
     assert out[1] is None and out[0] is first[0] and torch.equal(out[0], torch.full((2,), 3.0))
     assert torch.equal(out[2], torch.full((2,), 6.0))
+
+
+def _engines(device, window):
+    from specquant.spec_decode.config import SpecConfig
+    from specquant.spec_decode.engine import SpecEngine
+
+    target, draft = _model(device, seed=0, layers=2), _model(device, seed=1, layers=1)
+    with torch.no_grad():  # a draft that agrees with the target often enough for accepted counts of 0..k
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    cfg = SpecConfig(draft_len=3, draft_window=window)
+    return SpecEngine(target, draft, cfg), SpecEngine(target, draft, cfg, graphs=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_engine_with_graphs_matches_eager(device, window, greedy):
+    """The speculative engine with captured steps (target verify, LM drafter) emits what the eager engine emits,
+    with the same acceptance, greedy and sampled; a second request reuses the graphs."""
+    from specquant.decode.sampling import SamplingConfig
+
+    eager, graphed = _engines(device, window)
+    sampling = SamplingConfig() if greedy else SamplingConfig(temperature=0.8, seed=3)
+    prompts = [torch.randint(0, 80, (1, n), generator=torch.Generator().manual_seed(n)).to(device) for n in (9, 40)]
+    for prompt in prompts:
+        a = eager.generate(prompt, 30, sampling, stop_on_eos=False)
+        b = graphed.generate(prompt, 30, sampling, stop_on_eos=False)
+        assert a.token_ids == b.token_ids
+        assert a.spec.histogram == b.spec.histogram and a.spec.num_drafts == b.spec.num_drafts > 0
+    graphs = dict(graphed.target_step.graphs)
+    assert graphs and {t for t, _, _ in graphs} >= {4}  # the k+1 = 4 verify step was captured
+    graphed.generate(prompts[1], 30, sampling, stop_on_eos=False)  # same shapes: no recapture
+    assert graphed.target_step.graphs == graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+def test_speculative_step_syncs_once_on_cuda():
+    """Greedy, graphs on: per verify step the host waits once (the accepted count and the next token, one read)."""
+    import warnings
+
+    _, graphed = _engines("cuda", None)
+    prompt = torch.randint(0, 80, (1, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    graphed.generate(prompt, 40, stop_on_eos=False)  # captures every shape first
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = graphed.generate(prompt, 40, stop_on_eos=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    steps = res.stats["target_forwards"] - 1
+    assert len(syncs) <= steps + 1, f"{len(syncs)} syncs for {steps} verify steps (+1 for the prefill)"

@@ -90,21 +90,28 @@ class GraphStepper:
         self.compiled = torch.compile(model, dynamic=False) if compile else None
         self.graphs: dict[tuple[int, bool, tuple[int, ...]], StepGraph] = {}
         self.pool = None
-        self._cache_key = None
+        self._key, self._bufs = None, None
 
     def setup(self, batch: int, max_seq_len: int, **kw):
-        """Static cache for a request. Same shape as before: keep the buffers (and the graphs recorded on their
-        addresses), only marking every slot empty; otherwise allocate anew and drop the graphs. max_seq_len is
-        rounded up to a multiple of SEQ_ROUND so requests of similar length reuse the graphs."""
+        """Static cache for a request. The same layout as this stepper's last request, with the buffers still in
+        place: keep them (and the graphs recorded on their addresses), only marking every slot empty; otherwise
+        allocate anew and drop the graphs. max_seq_len is rounded up to a multiple of SEQ_ROUND so requests of
+        similar length share them."""
         max_seq_len = -(-max_seq_len // SEQ_ROUND) * SEQ_ROUND
         key = (batch, max_seq_len, tuple(sorted(kw.items())))
-        if key == self._cache_key and self.model.static_cache:
+        if key == self._key and all(x is y for x, y in zip(self._bufs, self._current_bufs())):
             for layer in self.model.model.layers:
-                layer.self_attn.cache.slot_pos.fill_(-1)
+                cache = layer.self_attn.cache
+                cache.slot_pos.fill_(-1)
+                cache.length = 0
             return
         self.model.setup_cache(batch, max_seq_len, static=True, **kw)
         self.graphs.clear()
-        self._cache_key = key
+        self._key, self._bufs = key, self._current_bufs()
+
+    def _current_bufs(self) -> tuple:
+        """Identities of what the graphs read by address (held, so a freed object's id is never reused)."""
+        return (self.model.model.layers[0].self_attn.cache, self.model.rope_cos, self.model.rope_sin)
 
     def replay(self, tokens: torch.Tensor, input_pos: torch.Tensor, last_only: bool,
                hidden_layers: tuple[int, ...] = ()):
