@@ -18,6 +18,8 @@ Measured, on this device:
   step_ms[T]         one captured T-token step at the context (T = 1..16), median over interleaved rounds;
                      verify_ratio[T] = step_ms[T] / step_ms[1]
   draft/target ratio c = step_ms[1] of the 0.6B drafter / step_ms[1] of the 4B target (bf16/bf16, w4/w4, bf16/w4)
+  engine             SpecEngine(graphs=True) on the W4 pair, greedy, k=3: ms per verify step against the sum of
+                     its parts (3 draft steps + one 4-token target step): the engine's own overhead
   layers             per distinct Linear shape of the W4 target (fused q/k/v, o, fused gate/up, down) and rows
                      1/4/16: QuantLinear (auto backend: the Triton kernel on CUDA) vs the dense bf16 matmul, and the
                      GB/s the W4 layer streams its packed weight at; on CUDA also the kernel's tile choices
@@ -225,6 +227,29 @@ def sweep_kernel(model: Transformer, device, reps: int = 20) -> list[dict]:
     return out
 
 
+@torch.no_grad()
+def measure_engine(target: Transformer, draft: Transformer, device, context: int, new_tokens: int, target_r: dict,
+                   draft_r: dict, k: int = 3) -> dict:
+    """The speculative engine itself (SpecEngine, graphs on, greedy, k drafts per step) on the W4 pair: its time
+    per verify step against the sum of the parts timed above (k one-token draft steps + one (k+1)-token target
+    step). Random weights accept little; the step time is what is measured, not the speedup."""
+    from specquant.spec_decode.config import SpecConfig
+    from specquant.spec_decode.engine import SpecEngine
+
+    engine = SpecEngine(target, draft, SpecConfig(draft_len=k), graphs=True)
+    prompt = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.to(device)
+    engine.generate(prompt, new_tokens, stop_on_eos=False)  # captures every shape
+    runs = [engine.generate(prompt, new_tokens, stop_on_eos=False).stats for _ in range(3)]
+    stats = min(runs, key=lambda st: st["decode_s"])
+    steps = stats["target_forwards"] - 1
+    step_ms = stats["decode_s"] / steps * 1e3
+    parts_ms = k * draft_r["step_ms"][1] + target_r["step_ms"][k + 1]
+    return {"k": k, "verify_steps": steps, "ms_per_step": step_ms, "parts_ms": parts_ms,
+            "overhead": step_ms / parts_ms - 1, "tokens_per_s": (stats["new_tokens"] - 1) / stats["decode_s"],
+            "mean_acceptance_length": stats["mean_acceptance_length"]}
+
+
 # --- acceptance (bundled pair) --------------------------------------------------------------------------------
 
 
@@ -330,6 +355,7 @@ def run(args) -> dict:
     res["copy_gbps"] = copy_bandwidth(device, (16 << 20) if args.tiny else (2 << 30))
     save()
     models = res["models"] = {}
+    kept = {}  # the W4 pair, for the engine measurement below
     for role in ("target", "draft"):
         for prec, quant in (("bf16", None), ("w4", W4 if role == "target" else DRAFT_W4)):
             model = build(role, shapes, device, quant)
@@ -342,10 +368,16 @@ def run(args) -> dict:
                 res["layers"] = measure_layers(model, device, rounds=2 if args.tiny else 5, reps=args.reps)
                 res["kernel_sweep"] = (sweep_kernel(model, device) if device.type == "cuda"
                                        else "not measured: the Triton kernel runs compiled on CUDA only")
+            if prec == "w4":
+                kept[role] = model
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             save()
+    res["engine"] = measure_engine(kept["target"], kept["draft"], device, args.context, args.new_tokens,
+                                   models["target"]["w4"], models["draft"]["w4"])
+    del kept
+    save()
     t, d = models["target"], models["draft"]
     res["w4_over_bf16_decode"] = t["w4"]["decode_tokens_per_s"] / t["bf16"]["decode_tokens_per_s"]
     res["draft_target_ratio"] = {
@@ -383,6 +415,8 @@ def summary(res: dict) -> dict:
             "w4_layer_speedup_1_row": {f"{r['layer']} {r['out']}x{r['in']}": round(r["w4_speedup"], 3)
                                        for r in res["layers"] if r["rows"] == 1},
             "verify_ratio_w4": {k: round(v, 3) for k, v in t["w4"]["verify_ratio"].items()},
+            "engine_ms_per_step": round(res["engine"]["ms_per_step"], 3),
+            "engine_overhead": round(res["engine"]["overhead"], 3),
             "draft_target_ratio": {k: (round(v, 3) if isinstance(v, float) else v)
                                    for k, v in res["draft_target_ratio"]["lm"].items()},
             "block_draft_target_ratio": res["draft_target_ratio"]["block"],
@@ -422,6 +456,9 @@ def print_table(res: dict):
     lm = res["draft_target_ratio"]["lm"]
     print("draft/target step ratio c: " + ", ".join(f"{k} {v:.3f}" for k, v in lm.items())
           + f"; block drafter: {res['draft_target_ratio']['block']}")
+    e = res["engine"]
+    print(f"engine (W4 pair, graphs, k={e['k']}): {e['ms_per_step']:.3f} ms per verify step vs parts "
+          f"{e['parts_ms']:.3f} ms ({e['overhead']:+.1%} overhead)")
     for name, g in res["goals"].items():
         print(f"goal {name}: {g['measured']:.3f} (goal >= {g['goal']}) {'met' if g['met'] else 'NOT met'}")
     print(f"A10G projection (bytes / {A10G_GBPS:.0f} GB/s), speedup over row a:")

@@ -84,6 +84,9 @@ def test_full_numbers_are_consistent(run):
     for r in res["layers"]:
         assert r["w4_speedup"] == pytest.approx(r["bf16_us"] / r["w4_us"]) and r["backend"] == "int4pack_cpu_bf16"
     assert res["kernel_sweep"].startswith("not measured")
+    e = res["engine"]
+    assert e["verify_steps"] > 0 and e["ms_per_step"] > 0 and e["parts_ms"] > 0
+    assert e["overhead"] == pytest.approx(e["ms_per_step"] / e["parts_ms"] - 1)
     t = res["models"]["target"]
     assert res["w4_over_bf16_decode"] == pytest.approx(t["w4"]["decode_tokens_per_s"] / t["bf16"]["decode_tokens_per_s"])
     # row b is pure bytes: bf16 over W4 target bytes at each category's context
