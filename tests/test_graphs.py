@@ -35,8 +35,9 @@ def _run(call, tokens):
 @pytest.mark.parametrize("window", [None, 12])
 @pytest.mark.parametrize("compile", [False, True])
 def test_graph_steps_match_eager(device, window, compile):
-    if compile and device == "cpu":
-        pytest.skip("torch.compile on CPU is covered by tests/test_compiled.py; here it pairs with CUDA graphs")
+    if compile and (device == "cpu" or window is not None):
+        # CPU: torch.compile is covered by tests/test_compiled.py; CUDA: one compilation keeps the GPU check short
+        pytest.skip("compiled + graphs: CUDA, full attention only")
     model = _model(device, window)
     tokens = torch.randint(0, 80, (1, 48), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():

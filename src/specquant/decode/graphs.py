@@ -77,7 +77,7 @@ class GraphStepper:
 
     compile: torch.compile the steps of compile_shapes tokens first (kernel fusion; the graph then removes the
     launches). Each shape is its own compilation (a minute or more for a 4B model), so by default only the decode
-    step, as gpt-fast does; the engine adds its verify shape. Longer inputs (prompts) run eagerly through the same
+    step, as gpt-fast does; the engine compiles its verify shape instead. Longer inputs (prompts) run eagerly through the same
     static cache.
     """
 
