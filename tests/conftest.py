@@ -9,6 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+
+# Without CUDA, Triton kernels (quant/triton_w4.py) can run only under Triton's interpreter, which triton reads
+# when it is first imported: set it before anything imports triton. On a CUDA machine they run compiled.
+import torch  # noqa: E402  (imports no triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

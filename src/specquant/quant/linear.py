@@ -25,7 +25,8 @@ against `reference` (tests/test_quant_linear.py):
   native_w4_bf16  specquant.quant.native's AVX-512 BF16 kernel (kernels/w4_bf16.cpp, built by scripts/setup.sh
                   or on first use with g++): same numerics contract as int4pack_cpu_bf16 (bf16 activations, exact
                   int4 weights, fp32 sums), symmetric 4-bit only, out % 16 == 0; rows are batch-invariant.
-A future Triton/CUDA kernel plugs in with `register_backend("triton_cuda", Backend(...))`.
+  triton_w4       quant/triton_w4.py: a Triton W4A16/W8A16 GEMM reading these buffers as they are (CUDA; tested on
+                  CPU under TRITON_INTERPRET=1). Imported only when triton is installed and the input is on CUDA.
 
 `backend="auto"` (default) follows the measurement in benchmarks/quant_backends.py; see `auto_backend`.
 """
@@ -33,6 +34,7 @@ A future Triton/CUDA kernel plugs in with `register_backend("triton_cuda", Backe
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -239,6 +241,24 @@ def _int8pack_cpu(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], m.out_features)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_w4():
+    """quant/triton_w4.py, or None without triton (an optional extra: `pip install specquant[gpu]`)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from specquant.quant import triton_w4
+
+    return triton_w4
+
+
+def _triton_supports(m: QuantLinear, x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and _triton_w4() is not None and _triton_w4().supports(m, x)
+
+
+def _triton_forward(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    return _triton_w4().forward(m, x)
+
+
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(_reference, lambda m, x: True),
     "dequant_cached": Backend(_dequant_cached, lambda m, x: True),
@@ -246,6 +266,7 @@ BACKENDS: dict[str, Backend] = {
     "int4pack_cpu_bf16": Backend(_int4pack_cpu_bf16, _int4pack_supports),
     "native_w4_bf16": Backend(_native_w4_bf16, _native_supports),
     "int8pack_cpu": Backend(_int8pack_cpu, _int8pack_supports),
+    "triton_w4": Backend(_triton_forward, _triton_supports),
 }
 
 
@@ -265,6 +286,9 @@ def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
     the int4 kernel on bf16 activations beat the dense GEMM in either dtype, so fp32 and bf16 inputs both go to it
     (fp32 through a bf16 cast); layers it cannot take (8 bits, odd shapes) use dequant_cached. From LARGE_ROWS rows
     on (prompt prefill), dequantizing per call + one dense GEMM catches up and wins, without a dense copy.
+    On CUDA, decode and verify shapes go to the Triton kernel when triton is installed (it streams the packed
+    weight, a quarter of the bf16 bytes at 4 bits; benchmarks/gpu.py measures whether that pays, docs/GPU.md);
+    without triton, CUDA uses dequant_cached.
     The choice depends on dtype, device, layer and whether rows >= LARGE_ROWS; each layer caches it per key.
     Where the native kernel builds (AVX-512 BF16 CPU, a C++ compiler) it takes symmetric 4-bit layers first:
     benchmarks/quant_backends.py on the Qwen3-0.6B shapes, streamed, 1 thread, interleaved (loaded box, +-10%):
@@ -274,6 +298,8 @@ def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
     rows = x.numel() // m.in_features
     if rows >= LARGE_ROWS:
         choice, why = "reference", f"{rows} rows (>= {LARGE_ROWS}): dequantize per call, then one dense GEMM"
+    elif _triton_supports(m, x):
+        choice, why = "triton_w4", f"{x.dtype} activations on CUDA: the Triton W4A16 kernel on the packed weight"
     elif _int8pack_supports(m, x):  # W8 per channel (the W8 lm_head): torch's int8 kernel, no dense copy
         choice, why = "int8pack_cpu", f"{x.dtype} activations on CPU, 8-bit per-channel: the int8 kernel"
     elif x.dtype in (torch.float32, torch.bfloat16) and _native_supports(m, x):

@@ -21,6 +21,10 @@ One request, in the loop's order (shapes [batch, ...]; the loop runs batch 1 tod
      are the target's hidden states at exactly those accepted + 1 new positions, sliced from the verify forward.
      The drafter rolls its state back to n + accepted and appends what it keeps of target_hidden.
 
+target_hidden (and the logits) may be views of buffers the next forward overwrites (CUDA-graph steps,
+decode/graphs.py): a drafter copies what it keeps. A drafter's own fixed-shape forward (a block drafter's block)
+can be captured the same way with decode.graphs.StepGraph.
+
 `target_layers` declares which target decoder layers' outputs (0-based ids) the drafter reads; the target's
 prefill and verify forwards return exactly those (`Transformer.forward(..., hidden_layers=ids)`), at no cost when
 the tuple is empty. The LM drafter (lm_drafter.py) reads none: `target_layers = ()`, target_hidden is None.

@@ -11,6 +11,7 @@ import time
 import torch
 
 from specquant.decode.compiled import Stepper
+from specquant.decode.graphs import GraphStepper
 from specquant.decode.generate import GenerationResult, check_context, request_stats
 from specquant.util.device import sync
 from specquant.decode.sampling import SamplingConfig
@@ -29,17 +30,21 @@ class SpecEngine:
     each request's stats (syncs the device around every forward; see timing.py)."""
 
     def __init__(self, target: Transformer, draft: Transformer | Drafter, config: SpecConfig | None = None,
-                 target_tokenizer=None, draft_tokenizer=None, compile: bool = False, profile: bool = False):
+                 target_tokenizer=None, draft_tokenizer=None, compile: bool = False, profile: bool = False,
+                 graphs: bool = False):
         self.config = (config or SpecConfig()).validate()
         if isinstance(draft, Transformer):
             check_vocab(target.config.vocab_size, draft.config.vocab_size, target_tokenizer, draft_tokenizer)
-            draft = LMDrafter(draft, self.config, compile)
+            draft = LMDrafter(draft, self.config, compile, graphs)
         bad = [i for i in draft.target_layers if not 0 <= i < target.config.num_hidden_layers]
         if bad:
             raise SpecquantError(f"drafter reads target layers {bad}; the target has layers 0.."
                                  f"{target.config.num_hidden_layers - 1}")
         self.target, self.drafter = target, draft
-        self.target_step = Stepper(target, compile)
+        # graphs: the target's verify (and prefill, when short) steps replayed as CUDA graphs over a static cache
+        # (decode/graphs.py; on CPU an eager stand-in over the same buffers); compile then covers the verify shape
+        self.target_step = (GraphStepper(target, compile, compile_shapes=(self.config.longest_draft + 1,))
+                            if graphs else Stepper(target, compile))
         self.profile = profile
         self.metrics = SpecMetrics()  # accumulated over requests
 

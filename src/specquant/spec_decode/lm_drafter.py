@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specquant.decode.compiled import Stepper
+from specquant.decode.graphs import GraphStepper
 from specquant.decode.sampling import SamplingConfig, logits_to_probs, sample
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import SpecConfig
@@ -21,9 +22,10 @@ class LMDrafter:
 
     target_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: Transformer, config: SpecConfig, compile: bool = False):
+    def __init__(self, model: Transformer, config: SpecConfig, compile: bool = False, graphs: bool = False):
         self.model = model
-        self.step = Stepper(model, compile)
+        # graphs: one-token and catch-up steps replayed as CUDA graphs (decode/graphs.py; eager stand-in on CPU)
+        self.step = GraphStepper(model, compile) if graphs else Stepper(model, compile)
         self.window = config.draft_window
         self.window_prefill = config.draft_prefill == "window"
         # stop drafting once the draft's top probability falls below this (0 = never); see SpecConfig
@@ -54,6 +56,8 @@ class LMDrafter:
         n = tokens.shape[1]
         logits = self._forward(tokens[:, self.valid : n], self.valid)  # catch up on what the cache lacks
         self.valid = n
+        if sampling.greedy and not self.confidence:
+            return Draft(self._greedy(logits, n, k))
         drafted, probs = [], []
         for i in range(k):
             if sampling.greedy:
@@ -72,6 +76,18 @@ class LMDrafter:
                 self.valid = n + i + 1
         return Draft(torch.tensor([drafted], dtype=torch.long, device=tokens.device),
                      torch.stack(probs)[None] if probs else None)
+
+    def _greedy(self, logits: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """k argmax drafts [1, k] from logits [vocab] at position n-1; the tokens never leave the device, so
+        drafting waits for no host sync (what lets CUDA-graph steps run back to back)."""
+        drafted = []
+        for i in range(k):
+            x = logits.argmax(-1, keepdim=True)  # [1]
+            drafted.append(x)
+            if i < k - 1:
+                logits = self._forward(x.view(1, 1), n + i)
+                self.valid = n + i + 1
+        return torch.stack(drafted, dim=1) if drafted else torch.empty(1, 0, dtype=torch.long, device=logits.device)
 
     def accept(self, length: int, target_hidden: torch.Tensor | None = None) -> None:
         self.rollback(length)

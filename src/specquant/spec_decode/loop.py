@@ -42,6 +42,8 @@ def decode_steps(target: Stepper, drafter: Drafter, seq: torch.Tensor, n: int, m
         k_step = min(k, max_new - emitted - 1)  # the step emits at most k_step + 1 tokens
         draft = drafter.propose(seq[:, :n], k_step, sampling, generator) if k_step else Draft.empty(1, seq.device)
         proposed = draft.tokens.shape[1]
+        # queued now, on the host by the time verify reads `accepted` (the step's one sync; no-op on CPU)
+        draft_host = draft.tokens.to("cpu", non_blocking=True)
         block = torch.cat([seq[:, n - 1 : n], draft.tokens], dim=1)  # [1, proposed + 1]
         logits, hidden = target.step(block, n - 1, last_only=False, hidden_layers=drafter.target_layers)
         probs = None if draft.probs is None else draft.probs[0]
@@ -49,8 +51,9 @@ def decode_steps(target: Stepper, drafter: Drafter, seq: torch.Tensor, n: int, m
         target.rollback(n + accepted)
         drafter.accept(n + accepted, None if hidden is None else hidden[:, : accepted + 1])
         metrics.record_step(proposed, accepted)
-        new = draft.tokens[0, :accepted].tolist() + [bonus]
-        seq[0, n : n + len(new)] = torch.tensor(new, device=seq.device)
+        new = draft_host[0, :accepted].tolist() + [bonus]
+        seq[0, n : n + accepted] = draft.tokens[0, :accepted]  # device to device: no host round trip
+        seq[0, n + accepted] = bonus
         n, emitted = n + len(new), emitted + len(new)
         k = next_draft_len(k, proposed, accepted, config)
         yield new

@@ -45,8 +45,9 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     k = draft_tokens.shape[0]
     target_tokens = target_logits.argmax(dim=-1)  # [k+1]
     matches = (target_tokens[:k] == draft_tokens).int()
-    accepted = int(matches.cumprod(0).sum())
-    return accepted, int(target_tokens[accepted])
+    accepted = matches.cumprod(0).sum()
+    accepted, token = torch.stack([accepted, target_tokens[accepted]]).tolist()  # the step's one host sync
+    return accepted, token
 
 
 def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -62,15 +63,15 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targ
     p = target_probs[idx, draft_tokens]  # [k] target prob of each draft token
     q = draft_probs[idx, draft_tokens]  # [k] draft prob of each draft token (> 0: the token was drawn from it)
     keep = (uniforms * q <= p).int()  # u < p/q without a division
-    accepted = int(keep.cumprod(0).sum())
-    if accepted == k:
-        dist = target_probs[k]
-    else:
-        residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
-        total = residual.sum()
-        # p == q up to rounding cannot reject in exact arithmetic; if it did, p itself is the right law
-        dist = residual / total if total > 0 else target_probs[accepted]
-    return accepted, int((dist / noise).argmax())
+    accepted = keep.cumprod(0).sum()  # stays on the device: the step reads it once, with the token, below
+    target_row = target_probs[accepted]  # [vocab]; row k (bonus) when every draft token was kept
+    draft_row = torch.cat([draft_probs, draft_probs.new_zeros(1, draft_probs.shape[1])])[accepted]
+    residual = (target_row - draft_row).clamp_min(0)
+    total = residual.sum()
+    # p == q up to rounding cannot reject in exact arithmetic; if it did, p itself is the right law
+    dist = torch.where((accepted == k) | (total <= 0), target_row, residual / total.clamp_min(1e-30))
+    accepted, token = torch.stack([accepted, (dist / noise).argmax()]).tolist()  # the step's one host sync
+    return accepted, token
 
 
 def rejection_sample_reference(draft_tokens, draft_probs, target_probs, uniforms, noise) -> tuple[int, int]:
