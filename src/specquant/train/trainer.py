@@ -25,6 +25,7 @@ batch = batch × grad_accum × N; log.jsonl and a tqdm bar on rank 0; the best h
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -206,10 +207,10 @@ class Trainer:
     def save_checkpoint(self):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        model_sd = self.full_model_state()
-        trainable = {n: model_sd[n].detach().cpu().contiguous() for n in self.names}
+        model_sd = self.full_model_state()  # collective; with cpu_offload only rank 0 receives the tensors
         optim_sd = get_optimizer_state_dict(self.wrapped, self.optimizer, options=self._opts())
         if self.rank == 0:
+            trainable = {n: model_sd[n].detach().cpu().contiguous() for n in self.names}
             opt_tensors, opt_meta = _flatten_optimizer(optim_sd)
             state = {"step": self.step, "samples_consumed": self.samples, "schedule": {"step": self.step,
                      "lr": lr_at(self.step, self.cfg)}, "best": self.best, "config": self.cfg.to_json(),
@@ -349,10 +350,26 @@ class Trainer:
             bar.close()
         if final is None:  # resumed at the last step: nothing left to train
             final = self.evaluate()
-        self._log({"step": self.step, "event": "train_end", "best_step": self.best["step"]})
+        self._log({"step": self.step, "event": "train_end", "best_step": self.best["step"],
+                   "rank_digests": self.rank_digests()})
         return {"best": self.best, "final_eval": final, "steps": self.step,
                 "seconds_per_step": sorted(step_times)[len(step_times) // 2] if step_times else None,
                 "optimizer": self.optimizer_name}
+
+    def rank_digests(self) -> list[str]:
+        """sha256 of each rank's own copy of the trained tensors (equal under DDP, or the ranks diverged)."""
+        h = hashlib.sha256()
+        for name, p in self.task.module.named_parameters():
+            if p.requires_grad:
+                local = p.detach()
+                local = local.to_local() if hasattr(local, "to_local") else local  # FSDP2: this rank's shard
+                h.update(name.encode())
+                h.update(local.float().cpu().contiguous().numpy().tobytes())
+        if self.world == 1:
+            return [h.hexdigest()]
+        out = [None] * self.world
+        dist.all_gather_object(out, h.hexdigest())
+        return out
 
     def _train_step(self, params: list[nn.Parameter]) -> tuple[float, dict]:
         cfg = self.cfg
