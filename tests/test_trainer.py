@@ -12,6 +12,7 @@ import torch
 from _qad_models import ROOT, run_cli, write_student, write_teacher
 from safetensors.torch import load_file
 
+from specquant.cli import main
 from specquant.train.trainer import checkpoints
 
 RUN = ["--seq-len", "32", "--batch", "2", "--eval-samples", "2", "--eval-seq-len", "32", "--eval-every", "0",
@@ -30,14 +31,23 @@ def _args(pair, out, *extra):
             *extra]
 
 
+def _in_process(args):
+    """The CLI in this process, on one thread like the subprocesses (so results can be compared bit for bit)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _final(out):
     return load_file(checkpoints(out)[-1] / "trainable.safetensors")
 
 
 def test_sigkill_then_resume_is_bit_identical(pair, tmp_path):
     steps = ["--steps", "12", "--save-every", "2"]
-    ref = run_cli(_args(pair, tmp_path / "ref", *steps))
-    assert ref.returncode == 0, ref.stderr
+    _in_process(_args(pair, tmp_path / "ref", *steps))
 
     out = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -76,14 +86,14 @@ def _torchrun(args, nproc):
 
 
 def test_two_process_ddp_matches_one_process(pair, tmp_path):
-    """2 ranks × batch 2 vs 1 rank × batch 4: the same global batch of the same rows every step. Both ranks end
+    """2 ranks × batch 2 vs 1 rank × batch 4: the same global batch of the same rows every step; DDP and FSDP2
+    (gloo on CPU). Both DDP ranks end
     with identical weights (checked in the trainer by comparing per-rank digests); the logged global mean loss
     matches the single process to float-summation error. Tolerance: 1e-4 relative; observed ~1e-7."""
     steps = ["--steps", "3", "--save-every", "3"]
     two = _torchrun(_args(pair, tmp_path / "two", *steps), 2)
     assert two.returncode == 0, two.stderr[-2000:]
-    one = run_cli(_args(pair, tmp_path / "one", *steps, "--batch", "4"))
-    assert one.returncode == 0, one.stderr
+    _in_process(_args(pair, tmp_path / "one", *steps, "--batch", "4"))
     log2 = [json.loads(ln) for ln in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]
     log1 = [json.loads(ln) for ln in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
     end = next(e for e in log2 if e.get("event") == "train_end")
@@ -96,3 +106,9 @@ def test_two_process_ddp_matches_one_process(pair, tmp_path):
     w2, w1 = _final(tmp_path / "two"), _final(tmp_path / "one")
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-5)
+    # FSDP2 (sharded parameters, gradients and optimizer state) takes the same steps as DDP
+    fsdp = _torchrun(_args(pair, tmp_path / "fsdp", *steps, "--strategy", "fsdp"), 2)
+    assert fsdp.returncode == 0, fsdp.stderr[-2000:]
+    w3 = _final(tmp_path / "fsdp")
+    for name in w2:
+        torch.testing.assert_close(w3[name], w2[name], rtol=0, atol=1e-6)

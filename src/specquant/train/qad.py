@@ -125,7 +125,9 @@ class KLStudent(nn.Module):
         self.kl_chunk = kl_chunk
         object.__setattr__(self, "_teacher", teacher)  # not a registered submodule on purpose
 
-    def forward(self, tokens: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, logits_only: bool = False):
+        if logits_only:  # evaluation enters here too, so FSDP has gathered the parameters
+            return self.student(tokens)
         with torch.no_grad():
             teacher_hidden = self._teacher(tokens, hidden_only=True)
         student_hidden = self.student(tokens, hidden_only=True)
@@ -211,11 +213,12 @@ class QADTask:
         self.eval_tokens = eval_tokens  # [samples, eval_seq_len]
         self.student_dir, self.student_hf, self.run_meta = student_dir, student_hf, run_meta
         self.module = KLStudent(student, teacher, cfg.kl_chunk)
+        self.fsdp_units = list(student.model.layers)
 
     def evaluate(self) -> dict:
         """KL to the teacher, perplexity, top-1 agreement on held-out text (specquant.quant.quality.compare)."""
-        device = next(self.student.parameters()).device
-        r = compare(self.teacher, self.student, self.eval_tokens.to(device))
+        device = next(self.teacher.parameters()).device
+        r = compare(self.teacher, lambda batch: self.module(batch, logits_only=True), self.eval_tokens.to(device))
         return {k: r[k] for k in ("kl", "kl_sem", "ppl", "ppl_ref", "top1_agree", "samples")}
 
     def check_start(self, metrics: dict) -> None:

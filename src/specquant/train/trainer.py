@@ -8,6 +8,8 @@ How a new distillation plugs in (QAD in train/qad.py is the worked example):
                submodules, so DDP/FSDP wrap only the student.
      evaluate() held-out metrics as a dict of floats; it must contain `best_key` (lower is better).
      check_start(metrics)  called once with the step-0 metrics; raise SpecquantError to refuse to train.
+   Optional: fsdp_units, submodules (decoder layers) that `--strategy fsdp` shards one by one; evaluate() must
+   then run its forwards through `module` (FSDP2 gathers parameters in module's forward hooks).
      export(out_dir, state)  write the deployable checkpoint atomically from `state`, module's full state_dict
                ({name: tensor}, unsharded even under FSDP; read weights from it, not from the module).
 2. Build token blocks with train.data.load_blocks and call
@@ -78,6 +80,15 @@ def setup_distributed(device: str) -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return dist.get_rank(), world, dev
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size (ru_maxrss) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -184,6 +195,10 @@ class Trainer:
         if self.cfg.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
+            # FSDP2 shards in place: each unit (e.g. a decoder layer) is gathered only while it runs, the rest
+            # with the root. Every forward, evaluation included, must then enter through task.module.
+            for unit in getattr(self.task, "fsdp_units", ()):
+                fully_shard(unit)
             return fully_shard(module)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -351,10 +366,11 @@ class Trainer:
         if final is None:  # resumed at the last step: nothing left to train
             final = self.evaluate()
         self._log({"step": self.step, "event": "train_end", "best_step": self.best["step"],
-                   "rank_digests": self.rank_digests()})
+                   "rank_digests": self.rank_digests(), "peak_memory_mb": peak_memory_mb(self.device),
+                   "median_seconds_per_step": sorted(step_times)[len(step_times) // 2] if step_times else None})
         return {"best": self.best, "final_eval": final, "steps": self.step,
                 "seconds_per_step": sorted(step_times)[len(step_times) // 2] if step_times else None,
-                "optimizer": self.optimizer_name}
+                "optimizer": self.optimizer_name, "peak_memory_mb": peak_memory_mb(self.device)}
 
     def rank_digests(self) -> list[str]:
         """sha256 of each rank's own copy of the trained tensors (equal under DDP, or the ranks diverged)."""
