@@ -34,6 +34,11 @@ def test_batched_greedy_rows_equal_single_row_generation(teacher, tmp_path):
         single = generate(model, torch.tensor([r["prompt_ids"]]), 6).token_ids[0]
         assert r["completion_ids"] == single, r["id"]
         assert r["sampling"]["temperature"] == 0 and len(r["model_sha256"]) == 64
+    # speculative generation (lossless: greedy output is the target's own) writes the same completions
+    spec = tmp_path / "spec.jsonl"
+    assert main(["regen", "--model", str(teacher), "--out", str(spec), "--temperature", "0", "--draft",
+                 "tiny-draft", *FLAGS[:-3], "--limit", "3", "--json"]) == 0
+    assert [r["completion_ids"] for r in _lines(spec)] == [r["completion_ids"] for r in rows[:3]]
 
 
 def test_resume_after_a_kill_reproduces_the_uninterrupted_file(teacher, tmp_path):

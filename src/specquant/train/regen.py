@@ -126,7 +126,7 @@ def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None
         raise SpecquantError(f"--out {str(out)!r} is a directory; pass a .jsonl file path")
     sha = fingerprint(path)
     settings = {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
-                "max_new_tokens": cfg.max_new_tokens, "batch": cfg.batch}
+                "max_new_tokens": cfg.max_new_tokens, "batch": cfg.batch, "draft": draft}
     done = read_done(out, settings, sha)
     model = load_model(path, device=device)
     vocab = model.config.vocab_size
