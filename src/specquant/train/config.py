@@ -16,13 +16,17 @@ STRATEGIES = ("ddp", "fsdp")
 class TrainConfig:
     """Everything the shared loop (train/trainer.py) needs; nothing model-specific."""
 
-    steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    # Defaults: QAD of the bundled 15.7M target on CPU (docs/QAD.md). lr: a code moves only when its latent weight
+    # drifts half a grid step (median scale 0.008 there, so 0.004); Adam moves a weight ~lr per step, so 1e-4
+    # lets a consistently pushed code move after ~40 steps while gradient noise rarely gets that far in 200;
+    # 1e-3 raised the training KL ten-fold within 10 steps. The reference's 2e-6 is for a 4B model trained 5000 steps.
+    steps: int = field(default=200, metadata={"help": "optimizer steps"})
     lr: float = field(default=1e-4, metadata={"help": "peak learning rate (after warm-up)"})
     min_lr_ratio: float = field(default=0.0, metadata={"help": "cosine floor as a fraction of --lr"})
     warmup: int = field(default=10, metadata={"help": "linear warm-up steps"})
     batch: int = field(default=4, metadata={"help": "sequences per micro-batch per process"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    seq_len: int = field(default=128, metadata={"help": "tokens per training sequence"})
+    seq_len: int = field(default=64, metadata={"help": "tokens per training sequence"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
@@ -84,7 +88,7 @@ class QADConfig:
         "help": "also train embed_tokens / lm_head (frozen by default; tied in the bundled models)"})
     heldout: str | None = field(default=None, metadata={
         "help": "held-out text for evaluation (default: bundled heldout.txt, never used for training)"})
-    eval_samples: int = field(default=64, metadata={"help": "held-out sequences per evaluation"})
+    eval_samples: int = field(default=32, metadata={"help": "held-out sequences per evaluation"})
     eval_seq_len: int = field(default=256, metadata={"help": "tokens per held-out sequence"})
 
     def validate(self) -> "QADConfig":
