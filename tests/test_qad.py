@@ -195,3 +195,19 @@ def test_data_order_is_a_function_of_the_sample_index():
     assert sorted(first[:10, 0].tolist()) == list(range(0, 50, 5))  # each epoch is a permutation
     with pytest.raises(SpecquantError, match="does not exist"):
         load_blocks("/nonexistent.txt", None, 8, 10)
+
+
+def test_recipe_runs_regen_then_qad_and_reuses_its_cache(pair, tmp_path):
+    from specquant.train.config import RegenConfig
+    from specquant.train.recipe import QADRecipe, qad_target
+
+    recipe = QADRecipe(regen=RegenConfig(limit=4, max_new_tokens=8, batch=4),
+                       train=TrainConfig(steps=2, seq_len=16, batch=2, eval_every=0, save_every=2),
+                       qad=QADConfig(eval_samples=2, eval_seq_len=32))
+    path, info = qad_target(pair[0], pair[1], tmp_path, recipe, log=lambda *_: None)
+    assert info["produced"] and info["steps"] == 2 and isinstance(load_model(path).model.layers[0].mlp.up_proj,
+                                                                   QuantLinear)
+    rows = (path.parent.parent / "regen.jsonl").read_text().splitlines()
+    assert len(rows) == 4
+    again, info2 = qad_target(pair[0], pair[1], tmp_path, recipe, log=lambda *_: None)
+    assert again == path and not info2["produced"]

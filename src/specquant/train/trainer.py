@@ -317,6 +317,9 @@ class Trainer:
         """Train to cfg.steps; returns {"best": ..., "final_eval": ..., "steps": ..., "seconds_per_step": ...}."""
         cfg = self.cfg
         found = checkpoints(self.out_dir) if resume else []
+        if found and self.rank == 0:  # a save killed mid-write leaves its temp dir (ours): drop it
+            for stale in (self.out_dir / "checkpoints").glob(".step-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         if found:
             self.load_checkpoint(found[-1])
             self._trim_log()
