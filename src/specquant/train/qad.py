@@ -36,6 +36,20 @@ from specquant.train.config import QADConfig
 BUNDLED_HELDOUT = Path(__file__).resolve().parent.parent / "data" / "heldout.txt"
 
 
+class _FakeQuantSTE(torch.autograd.Function):
+    """fake_quant in the forward, identity in the backward (straight-through). A custom Function rather than the
+    `w + (fq - w).detach()` idiom, whose float sum can differ from fq by an ulp: the forward must use exactly
+    the weights the export writes."""
+
+    @staticmethod
+    def forward(ctx, latent, scale, zero, bits, group_size):
+        return fake_quant(latent, scale, zero, bits, group_size).to(scale.dtype).to(latent.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None
+
+
 class FakeQuantLinear(nn.Module):
     """A trainable latent weight [out, in] on a frozen grid: scale [out, groups], zero int8 [out, groups] | None."""
 
@@ -54,7 +68,7 @@ class FakeQuantLinear(nn.Module):
         return fake_quant(self.weight, self.scale, self.zero, self.bits, self.group_size).to(self.scale.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight + (self.fake_quant_weight().to(self.weight.dtype) - self.weight).detach()  # STE
+        w = _FakeQuantSTE.apply(self.weight, self.scale, self.zero, self.bits, self.group_size)
         return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def codes(self, latent: torch.Tensor | None = None) -> torch.Tensor:
