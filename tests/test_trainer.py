@@ -112,3 +112,16 @@ def test_two_process_ddp_matches_one_process(pair, tmp_path):
     w3 = _final(tmp_path / "fsdp")
     for name in w2:
         torch.testing.assert_close(w3[name], w2[name], rtol=0, atol=1e-6)
+
+
+def test_gradient_accumulation_matches_one_large_batch(pair, tmp_path):
+    """batch 2 × grad_accum 2 reads the same rows per step as batch 4 and averages the same per-token KL."""
+    steps = ["--steps", "2", "--save-every", "2"]
+    _in_process(_args(pair, tmp_path / "big", *steps, "--batch", "4"))
+    _in_process(_args(pair, tmp_path / "acc", *steps, "--grad-accum", "2"))
+    loss = lambda p: [json.loads(ln)["loss"] for ln in (p / "log.jsonl").read_text().splitlines() if '"loss"' in ln]
+    torch.testing.assert_close(torch.tensor(loss(tmp_path / "acc")), torch.tensor(loss(tmp_path / "big")),
+                               rtol=1e-4, atol=0)
+    a, b = _final(tmp_path / "acc"), _final(tmp_path / "big")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
