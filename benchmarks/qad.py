@@ -5,7 +5,8 @@ already in --run-dir), run `specquant distill target` on the AWQ checkpoint (res
 score every model against the fp32 target on --eval-samples held-out sequences of --eval-seq-len tokens
 (src/specquant/data/heldout.txt, never trained on): KL(fp32 || model) with its standard error over sequences,
 perplexity and top-1 agreement (specquant.quant.quality.compare). "gap recovered" = 1 - KL(QAD) / KL(AWQ), the
-AWQ -> fp32 KL gap closed by QAD. Seconds per step and peak memory come from the QAD run's log.jsonl.
+AWQ -> fp32 KL gap closed by QAD. Seconds per step and peak memory come from a separate short run per group size
+(--cost-steps), the two back to back, each in its own process.
 The table goes to stdout first; the last stdout line is one JSON object.
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/qad.py --run-dir runs/qad-bench
@@ -49,14 +50,26 @@ def qad_run(run_dir: Path, group: int, train: TrainConfig, qad: QADConfig) -> Pa
     return out
 
 
+def step_cost(run_dir: Path, group: int, train: TrainConfig, steps: int) -> dict:
+    """Median seconds per step and peak memory of a fresh `steps`-step run in its own process (so its peak RSS
+    is its own), with the measured run's batch and sequence length; the group sizes run back to back."""
+    out = run_dir / f"cost_g{group}"
+    cmd = [sys.executable, "-m", "specquant.cli", "distill", "target", "--teacher", "tiny-target", "--student",
+           str(quantized(run_dir, "awq", group)), "--out", str(out), "--overwrite", "--steps", str(steps),
+           "--batch", str(train.batch), "--seq-len", str(train.seq_len), "--lr", str(train.lr), "--eval-every",
+           "0", "--eval-samples", "2", "--save-every", str(steps), "--json"]
+    result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    return {"seconds_per_step": result["seconds_per_step"], "peak_memory_mb": result["peak_memory_mb"],
+            "steps": steps, "optimizer": result["optimizer"]}
+
+
 def train_stats(qad_dir: Path) -> dict:
     rows = [json.loads(ln) for ln in (qad_dir / "log.jsonl").read_text().splitlines()]
     steps = [r["seconds"] for r in rows if "loss" in r]
     end = [r for r in rows if r.get("event") == "train_end"][-1]
     best = end["best_step"]
     start = next(r for r in rows if r.get("event") == "train_start")
-    return {"steps": len(steps), "median_seconds_per_step": sorted(steps)[len(steps) // 2],
-            "peak_memory_mb": end.get("peak_memory_mb"), "best_step": best,
+    return {"steps": len(steps), "median_seconds_per_step_in_run": sorted(steps)[len(steps) // 2], "best_step": best,
             "tokens_per_step": start["global_batch"] * start["config"]["seq_len"],
             "lr": start["config"]["lr"], "optimizer": start["optimizer"]}
 
@@ -72,6 +85,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=TrainConfig.batch)
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
+    p.add_argument("--cost-steps", type=int, default=10, help="steps of the separate s/step + memory run")
     args = p.parse_args()
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,11 +112,14 @@ def main() -> int:
             "awq_gap": gap, "sem_over_gap": rows["AWQ"]["kl_sem"] / gap,
             "gap_recovered": 1 - rows["AWQ+QAD"]["kl"] / gap, "train": train_stats(qad_dir),
         }
+    for g in args.group_sizes:
+        results["groups"][g]["cost"] = step_cost(run_dir, g, train, args.cost_steps)
     print(f"held-out: {len(tokens)} sequences x {tokens.shape[1]} tokens of {BUNDLED_HELDOUT.name}")
     for g, r in results["groups"].items():
         print(f"\ngroup size {g}  (QAD: {r['train']['steps']} steps, lr {r['train']['lr']}, "
-              f"{r['train']['tokens_per_step']} tokens/step, best step {r['train']['best_step']}, "
-              f"{r['train']['median_seconds_per_step']:.2f} s/step, peak {r['train']['peak_memory_mb']:.0f} MB)")
+              f"{r['train']['tokens_per_step']} tokens/step, best step {r['train']['best_step']}; "
+              f"{r['cost']['seconds_per_step']:.2f} s/step, peak RSS {r['cost']['peak_memory_mb']:.0f} MB "
+              f"over a separate {r['cost']['steps']}-step run, {r['cost']['optimizer']})")
         print(f"{'model':<9} {'KL to fp32':>12} {'± SEM':>10} {'ppl':>9} {'top-1':>8}")
         for name, v in r["rows"].items():
             print(f"{name:<9} {v['kl']:>12.6f} {v['kl_sem']:>10.6f} {v['ppl']:>9.2f} {v['top1_agree']:>8.2%}")
