@@ -41,7 +41,7 @@ def qad_target(teacher: Path, student: Path, cache: Path, recipe: QADRecipe, log
     if done.exists():
         info = json.loads(done.read_text())
         log(f"W4 + QAD target: reused {root / 'run' / 'model'} (same teacher, student and recipe)")
-        return root / "run" / "model", {**info, "produced": False}
+        return root / "run" / "model", {**info, "path": str(root / "run" / "model"), "produced": False}
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     data = root / "regen.jsonl"
@@ -52,10 +52,10 @@ def qad_target(teacher: Path, student: Path, cache: Path, recipe: QADRecipe, log
     resume = (run / "checkpoints").exists()
     result = run_qad(str(teacher), str(student), run, recipe.train, recipe.qad, data=str(data), resume=resume,
                      overwrite=not resume and run.exists(), progress=False)
-    info = {"seconds": time.perf_counter() - t0, "steps": result["steps"], "best_step": result["best"]["step"],
+    info = {"method": f"QAD, {result['steps']} steps", "seconds": time.perf_counter() - t0, "steps": result["steps"], "best_step": result["best"]["step"],
             "start_kl": result["start_eval"]["kl"], "best_kl": result["best_eval"]["kl"],
             "seconds_per_step": result["seconds_per_step"], "regen_tokens": made["new_tokens"]}
     log(f"      QAD: {info['steps']} steps, held-out KL to the teacher {info['start_kl']:.5f} -> "
         f"{info['best_kl']:.5f} (best step {info['best_step']}, {info['seconds']:.0f} s)")
     done.write_text(json.dumps(info) + "\n")
-    return run / "model", {**info, "produced": True}
+    return run / "model", {**info, "path": str(run / "model"), "produced": True}
