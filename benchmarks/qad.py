@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from specquant.model.checkpoint import load_model, load_tokenizer
+from specquant.loader import load_model
+from specquant.model.checkpoint import load_tokenizer
 from specquant.quant.quality import compare, heldout_tokens, logprobs
 from specquant.train.config import QADConfig, TrainConfig
 from specquant.train.qad import BUNDLED_HELDOUT, run_qad

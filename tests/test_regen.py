@@ -8,7 +8,8 @@ from _qad_models import write_teacher
 
 from specquant.cli import main
 from specquant.decode.generate import generate
-from specquant.model.checkpoint import load_model, load_tokenizer
+from specquant.loader import load_model
+from specquant.model.checkpoint import load_tokenizer
 from specquant.train.config import RegenConfig
 from specquant.train.regen import bundled_prompts, make_batches, regen
 
