@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.util.files import atomic_dir
+from specquant.util.files import atomic_dir, claim_out_dir
 from specquant.train.config import RESUME_KEYS, TrainConfig
 from specquant.train.data import BlockOrder
 
@@ -330,8 +330,8 @@ class Trainer:
         if self.step == 0:  # the gate runs before anything is written: a refused run leaves no output behind
             start_metrics = self.evaluate()
             self.task.check_start(start_metrics)
-        if self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:  # marked as specquant's (util/files.py); the CLI has already checked --out
+            claim_out_dir(self.out_dir, overwrite=True)
             log.info("optimizer: %s", self.optimizer_name)
         self._log({"step": self.step, "event": "train_start", "optimizer": self.optimizer_name, "world": self.world,
                    "global_batch": cfg.batch * cfg.grad_accum * self.world, "config": cfg.to_json(),
