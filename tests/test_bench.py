@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import randomize_
 
-from specquant.bench.ablation import ROWS
+from specquant.bench.ablation import rows_for
 from specquant.bench.prepare import quantized_checkpoint
 from specquant.bench.config import BenchConfig
 from specquant.bench.predict import (alpha_from_mal, expected_tokens, leviathan_speedup, mean_tokens_per_step,
@@ -35,10 +35,10 @@ from specquant.spec_decode.config import SpecConfig
 TOKENIZER = BUNDLED_DIR / "tiny-target"
 # smallest settings that still run every row on every category and content set
 SMALL = ["--max-new-tokens", "8", "--runs", "1", "--warmup", "1", "--draft-window", "16", "--prompts-per-length", "1",
-         "--prompts-per-set", "1"]
+         "--prompts-per-set", "1", "--qad-steps", "2", "--qad-prompts", "4", "--qad-new-tokens", "8"]
 SMALL_CFG = dict(max_new_tokens=8, runs=1, warmup=1, spec=SpecConfig(draft_window=16), prompts_per_length=1,
                  prompts_per_set=1,
-                 cost_reps=3, curve_fractions=(1 / 8, 1 / 2))
+                 cost_reps=3, curve_fractions=(1 / 8, 1 / 2), qad_steps=2, qad_prompts=4, qad_new_tokens=8)
 
 
 def _tokenizer():
@@ -182,6 +182,9 @@ def test_bench_cli_writes_every_file_and_json_last(bench_run):
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     last = json.loads(lines[-1])
     assert last["benchmark"] == "bench" and {r["id"] for r in last["rows"]} == {r["id"] for r in results["rows"]}
+    by_id = {r["id"]: r for r in results["rows"]}
+    assert by_id["q"]["name"] == "W4 + QAD target" and by_id["q"]["status"] == "ok"
+    assert all(by_id[i]["target"] == "qad" for i in "cde")  # the draft rows run against the QAD target
     assert results["environment"]["torch"] == torch.__version__
     assert "| (a) baseline: target |" in (out / "report.md").read_text()
 
@@ -190,7 +193,7 @@ def test_report_is_consistent_with_itself(bench_run):
     _, results, _ = bench_run
     assert consistency_problems(results) == []
     ids = [r["id"] for r in results["rows"]]
-    assert ids == [r.id for r in ROWS] + ["hf"]
+    assert ids == [r.id for r in rows_for(with_qad=True)] + ["hf"]
     for r in results["rows"]:
         assert r["status"] == "ok" or r["reason"], r["id"]
     base = results["rows"][0]["categories"]
@@ -216,7 +219,7 @@ def test_report_is_consistent_with_itself(bench_run):
 def test_consistency_check_catches_a_tampered_report(bench_run):
     _, results, _ = bench_run
     bad = json.loads(json.dumps(results))
-    row = bad["rows"][2]
+    row = next(r for r in bad["rows"] if r["id"] == "c")
     cat = next(iter(row["categories"]))
     row["categories"][cat]["speedup"] *= 1.1
     row["acceptance_all"]["num_accepted_tokens"] += 1

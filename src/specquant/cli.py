@@ -17,6 +17,8 @@ VERBS = {
     "demo": "specquant.bench.demo",
     "export": "specquant.export.cli",
     "gate": "specquant.gate.cli",
+    "regen": "specquant.train.regen",
+    "distill": "specquant.train.cli",
 }
 
 

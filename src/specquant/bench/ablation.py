@@ -12,6 +12,7 @@ runs); acceptance per length category from the timed runs themselves, which is w
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from specquant.util.dtypes import DTYPES
 class Row:
     id: str
     name: str
-    target: str  # "hp" (high precision) or "w4"
+    target: str  # "hp" (high precision), "w4" or "qad" (W4 + QAD)
     draft: str | None  # None (target alone), "hp" or "w4"
     window: bool = False  # draft attends to its last BenchConfig.spec.draft_window positions
     impl: str = "specquant"  # or "transformers"
@@ -48,6 +49,16 @@ ROWS = (
 )
 HF_ROW = Row("hf", "transformers assisted: target + draft", "hp", "hp", impl="transformers")
 BASELINE = "a"
+QAD_ROW = Row("q", "W4 + QAD target", "qad", None)
+
+
+def rows_for(with_qad: bool) -> tuple[Row, ...]:
+    """ROWS, or with a QAD target: row (q) after (b), and the draft rows (c)-(e) run against the QAD target."""
+    if not with_qad:
+        return ROWS
+    drafted = tuple(dataclasses.replace(r, target="qad", name=r.name.replace("W4 target", "W4 + QAD target"))
+                    for r in ROWS if r.draft is not None)
+    return (*[r for r in ROWS if r.draft is None], QAD_ROW, *drafted)
 
 
 # --- the run -----------------------------------------------------------------------------------------------------
@@ -75,7 +86,9 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     # every row decodes with fused q/k/v and gate/up projections (model/fuse.py), the baseline included
     models = {(role, kind): load_model(paths[key], dtype, device, fuse=True)
               for role, kind, key in (("target", "hp", "target"), ("target", "w4", "quantized_target"),
-                                      ("draft", "hp", "draft"), ("draft", "w4", "quantized_draft"))}
+                                      ("draft", "hp", "draft"), ("draft", "w4", "quantized_draft"),
+                                      ("target", "qad", "qad_target")) if key in paths}
+    table = rows_for("qad_target" in paths)
     context = min(models[("target", "hp")].config.max_position_embeddings,
                   models[("draft", "hp")].config.max_position_embeddings)
     lengths = fit_lengths(cfg.lengths, context, cfg.max_new_tokens)
@@ -85,7 +98,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     content_prompts = [p for p in prompts if p.kind == "content"]
 
     runners, skipped = {}, {}
-    for row in ROWS:
+    for row in table:
         target = models[("target", row.target)]
         if row.draft is None:
             runners[row.id] = ours_target_only(target, cfg.max_new_tokens, sampling)
@@ -100,7 +113,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
             skipped[HF_ROW.id] = f"transformers could not load the pair: {type(e).__name__}: {str(e)[:200]}"
     else:
         skipped[HF_ROW.id] = "disabled (hf_compare false)"
-    rows = [*ROWS, HF_ROW]
+    rows = [*table, HF_ROW]
 
     def transformers_failed(rid: str, e: Exception) -> bool:
         if rid != HF_ROW.id:
@@ -149,6 +162,9 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> di
               "draft_hp_step_s": Probe(models[("draft", "hp")]),
               "draft_w4_step_s": Probe(models[("draft", "w4")]),
               "draft_w4_step_s_window": Probe(models[("draft", "w4")], window=cfg.spec.draft_window)}
+    if ("target", "qad") in models:
+        probes["target_qad_step_s"] = Probe(models[("target", "qad")])
+        probes["target_qad_verify_s"] = Probe(models[("target", "qad")], k1)
     out = {}
     with _bar(len(lengths), "forward costs") as bar:
         for cat, n in lengths.items():
@@ -222,7 +238,7 @@ def _add_speedups(rows: list[dict]):
     """speedup = baseline latency / row latency per category; decode_speedup the same on TPOT; averages are the
     mean over categories; same_tokens: the row produced the baseline-precision target's own tokens."""
     base = next(r for r in rows if r["id"] == BASELINE)
-    own = {"hp": BASELINE, "w4": "b"}
+    own = {"hp": BASELINE, "w4": "b", "qad": QAD_ROW.id}
     by_id = {r["id"]: r for r in rows}
     for r in rows:
         if r["status"] != "ok":
@@ -249,7 +265,7 @@ def _add_speedups(rows: list[dict]):
 
 
 def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu",
-              log=print) -> tuple[dict, list[Path]]:
+              log=print, qad_target=None) -> tuple[dict, list[Path]]:
     """The whole bench as one call (`specquant bench` and `specquant demo` only parse and call this): check every
     input, claim the output directory, quantize what was not given, measure every row, write the report.
     Returns (results, written files)."""
@@ -257,7 +273,7 @@ def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_
     from specquant.bench.report import write_report
     from specquant.util.files import claim_out_dir
 
-    paths = validate(cfg, target, draft, quantized_target, quantized_draft, device)
+    paths = validate(cfg, target, draft, quantized_target, quantized_draft, device, qad_target)
     claim_out_dir(cfg.out, cfg.overwrite)
     quantized = prepare_quantized(cfg, paths, log)
     if cfg.threads:

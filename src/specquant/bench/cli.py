@@ -22,6 +22,8 @@ def add_parser(sub):
     p.add_argument("--draft", required=True, help="high-precision draft: checkpoint directory or bundled name")
     p.add_argument("--quantized-target", default=None, help="W4 target checkpoint (default: AWQ it into --out/cache)")
     p.add_argument("--quantized-draft", default=None, help="W4 draft checkpoint (default: GPTQ it into --out/cache)")
+    p.add_argument("--qad-target", default=None, help="W4 + QAD target checkpoint for row (q) and the draft rows "
+                                                      "(default: regen + distill target into --out/cache)")
     add_config_flags(p, BenchConfig)
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON summary line instead of the table")
@@ -54,7 +56,7 @@ def run(args) -> int:
     if args.engine == "llama.cpp":
         return run_llama_cpp(cfg, args, log)
     results, files = run_bench(cfg, args.target, args.draft, args.quantized_target, args.quantized_draft,
-                               args.device, log)
+                               args.device, log, args.qad_target)
     if args.json:
         print_json(summary(results, files))
     else:

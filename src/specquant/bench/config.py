@@ -53,13 +53,20 @@ class BenchConfig:
     # The drafter is compressed harder than the target: its lm_head is quantized too (the embedding lookup stays
     # dense); the target keeps its lm_head in high precision, as the reference recipe does (docs/BENCH.md).
     draft_quant_overrides: dict = field(default_factory=lambda: {"ignore": ["embed_tokens"]})
+    # Row (q) "W4 + QAD target": regen + `distill target` on the W4 target (train/recipe.py), cached in out/cache;
+    # the draft rows (c)-(e) then run against it.
+    qad: bool = field(default=True, metadata={
+        "help": "row (q) W4 + QAD target, and the draft rows against it (--no-qad: against the W4 target)"})
+    qad_steps: int = field(default=60, metadata={"help": "QAD steps for row (q) when --qad-target is not given"})
+    qad_prompts: int = field(default=64, metadata={"help": "regen prompts for row (q)'s training text"})
+    qad_new_tokens: int = field(default=64, metadata={"help": "tokens the teacher writes per regen prompt"})
     cost_reps: int = 15  # repetitions per forward timing (c, verify ratio, drafter latency curve); median kept
     # contexts (fractions of the model context) at which the drafter's one-token forward is timed for the plot
     curve_fractions: tuple[float, ...] = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)
 
     def validate(self) -> "BenchConfig":
         for name in ("max_new_tokens", "runs", "prompts_per_length", "prompts_per_set", "content_max_tokens",
-                     "cost_reps"):
+                     "cost_reps", "qad_steps", "qad_prompts", "qad_new_tokens"):
             if getattr(self, name) < 1:
                 raise SpecquantError(f"{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
         if self.warmup < 0:
@@ -86,6 +93,16 @@ class BenchConfig:
     def spec_for(self, window: bool) -> SpecConfig:
         """The SpecConfig of a speculative row: with the drafter window (row e) or full attention."""
         return dataclasses.replace(self.spec, draft_window=self.spec.draft_window if window else None)
+
+    def qad_recipe(self):
+        """The regen + QAD sizes for row (q) (train/recipe.py); held-out evaluation at the start and the end."""
+        from specquant.train.config import QADConfig, RegenConfig, TrainConfig
+        from specquant.train.recipe import QADRecipe
+
+        return QADRecipe(regen=RegenConfig(limit=self.qad_prompts, max_new_tokens=self.qad_new_tokens),
+                         train=TrainConfig(steps=self.qad_steps, eval_every=0,
+                                           save_every=max(1, self.qad_steps // 2)),
+                         qad=QADConfig(eval_samples=8))
 
     def quant_overrides_for(self, role: str) -> dict:
         """QuantConfig overrides for producing the W4 'target' or 'draft'."""

@@ -1,4 +1,4 @@
-"""`specquant demo`: quantize the bundled target (AWQ) and draft (GPTQ), then bench every row and print the table.
+"""`specquant demo`: quantize the bundled target (AWQ) and draft (GPTQ), QAD the W4 target, bench every row.
 
 The main job on the bundled pair, end to end. Budget on 2 CPU cores: ≤ 10 minutes, `--quick` ≤ 2 minutes.
 """
@@ -14,13 +14,14 @@ from specquant.bench.config import BenchConfig
 # What the demo changes from BenchConfig's defaults to fit its time budget (everything else: BenchConfig).
 PRESETS = {
     "full": dict(prompts_per_length=2, prompts_per_set=2, cost_reps=10,
-                 curve_fractions=(1 / 16, 1 / 4, 1 / 2, 3 / 4), quant_overrides={"calib_samples": 32}),
+                 curve_fractions=(1 / 16, 1 / 4, 1 / 2, 3 / 4), quant_overrides={"calib_samples": 32},
+                 qad_steps=60, qad_prompts=64, qad_new_tokens=64),
     "quick": dict(max_new_tokens=32, runs=1, prompts_per_length=1, prompts_per_set=1, cost_reps=5,
                   curve_fractions=(1 / 16, 1 / 4, 1 / 2),
-                  quant_overrides={"calib_samples": 8, "seq_len": 128, "awq": {"grid": 5, "clip": False}}),
+                  quant_overrides={"calib_samples": 8, "seq_len": 128, "awq": {"grid": 5, "clip": False}},
+                  qad_steps=6, qad_prompts=8, qad_new_tokens=32),
 }
 NOT_YET = {
-    "QAD": "quantization-aware distillation of the W4 target",
     "drafter adaptation": "fine-tuning the draft on the W4 target's outputs",
 }
 DEFAULT_OUT = "runs/demo"
@@ -48,7 +49,8 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
     cfg = dataclasses.replace(demo_config(out, quick), **overrides)
     t0 = time.perf_counter()
     log(f"[1/3] quantize {target} with {cfg.target_method.upper()} and {draft} with {cfg.draft_method.upper()}, "
-        f"then bench rows (a)-(e) and the transformers comparison ({'quick' if quick else 'full'} preset)")
+        f"QAD the W4 target on teacher-written text ({cfg.qad_steps} steps), then bench rows (a)-(e), "
+        f"(q) W4 + QAD target and the transformers comparison ({'quick' if quick else 'full'} preset)")
     for name, what in NOT_YET.items():
         log(f"      {name}: not built yet ({what}; a later issue)")
     results, files = run_bench(cfg, target, draft, log=log)

@@ -66,14 +66,15 @@ def quantized_checkpoint(src: Path, role: str, method: str, overrides: dict, cac
                   "bytes_after": report["bytes_after"]}
 
 
-def check_inputs(target, draft, quantized_target=None, quantized_draft=None) -> dict[str, Path]:
+def check_inputs(target, draft, quantized_target=None, quantized_draft=None, qad_target=None) -> dict[str, Path]:
     """Resolve every checkpoint before anything is written; raises SpecquantError naming the bad one."""
     paths = {"target": resolve(target), "draft": resolve(draft)}
     for role in ("target", "draft"):
         if read_hf_config(paths[role]).get("quantization_config"):
             raise SpecquantError(f"--{role} {str(paths[role])!r} is already quantized; pass the high-precision "
                                  f"checkpoint as --{role} and the quantized one as --quantized-{role}")
-    for role, given in (("quantized_target", quantized_target), ("quantized_draft", quantized_draft)):
+    for role, given in (("quantized_target", quantized_target), ("quantized_draft", quantized_draft),
+                        ("qad_target", qad_target)):
         if given is None:
             continue
         path = resolve(given)
@@ -85,11 +86,12 @@ def check_inputs(target, draft, quantized_target=None, quantized_draft=None) -> 
     return paths
 
 
-def validate(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu"):
+def validate(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu",
+             qad_target=None):
     """Every check that needs no model run; raises SpecquantError. Returns the resolved checkpoint paths."""
     cfg.validate()
     check_device(device)
-    paths = check_inputs(target, draft, quantized_target, quantized_draft)
+    paths = check_inputs(target, draft, quantized_target, quantized_draft, qad_target if cfg.qad else None)
     if cfg.prompts:
         read_jsonl(Path(cfg.prompts).expanduser())
     if quantized_target is None:
@@ -112,4 +114,12 @@ def prepare_quantized(cfg: BenchConfig, paths: dict[str, Path], log=print) -> di
         paths[key], info[key] = quantized_checkpoint(paths[role], role, method, cfg.quant_overrides_for(role), cache)
         how = f"quantized in {info[key]['seconds']:.1f} s" if info[key]["produced"] else "reused: same source, config"
         log(f"W4 {role}: {method.upper()} -> {cache / role} ({how})")
+    if cfg.qad and "qad_target" not in paths:
+        from specquant.train.recipe import qad_target
+
+        log(f"W4 + QAD target: regen + distill target ({cfg.qad_steps} steps) -> {cache}")
+        paths["qad_target"], info["qad_target"] = qad_target(paths["target"], paths["quantized_target"], cache,
+                                                              cfg.qad_recipe(), log)
+    elif "qad_target" in paths:
+        info["qad_target"] = str(paths["qad_target"])
     return info
