@@ -424,6 +424,7 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor
     w = position_weights(K + 1, gamma, logits.device)[None, None, :] * ok
     ce = F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1), reduction="none").view(b, A, K)
     loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
+    ce = ce.detach()
     with torch.no_grad():
         hit = (logits.argmax(-1) == target) & ok
         acc = hit.sum((0, 1)).float() / ok.sum((0, 1)).clamp(min=1)
@@ -459,10 +460,10 @@ def save_block_drafter(model: BlockDrafter, out, extra_config: dict | None = Non
     from specquant.model.checkpoint import atomic_dir, copy_tokenizer, resolve
 
     hf = model.config.to_hf()
-    hf["torch_dtype"] = str(model.fc.weight.dtype).removeprefix("torch.")
+    tensors = tensors if tensors is not None else {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    hf["torch_dtype"] = str(tensors["fc.weight"].dtype).removeprefix("torch.") if "fc.weight" in tensors else None
     if extra_config:
         hf.update(extra_config)
-    tensors = tensors if tensors is not None else {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     with atomic_dir(Path(out)) as tmp:
         save_file({k: v.cpu() for k, v in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
@@ -484,3 +485,33 @@ def load_block_drafter_dense(path, hf: dict, dtype=torch.float32, device="cpu") 
     load_dense_into(model, tensors)
     model.source_path = path
     return model.eval()
+
+
+def capture_features(target, layer_ids: list[int]):
+    """Context manager: while active, `store["features"]` holds concat(output of target decoder layer l for l in
+    layer_ids) [b, T, taps*hidden] of the target's latest forward (forward hooks: no extra forward, no decoder edit)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def _ctx():
+        outs: dict[int, torch.Tensor] = {}
+        store: dict[str, torch.Tensor] = {}
+        handles = []
+        last = max(layer_ids)
+
+        def hook(i):
+            def fn(_mod, _inp, out):
+                outs[i] = out
+                if i == last:
+                    store["features"] = torch.cat([outs[j] for j in layer_ids], dim=-1)
+            return fn
+
+        for i in sorted(set(layer_ids)):
+            handles.append(target.model.layers[i].register_forward_hook(hook(i)))
+        try:
+            yield store
+        finally:
+            for h in handles:
+                h.remove()
+
+    return _ctx()
