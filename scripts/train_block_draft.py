@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specquant.decode.sampling import SamplingConfig, logits_to_probs, sample
-from specquant.model.block_draft import BlockDraftConfig, BlockDrafter
+from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.checkpoint import load_model, load_tokenizer
 from specquant.train.block_draft import (BlockDraftObjective, BlockDraftTask, BlockDraftTrainConfig,
                                          evaluate_blocks)
@@ -136,7 +136,7 @@ def load_ckpt(run: Path, drafter, opt) -> int:
     return step
 
 
-def init_drafter(drafter: BlockDrafter, target, seed: int):
+def init_drafter(drafter: BlockDraftModel, target, seed: int):
     """Small normal init (residual projections scaled by depth); the output norm starts as the target's final norm,
     so the untrained drafter already speaks through the target's lm_head at the right scale."""
     g = torch.Generator().manual_seed(seed)
@@ -194,7 +194,7 @@ def main():
     cfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=args.layers, block_size=args.block_size,
                                       target_layer_ids=[int(x) for x in args.target_layer_ids.split(",")],
                                       mask_token_id=tok.pad_token_id)
-    drafter = BlockDrafter(cfg)
+    drafter = BlockDraftModel(cfg)
     init_drafter(drafter, target, args.seed)
     objective = BlockDraftObjective(drafter, target, BlockDraftTrainConfig(
         num_anchors=args.num_anchors, gamma=args.gamma, labels=args.labels))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import (BlockDraftConfig, BlockDrafter, block_loss, load_block_drafter_dense,
+from specquant.model.block_draft import (BlockDraftConfig, BlockDraftModel, block_loss, load_block_draft_dense,
                                          position_weights, save_block_drafter, training_block_mask)
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
@@ -20,7 +20,7 @@ def make_pair(block_size=5, seed=0):
     target = Transformer(TARGET).eval()
     cfg = BlockDraftConfig.for_target(TARGET, num_hidden_layers=2, block_size=block_size, target_layer_ids=[0, 2, 3],
                                       mask_token_id=3)
-    draft = BlockDrafter(cfg).attach_target(target).eval()
+    draft = BlockDraftModel(cfg).attach_target(target).eval()
     with torch.no_grad():  # non-trivial norms, so a mix-up of hidden_norm / norm / q,k norms shows
         for n, p in draft.named_parameters():
             if n.endswith("norm.weight"):
@@ -107,7 +107,7 @@ def test_save_load_round_trip_in_dflash_layout(tmp_path):
     names = set(load_file(tmp_path / "d" / "model.safetensors"))
     assert "fc.weight" in names and "hidden_norm.weight" in names and "layers.1.self_attn.k_norm.weight" in names
     assert not any("embed" in n or "lm_head" in n for n in names)  # reused from the target, not copied
-    loaded = load_block_drafter_dense(tmp_path / "d", hf).attach_target(target)
+    loaded = load_block_draft_dense(tmp_path / "d", hf).attach_target(target)
     feats, tokens = torch.randn(1, 10, 96), torch.randint(4, 64, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(serve_logits(loaded, feats, tokens, 7), serve_logits(draft, feats, tokens, 7))

@@ -233,7 +233,7 @@ class BlockLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class BlockDrafter(nn.Module):
+class BlockDraftModel(nn.Module):
     """The drafter's own weights (fc, hidden_norm, layers, norm); the target's embed/lm_head are attached."""
 
     def __init__(self, cfg: BlockDraftConfig):
@@ -255,7 +255,7 @@ class BlockDrafter(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, length)
         self.rope_cos, self.rope_sin = cos, sin
 
-    def attach_target(self, target) -> "BlockDrafter":
+    def attach_target(self, target) -> "BlockDraftModel":
         """Reuse `target`'s embed_tokens and lm_head (a specquant Transformer); checks the shapes match."""
         self.config.check_target(target.config)
         self._target_modules = (target.model.embed_tokens, target.lm_head)
@@ -318,7 +318,7 @@ class BlockDrafter(nn.Module):
     # -- serving: context cache + one forward per block ---------------------------------------------------------------
     def setup_cache(self, max_seq_len: int, window: int | None = -1, dtype=None, device=None):
         """Allocate the context cache. window: -1 the config's sliding_window, None full attention, or W."""
-        w = self.fc.weight
+        w = self.norm.weight  # a dense tensor even when the Linears are quantized
         dtype, device = dtype or w.dtype, device or w.device
         cfg = self.config
         window = cfg.sliding_window if window == -1 else window
@@ -448,7 +448,7 @@ CONFIG_FIELDS = tuple(f.name for f in fields(BlockDraftConfig))
 
 # -- checkpoint: config.json + model.safetensors in the DFlashDraftModel layout ------------------------------------------
 
-def save_block_drafter(model: BlockDrafter, out, extra_config: dict | None = None,
+def save_block_drafter(model: BlockDraftModel, out, extra_config: dict | None = None,
                        tensors: dict[str, torch.Tensor] | None = None, tokenizer_from=None):
     """Write config.json + model.safetensors atomically; tensor names are the reference's (fc, hidden_norm, layers.N.*,
     norm), without embed_tokens / lm_head."""
@@ -472,14 +472,14 @@ def save_block_drafter(model: BlockDrafter, out, extra_config: dict | None = Non
     return Path(out)
 
 
-def load_block_drafter_dense(path, hf: dict, dtype=torch.float32, device="cpu") -> BlockDrafter:
+def load_block_draft_dense(path, hf: dict, dtype=torch.float32, device="cpu") -> BlockDraftModel:
     """Build a dense block drafter from a checkpoint directory whose config.json dict is `hf`."""
     from specquant.model.checkpoint import load_dense_into, load_tensors
 
     cfg = BlockDraftConfig.from_hf(hf)
     tensors = load_tensors(path)
     with torch.device("meta"):
-        model = BlockDrafter(cfg)
+        model = BlockDraftModel(cfg)
     model = model.to_empty(device=device).to(dtype)
     model._set_rope(cfg.max_position_embeddings)
     load_dense_into(model, tensors)

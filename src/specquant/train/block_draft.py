@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import BlockDrafter, block_loss, capture_features, save_block_drafter
+from specquant.model.block_draft import BlockDraftModel, block_loss, capture_features, save_block_drafter
 
 LABELS = ("data", "target")
 
@@ -53,7 +53,7 @@ class BlockDraftTrainConfig:
 class BlockDraftObjective(nn.Module):
     """forward(tokens [b, L]) -> (weighted block CE, stats); only the drafter is a registered submodule."""
 
-    def __init__(self, drafter: BlockDrafter, target, cfg: BlockDraftTrainConfig):
+    def __init__(self, drafter: BlockDraftModel, target, cfg: BlockDraftTrainConfig):
         super().__init__()
         self.drafter = drafter
         self.cfg = cfg.validate()
@@ -89,7 +89,7 @@ class BlockDraftObjective(nn.Module):
         B = self.drafter.config.block_size
         if features is None:
             features, labels = self.teacher(tokens)
-        features = features.to(self.drafter.fc.weight.dtype)
+        features = features.to(self.drafter.norm.weight.dtype)
         # an anchor needs some context before it and at least one label after it
         valid = torch.zeros(b, L, dtype=torch.bool, device=tokens.device)
         valid[:, 1 : L - 1] = True
