@@ -15,6 +15,8 @@ VERBS = {
     "quantize": "specquant.quant.cli",
     "bench": "specquant.bench.cli",
     "demo": "specquant.bench.demo",
+    "regen": "specquant.train.regen",
+    "distill": "specquant.train.cli",
 }
 
 

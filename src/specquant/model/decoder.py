@@ -320,17 +320,21 @@ class Transformer(nn.Module):
         self.max_block = None
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False,
-                input_pos: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()):
+                input_pos: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
+                hidden_only: bool = False):
         """tokens [batch, T] at positions start_pos.. (or input_pos [T], static caches) -> logits [batch, T or 1, vocab].
 
         hidden_layers: ids of decoder layers (0-based) whose outputs to return as well, for drafters that read the
         target's hidden states (a DFlash block drafter): then (logits, hidden [batch, T, len(hidden_layers),
         hidden_size]), every position even with last_only. Empty (default): logits only, no extra work.
+        hidden_only: return the final-norm hidden states [batch, T, hidden] instead of logits, so a loss can apply
+        lm_head in chunks of positions (train/qad.py's chunked KL) without ever holding [batch, T, vocab].
         """
         t = tokens.shape[1]
         if self.max_block is not None and t > self.max_block:  # ring cache: feed long prompts in blocks
             outs = [
-                self.forward(tokens[:, i : i + self.max_block], start_pos + i, last_only, hidden_layers=hidden_layers)
+                self.forward(tokens[:, i : i + self.max_block], start_pos + i, last_only, hidden_layers=hidden_layers,
+                             hidden_only=hidden_only)
                 for i in range(0, t, self.max_block)
             ]
             if not hidden_layers:
@@ -352,7 +356,8 @@ class Transformer(nn.Module):
                 hidden[i] = x
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        logits = x if hidden_only else self.lm_head(x)
         if not hidden_layers:
             return logits
         return logits, torch.stack([hidden[i] for i in hidden_layers], dim=2)

@@ -20,22 +20,34 @@ def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4) -> dict
     """KL(reference ‖ model) per position (nats, mean over samples·T), perplexity of both on next-token
     prediction, and the fraction of positions whose argmax agrees. `reference` is a model or logprobs(...) of
     one on the same tokens and batch_size. `nll_tokens` (a tensor, per predicted token, model minus reference)
-    is there for paired significance tests."""
-    ref_batches = reference if isinstance(reference, list) else logprobs(reference, tokens, batch_size)
-    kl_sum, agree, n_pos = 0.0, 0, 0
+    is there for paired significance tests. `kl_sem` is the standard error of `kl` with the samples (sequences)
+    as the independent units: positions inside one sequence are correlated, so a per-position SEM would be too
+    small."""
+    if isinstance(reference, list):
+        ref_batches = reference
+    else:  # one batch at a time, so memory does not grow with the number of samples
+        ref_batches = (F.log_softmax(reference(tokens[i : i + batch_size]).float(), dim=-1)
+                       for i in range(0, len(tokens), batch_size))
+    kl_sum, agree, n_pos, kl_per_sample = 0.0, 0, 0, []
     nll_ref, nll_model = [], []
     for i, ref_logp in zip(range(0, len(tokens), batch_size), ref_batches):
         batch = tokens[i : i + batch_size]
         logp = F.log_softmax(model(batch).float(), dim=-1)  # [b, T, vocab]
-        kl_sum += float((ref_logp.exp() * (ref_logp - logp)).sum())
+        kl_rows = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [b, T]
+        kl_sum += float(kl_rows.sum())
+        kl_per_sample.append(kl_rows.double().mean(-1))
         agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
         n_pos += batch.numel()
         target = batch[:, 1:].unsqueeze(-1)
         nll_ref.append(-ref_logp[:, :-1].gather(-1, target).flatten())
         nll_model.append(-logp[:, :-1].gather(-1, target).flatten())
     nll_ref, nll_model = torch.cat(nll_ref), torch.cat(nll_model)
+    kl_per_sample = torch.cat(kl_per_sample)
+    n = len(kl_per_sample)
     return {
         "kl": kl_sum / n_pos,
+        "kl_sem": float(kl_per_sample.std() / math.sqrt(n)) if n > 1 else math.nan,
+        "samples": n,
         "ppl": math.exp(float(nll_model.mean())),
         "ppl_ref": math.exp(float(nll_ref.mean())),
         "top1_agree": agree / n_pos,

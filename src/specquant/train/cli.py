@@ -1,0 +1,123 @@
+"""`specquant distill SUBCOMMAND`: one entry per distillation in SUBCOMMANDS, all sharing TrainConfig's flags.
+
+Adding one (e.g. `draft`): write add_<name>(parser) and run_<name>(args), call add_train_flags(parser) in the
+former and train_config_from_args(args) in the latter, and add `"<name>": (add_<name>, run_<name>)` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from specquant.cliutil import add_config_flags, config_from_args
+from specquant.errors import SpecquantError
+from specquant.train.config import QADConfig, TrainConfig
+
+OUR_OUTPUTS = ("checkpoints", "model", "log.jsonl")  # what a distill run writes into --out (and --overwrite clears)
+
+
+def _helps(cls) -> dict[str, str]:
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+def add_train_flags(p: argparse.ArgumentParser, **defaults):
+    """Every TrainConfig field as a flag (defaults from the dataclass, or `defaults` for this subcommand)."""
+    add_config_flags(p, TrainConfig, _helps(TrainConfig))
+    if defaults:
+        p.set_defaults(**defaults)
+    p.add_argument("--out", required=True, help="output directory: model/ (best held-out step), checkpoints/, "
+                                                 "log.jsonl")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"start over in a non-empty --out (removes only {', '.join(OUR_OUTPUTS)} there)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="training dtype of the models (default: float32)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the result")
+
+
+def train_config_from_args(args) -> TrainConfig:
+    return config_from_args(TrainConfig, args).validate()
+
+
+def prepare_out(out: Path, resume: bool, overwrite: bool) -> bool:
+    """Check --out before any work; returns True when a run there should resume. Changes nothing on disk."""
+    from specquant.train.trainer import checkpoints
+
+    if out.exists() and not out.is_dir():
+        raise SpecquantError(f"--out {str(out)!r} is a file; pass a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return False
+    if resume and checkpoints(out):
+        return True
+    if overwrite:
+        return False
+    what = "holds no checkpoint to resume" if resume else "is not empty"
+    raise SpecquantError(f"--out {str(out)!r} {what}; pass --overwrite to start over there, "
+                         f"{'' if resume else '--resume to continue its run, '}or choose a new directory")
+
+
+def clear_our_outputs(out: Path):
+    """--overwrite: remove only what a distill run writes; other files in --out are left alone."""
+    for name in OUR_OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+# --- distill target -------------------------------------------------------------------------------------------
+
+
+def add_target(p: argparse.ArgumentParser):
+    p.add_argument("--teacher", required=True, help="high-precision checkpoint or bundled name (tiny-target)")
+    p.add_argument("--student", required=True, help="its W4 checkpoint from `specquant quantize`")
+    p.add_argument("--data", default=None, help="training text (.txt) or `specquant regen` output (.jsonl); "
+                                                 "default: the bundled calibration text")
+    add_config_flags(p, QADConfig, _helps(QADConfig))
+    add_train_flags(p)
+
+
+def run_target(args) -> int:
+    from specquant.train.qad import run_qad
+
+    result = run_qad(teacher=args.teacher, student=args.student, data=args.data, out=args.out,
+                     train=train_config_from_args(args), qad=config_from_args(QADConfig, args).validate(),
+                     resume=args.resume, overwrite=args.overwrite, device=args.device, dtype=args.dtype,
+                     progress=args.progress and not args.json)
+    if result is None:  # not rank 0
+        return 0
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        first, best = result["start_eval"], result["best_eval"]
+        print(f"held-out KL(teacher || student): step 0 {first['kl']:.5f} -> best step {result['best']['step']} "
+              f"{best['kl']:.5f} (± {best['kl_sem']:.5f}); ppl {first['ppl']:.2f} -> {best['ppl']:.2f} "
+              f"(teacher {best['ppl_ref']:.2f}); top-1 {first['top1_agree']:.2%} -> {best['top1_agree']:.2%}")
+        print(f"model: {result['model']}  log: {result['log']}  ({result['seconds_per_step']:.2f} s/step, "
+              f"{result['optimizer']})")
+    return 0
+
+
+SUBCOMMANDS = {
+    "target": (add_target, run_target, "quantization-aware distillation of a W4 target toward its "
+                                       "high-precision self, on the frozen grid"),
+}
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("distill", help="distillation: `target` (QAD of the W4 target)",
+                              description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="distill_kind", required=True)
+    for name, (add, _, text) in SUBCOMMANDS.items():
+        add(sub.add_parser(name, help=text, description=text))
+    return p
+
+
+def run(args) -> int:
+    return SUBCOMMANDS[args.distill_kind][1](args)
