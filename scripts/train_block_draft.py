@@ -3,8 +3,9 @@
 Two phases, each resumable (rerun the same command after an interruption, even a SIGKILL):
   1. regen: the target's own generations, the reference recipe's data. Prompts are 32-token windows of the
      packaged calib.txt (held-out prompts from heldout.txt for evaluation); each is continued for 224 tokens by
-     tiny-target, half greedily and half sampled at T=0.7, top-p 0.8, top-k 20 (the reference's settings). Lines are
-     {"prompt_ids", "completion_ids"} (the `specquant regen` format) appended batch by batch.
+     tiny-target, alternate rows greedily and sampled at T=0.7, top-p 0.8, top-k 20 (the reference's settings).
+     Lines are {"prompt_ids", "completion_ids"} (the `specquant regen` format) appended batch by batch. 128 lines
+     (32K tokens) because the shared 2-core CPU gave this job ~0.2 cores: that batch alone took 20 minutes.
   2. train: the block objective (specquant.train.block_draft) with AdamW and a cosine schedule. Every
      --save-every steps the drafter, AdamW state, step and RNG state are written as safetensors (atomic rename),
      and training continues from there on the next call. --export writes the bf16 checkpoint.
@@ -34,6 +35,7 @@ from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.checkpoint import load_model, load_tokenizer
 from specquant.train.block_draft import (BlockDraftObjective, BlockDraftTask, BlockDraftTrainConfig,
                                          evaluate_blocks)
+from specquant.train.draft import init_block_drafter
 
 DATA = Path(__file__).resolve().parent.parent / "src" / "specquant" / "data"
 PROMPT_LEN, GEN_LEN = 32, 224
@@ -136,19 +138,6 @@ def load_ckpt(run: Path, drafter, opt) -> int:
     return step
 
 
-def init_drafter(drafter: BlockDraftModel, target, seed: int):
-    """Small normal init (residual projections scaled by depth); the output norm starts as the target's final norm,
-    so the untrained drafter already speaks through the target's lm_head at the right scale."""
-    g = torch.Generator().manual_seed(seed)
-    depth = drafter.config.num_hidden_layers
-    with torch.no_grad():
-        for n, p in drafter.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * depth) if n.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-        drafter.norm.weight.copy_(target.model.norm.weight)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny-target")
@@ -157,9 +146,9 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--target-layer-ids", default="1,3,5,6")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--train-lines", type=int, default=384)
-    ap.add_argument("--eval-lines", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--train-lines", type=int, default=128)
+    ap.add_argument("--eval-lines", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=20)
@@ -195,7 +184,7 @@ def main():
                                       target_layer_ids=[int(x) for x in args.target_layer_ids.split(",")],
                                       mask_token_id=tok.pad_token_id)
     drafter = BlockDraftModel(cfg)
-    init_drafter(drafter, target, args.seed)
+    init_block_drafter(drafter, target, args.seed)
     objective = BlockDraftObjective(drafter, target, BlockDraftTrainConfig(
         num_anchors=args.num_anchors, gamma=args.gamma, labels=args.labels))
     task = BlockDraftTask(objective, heldout, tokenizer_from=args.target)
