@@ -172,3 +172,42 @@ class BlockDraftTask:
                    for k, v in state.items() if k.startswith("drafter.")}
         save_block_drafter(drafter, out_dir, extra_config=self.extra_config, tensors=tensors,
                            tokenizer_from=self.tokenizer_from)
+
+
+@torch.no_grad()
+def greedy_acceptance(drafter: BlockDraftModel, target, prompts: list[torch.Tensor], new_tokens: int, k: int):
+    """Exact greedy speculative-decoding acceptance of the block drafter, without running the engine.
+
+    Greedy speculative decoding emits exactly the target's greedy continuation, so each step accepts the longest
+    prefix of the draft that matches it. One target greedy generation and one teacher-forced pass per prompt give
+    that continuation and every position's features; then each step is one drafter forward. Returns a SpecMetrics
+    (vLLM's counters: mean acceptance length, per-position acceptance) equal to what SpecEngine would record."""
+    from specquant.decode.generate import generate
+    try:  # noqa: SIM105 (spec_decode lands with the architecture pass; spec before it)
+        from specquant.spec_decode.metrics import SpecMetrics
+    except ImportError:
+        from specquant.spec.metrics import SpecMetrics
+
+    metrics = SpecMetrics()
+    ids = drafter.config.target_layer_ids
+    for prompt in prompts:  # [1, P]
+        p = prompt.shape[1]
+        cont = generate(target, prompt, new_tokens, stop_on_eos=False).token_ids[0]
+        seq = torch.cat([prompt, torch.tensor([cont], device=prompt.device)], 1)  # [1, P + new_tokens]
+        target.clear_cache()
+        with capture_features(target, ids) as store:
+            _hidden_only(target, seq)
+        features = store["features"].to(drafter.norm.weight.dtype)
+        drafter.setup_cache(seq.shape[1] + drafter.config.block_size)
+        n, end = p + 1, p + new_tokens  # committed: the prompt and the prefill's token
+        while n < end:
+            kk = min(k, end - n - 1)
+            if kk <= 0:
+                break
+            drafter.append_context(features[:, drafter.context_len : n - 1])
+            draft = drafter.propose(seq[0, n - 1], kk).argmax(-1)
+            hits = (draft == seq[0, n : n + kk]).long()
+            accepted = int(hits.cumprod(0).sum())
+            metrics.record_step(kk, accepted)
+            n += accepted + 1
+    return metrics
