@@ -32,7 +32,8 @@ from safetensors.torch import load_file, save_file
 
 from specquant.decode.sampling import SamplingConfig, logits_to_probs, sample
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
-from specquant.model.checkpoint import load_model, load_tokenizer
+from specquant.loader import load_model
+from specquant.model.checkpoint import load_tokenizer
 from specquant.train.block_draft import (BlockDraftObjective, BlockDraftTask, BlockDraftTrainConfig,
                                          evaluate_blocks)
 from specquant.train.draft import init_block_drafter

@@ -46,7 +46,7 @@ def write_teacher(path: Path, seed: int = 0, **overrides) -> Path:
 
 def write_student(teacher: Path, path: Path, group_size: int = 32) -> Path:
     """RTN W4 of the teacher (no calibration needed), bf16 scales as `specquant quantize` writes by default."""
-    from specquant.model.checkpoint import load_model
+    from specquant.loader import load_model
 
     model = load_model(teacher)
     quantize(model, QuantConfig(method="rtn", group_size=group_size), scale_dtype=torch.bfloat16)

@@ -8,7 +8,8 @@ from _qad_models import write_student, write_teacher
 
 from specquant.cli import main
 from specquant.drafter_loader import drafter_kind, load_block_draft
-from specquant.model.checkpoint import load_model, save_model
+from specquant.loader import load_model
+from specquant.model.checkpoint import save_model
 from specquant.train.draft import DraftConfig
 
 FAST = ["--steps", "3", "--seq-len", "48", "--batch", "2", "--eval-samples", "2", "--eval-seq-len", "48",

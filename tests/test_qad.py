@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 
 from specquant.cli import main
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import load_model, save_model
+from specquant.loader import load_model
+from specquant.model.checkpoint import save_model
 from specquant.quant import QuantLinear, set_backend
 from specquant.quant.quality import compare, heldout_tokens
 from specquant.train.config import QADConfig, TrainConfig

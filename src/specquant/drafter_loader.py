@@ -12,7 +12,8 @@ import torch
 
 from specquant.errors import SpecquantError
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, is_block_draft_config, load_block_draft_dense
-from specquant.model.checkpoint import DTYPES, load_tensors, read_hf_config, resolve
+from specquant.model.checkpoint import load_tensors, read_hf_config, resolve
+from specquant.util.dtypes import parse_dtype
 from specquant.quant.checkpoint import load_quantized_into
 
 
@@ -24,10 +25,7 @@ def drafter_kind(name_or_dir: str | os.PathLike) -> str:
 def load_block_draft(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
                      device: str | torch.device = "cpu") -> BlockDraftModel:
     """A block drafter ready to attach to its target (`model.attach_target(target)`)."""
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise SpecquantError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+    dtype = parse_dtype(dtype)
     path = resolve(name_or_dir)
     hf = read_hf_config(path)
     if not is_block_draft_config(hf):

@@ -457,7 +457,8 @@ def save_block_drafter(model: BlockDraftModel, out, extra_config: dict | None = 
 
     from safetensors.torch import save_file
 
-    from specquant.model.checkpoint import atomic_dir, copy_tokenizer, resolve
+    from specquant.model.checkpoint import copy_tokenizer, resolve
+    from specquant.util.files import atomic_dir
 
     hf = model.config.to_hf()
     tensors = tensors if tensors is not None else {k: v.detach().contiguous() for k, v in model.state_dict().items()}

@@ -183,10 +183,7 @@ def greedy_acceptance(drafter: BlockDraftModel, target, prompts: list[torch.Tens
     that continuation and every position's features; then each step is one drafter forward. Returns a SpecMetrics
     (vLLM's counters: mean acceptance length, per-position acceptance) equal to what SpecEngine would record."""
     from specquant.decode.generate import generate
-    try:  # noqa: SIM105 (spec_decode lands with the architecture pass; spec before it)
-        from specquant.spec_decode.metrics import SpecMetrics
-    except ImportError:
-        from specquant.spec.metrics import SpecMetrics
+    from specquant.spec_decode.metrics import SpecMetrics
 
     metrics = SpecMetrics()
     ids = drafter.config.target_layer_ids

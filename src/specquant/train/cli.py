@@ -12,20 +12,16 @@ import json
 import shutil
 from pathlib import Path
 
-from specquant.cliutil import add_config_flags, config_from_args
+from specquant.util.flags import add_config_flags, config_from_args
 from specquant.errors import SpecquantError
 from specquant.train.config import QADConfig, TrainConfig
 
 OUR_OUTPUTS = ("checkpoints", "model", "log.jsonl")  # what a distill run writes into --out (and --overwrite clears)
 
 
-def _helps(cls) -> dict[str, str]:
-    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
-
-
 def add_train_flags(p: argparse.ArgumentParser, **defaults):
     """Every TrainConfig field as a flag (defaults from the dataclass, or `defaults` for this subcommand)."""
-    add_config_flags(p, TrainConfig, _helps(TrainConfig))
+    add_config_flags(p, TrainConfig)
     if defaults:
         p.set_defaults(**defaults)
     p.add_argument("--out", required=True, help="output directory: model/ (best held-out step), checkpoints/, "
@@ -79,7 +75,7 @@ def add_target(p: argparse.ArgumentParser):
     p.add_argument("--student", required=True, help="its W4 checkpoint from `specquant quantize`")
     p.add_argument("--data", default=None, help="training text (.txt) or `specquant regen` output (.jsonl); "
                                                  "default: the bundled calibration text")
-    add_config_flags(p, QADConfig, _helps(QADConfig))
+    add_config_flags(p, QADConfig)
     add_train_flags(p)
 
 
@@ -113,8 +109,8 @@ def add_draft(p: argparse.ArgumentParser):
     p.add_argument("--stage1-target", default=None, help="train stage 1 against this (high-precision) target first")
     p.add_argument("--data", default=None, help="training text (.txt) or `specquant regen` output (.jsonl); "
                                                  "default: the bundled calibration text")
-    add_config_flags(p, DraftConfig, _helps(DraftConfig))
-    add_config_flags(p, BlockDraftTrainConfig, _helps(BlockDraftTrainConfig))
+    add_config_flags(p, DraftConfig)
+    add_config_flags(p, BlockDraftTrainConfig)
     add_train_flags(p, lr=1e-3, warmup=20, min_lr_ratio=0.1)
 
 

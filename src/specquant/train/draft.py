@@ -141,7 +141,9 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
               stage1_target: str | None = None, resume: bool = False, overwrite: bool = False,
               device: str = "cpu", dtype: str = "float32", progress: bool = True) -> dict | None:
     """Every input is checked before --out is touched. Returns the result on rank 0 (None elsewhere)."""
-    from specquant.model.checkpoint import DTYPES, load_model, load_tokenizer, resolve
+    from specquant.loader import load_model
+    from specquant.model.checkpoint import load_tokenizer, resolve
+    from specquant.util.dtypes import DTYPES
     from specquant.quant.config import BUNDLED_CALIB
     from specquant.quant.quality import heldout_tokens
     from specquant.train.cli import clear_our_outputs, prepare_out

@@ -25,7 +25,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import DTYPES, read_hf_config, resolve, save_model
+from specquant.model.checkpoint import read_hf_config, resolve, save_model
+from specquant.util.dtypes import DTYPES
 from specquant.model.decoder import RMSNorm, Transformer
 from specquant.quant.grid import dequantize, fake_quant, quantize_codes
 from specquant.quant.linear import QuantLinear
@@ -238,7 +239,7 @@ class QADTask:
 
 def load_pair(teacher: str, student: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(teacher model, fake-quant student, teacher dir, student dir, student config.json) after check_pair."""
-    from specquant.model.checkpoint import load_model
+    from specquant.loader import load_model
 
     t_dir, s_dir = resolve(teacher), resolve(student)
     if t_dir.resolve() == s_dir.resolve():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specquant.cliutil import add_config_flags, config_from_args
+from specquant.util.flags import add_config_flags, config_from_args
 from specquant.errors import SpecquantError
 from specquant.train.config import RegenConfig
 
@@ -110,7 +110,8 @@ def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None
 
     from specquant.decode.generate import generate
     from specquant.decode.sampling import SamplingConfig
-    from specquant.model.checkpoint import load_model, load_tokenizer, resolve
+    from specquant.loader import load_model
+    from specquant.model.checkpoint import load_tokenizer, resolve
     from specquant.train.qad import fingerprint
 
     cfg.validate()
@@ -181,12 +182,13 @@ def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None
 
 def _spec_engine(model, draft: str, tokenizer, device: str):
     """Speculative generation (one prompt at a time): the emitted tokens follow the target's distribution."""
-    from specquant.model.checkpoint import load_model, load_tokenizer
+    from specquant.loader import load_model
+    from specquant.model.checkpoint import load_tokenizer
 
     try:
         from specquant.spec_decode.engine import SpecEngine
     except ModuleNotFoundError:
-        from specquant.spec.engine import SpecEngine
+        from specquant.spec_decode.engine import SpecEngine
     return SpecEngine(model, load_model(draft, device=device), target_tokenizer=tokenizer,
                       draft_tokenizer=load_tokenizer(draft))
 
@@ -201,7 +203,7 @@ def add_parser(subparsers):
     p.add_argument("--draft", default=None, help="draft checkpoint: speculative generation (one prompt at a time)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_config_flags(p, RegenConfig, {f.name: f.metadata.get("help", "") for f in dataclasses.fields(RegenConfig)})
+    add_config_flags(p, RegenConfig)
     return p
 
 

@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import atomic_dir
+from specquant.util.files import atomic_dir
 from specquant.train.config import RESUME_KEYS, TrainConfig
 from specquant.train.data import BlockOrder
 
