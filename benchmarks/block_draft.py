@@ -77,7 +77,8 @@ def main():
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(args.target)
-    prompts = [p for p in load_prompts(tok, {}, ("prose", "code", "qa"), 0, args.prompts_per_set)]
+    prompts = [p for p in load_prompts(tok, {"short": 64}, ("prose", "code", "qa"), 1, args.prompts_per_set, 256)
+               if p.kind == "content"]
     ks = [int(k) for k in args.block_ks.split(",")]
     greedy = SamplingConfig()
     rows = []
