@@ -23,7 +23,7 @@ from specquant.util.dtypes import parse_dtype
 from specquant.util.files import atomic_dir
 
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "models"
-BUNDLED = ("tiny-target", "tiny-draft")
+BUNDLED = ("tiny-target", "tiny-draft", "tiny-block-draft")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specquant.model.checkpoint import BUNDLED, BUNDLED_DIR, read_config
+from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, is_block_draft_config
+from specquant.model.checkpoint import BUNDLED, BUNDLED_DIR, read_config, read_hf_config
 from specquant.model.decoder import Transformer
 from specquant.util.flags import print_json
 
@@ -27,8 +28,17 @@ def describe() -> list[dict]:
         if not (path / "config.json").exists():
             rows.append({"name": name, "path": str(path), "available": False})
             continue
-        cfg = read_config(name)
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        hf = read_hf_config(path)
+        if is_block_draft_config(hf):  # its own weights only: embeddings and lm_head are the target's
+            bcfg = BlockDraftConfig.from_hf(hf)
+            with torch.device("meta"):
+                params = BlockDraftModel(bcfg).num_parameters()
+            rows.append({"name": name, "path": str(path), "available": True, "bytes": size, "parameters": params,
+                         "kind": "block drafter", "layers": bcfg.num_hidden_layers, "hidden": bcfg.hidden_size,
+                         "block_size": bcfg.block_size, "target_layer_ids": bcfg.target_layer_ids})
+            continue
+        cfg = read_config(name)
         rows.append({"name": name, "path": str(path), "available": True, "bytes": size,
                      "parameters": param_count(cfg), "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                      "vocab": cfg.vocab_size, "context": cfg.max_position_embeddings})
@@ -40,10 +50,10 @@ def run(args):
     if args.json:
         print_json({"models": rows})
         return 0
-    print(f"{'name':<12} {'params':>10} {'size':>10}  path")
+    print(f"{'name':<16} {'params':>10} {'size':>10}  path")
     for r in rows:
         if r["available"]:
-            print(f"{r['name']:<12} {r['parameters'] / 1e6:>9.2f}M {r['bytes'] / 2**20:>8.1f}MB  {r['path']}")
+            print(f"{r['name']:<16} {r['parameters'] / 1e6:>9.2f}M {r['bytes'] / 2**20:>8.1f}MB  {r['path']}")
         else:
-            print(f"{r['name']:<12} {'-':>10} {'-':>10}  {r['path']} (not built: run scripts/train_bundled.py)")
+            print(f"{r['name']:<16} {'-':>10} {'-':>10}  {r['path']} (not built: run scripts/train_bundled.py)")
     return 0

@@ -341,7 +341,8 @@ class Transformer(nn.Module):
         self.max_block = None
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False,
-                input_pos: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (), hidden_only: bool = False):
+                input_pos: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
+                hidden_only: bool = False):
         """tokens [batch, T] at positions start_pos.. (or input_pos [T], static caches) -> logits [batch, T or 1, vocab].
 
         hidden_layers: ids of decoder layers (0-based) whose outputs to return as well, for drafters that read the
@@ -377,9 +378,7 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         x = self.model.norm(x)
-        if hidden_only:
-            return x
-        logits = self.lm_head(x)
+        logits = x if hidden_only else self.lm_head(x)
         if not hidden_layers:
             return logits
         return logits, torch.stack([hidden[i] for i in hidden_layers], dim=2)

@@ -53,9 +53,17 @@ def run(args):
     else:
         from specquant.spec_decode.engine import SpecEngine
 
+        from specquant.drafter_loader import drafter_kind, load_block_draft
+
         spec = config_from_args(SpecConfig, args).validate()
-        draft = load_model(draft_name, args.dtype, args.device, fuse=True)
-        engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name))
+        if drafter_kind(draft_name) == "block":  # read from its config.json (DFlashDraftModel), not its name
+            from specquant.spec_decode.block_drafter import BlockDrafter
+
+            drafter = BlockDrafter(load_block_draft(draft_name, args.dtype, args.device), target, spec)
+            engine = SpecEngine(target, drafter, spec)
+        else:
+            draft = load_model(draft_name, args.dtype, args.device, fuse=True)
+            engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name))
         result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     new = result.token_ids[0]
     text = tokenizer.decode(new, skip_special_tokens=True)

@@ -99,9 +99,46 @@ def run_target(args) -> int:
     return 0
 
 
+def add_draft(p: argparse.ArgumentParser):
+    from specquant.train.block_draft import BlockDraftTrainConfig
+    from specquant.train.draft import KINDS, DraftConfig
+
+    p.add_argument("--kind", required=True, choices=KINDS, help="block: DFlash-style block drafter; lm: small LM")
+    p.add_argument("--target", required=True, help="the target to draft for (stage 2's when --stage1-target is set)")
+    p.add_argument("--stage1-target", default=None, help="train stage 1 against this (high-precision) target first")
+    p.add_argument("--data", default=None, help="training text (.txt) or `specquant regen` output (.jsonl); "
+                                                 "default: the bundled calibration text")
+    add_config_flags(p, DraftConfig)
+    add_config_flags(p, BlockDraftTrainConfig)
+    add_train_flags(p, lr=1e-3, warmup=20, min_lr_ratio=0.1)
+
+
+def run_draft(args) -> int:
+    from specquant.train.block_draft import BlockDraftTrainConfig
+    from specquant.train.draft import DraftConfig, run_draft as run
+
+    result = run(args.kind, args.target, args.out, train_config_from_args(args),
+                 config_from_args(DraftConfig, args), config_from_args(BlockDraftTrainConfig, args).validate(),
+                 data=args.data, stage1_target=args.stage1_target, resume=args.resume, overwrite=args.overwrite,
+                 device=args.device, dtype=args.dtype, progress=args.progress and not args.json)
+    if result is None:
+        return 0
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        for st in result["stages"]:
+            print(f"{st['stage']}: target {st['target']}; best step {st['best']['step']} "
+                  f"({st['seconds_per_step']:.2f} s/step) -> {st['model']}")
+            if st["best_eval"]:
+                print("  held-out: " + ", ".join(f"{k} {v:.4f}" for k, v in st["best_eval"].items()
+                                                 if isinstance(v, float)))
+    return 0
+
+
 SUBCOMMANDS = {
     "target": (add_target, run_target, "quantization-aware distillation of a W4 target toward its "
                                        "high-precision self, on the frozen grid"),
+    "draft": (add_draft, run_draft, "train a drafter (block or lm) against a target, in one or two stages"),
 }
 
 

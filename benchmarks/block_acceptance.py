@@ -1,0 +1,112 @@
+"""Greedy acceptance of the block drafter vs the LM drafter, and each drafter's forward cost vs a target step.
+
+Cheap where benchmarks/block_draft.py (full timed runs) is not: greedy speculative decoding emits the target's
+greedy continuation, so acceptance needs no timing. Block drafter: train.block_draft.greedy_acceptance (exact, no
+engine). LM drafter: SpecEngine. Cost: interleaved median of single forwards at the prompt's context — target one-token
+decode step, target verify of k+1 rows, block drafter forward (one per step), LM drafter one-token forward (k per step).
+
+Usage: python benchmarks/block_acceptance.py [--w4-target DIR] [--w4-block DIR] [--ks 3,7,15] [--new-tokens 48]
+The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from specquant.bench.prompts import load_prompts
+from specquant.decode.generate import generate
+from specquant.drafter_loader import load_block_draft
+from specquant.loader import load_model
+from specquant.model.checkpoint import load_tokenizer
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.engine import SpecEngine
+from specquant.spec_decode.metrics import SpecMetrics
+from specquant.train.block_draft import greedy_acceptance
+
+
+def timed(fn, reps):
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+@torch.no_grad()
+def costs(target, block, lm, prompt, k, reps=9):
+    """Median seconds: target 1-token step, target verify of k+1 rows, block drafter forward, LM 1-token forward."""
+    n = prompt.shape[1]
+    target.setup_cache(1, n + 32)
+    target(prompt, 0)
+    lm.setup_cache(1, n + 32)
+    lm(prompt, 0)
+    block.setup_cache(n + 32)
+    feats = torch.randn(1, n, len(block.config.target_layer_ids) * block.config.hidden_size)
+    block.append_context(feats)
+    one, many = prompt[:, -1:], prompt[:, -(k + 1):]
+    res = {"target_step": [], "target_verify": [], "block_forward": [], "lm_forward": []}
+    for _ in range(reps):  # interleaved, so background load hits all alike
+        res["target_step"].append(timed(lambda: target(one, n, last_only=True), 1))
+        res["target_verify"].append(timed(lambda: target(many, n), 1))
+        res["block_forward"].append(timed(lambda: block.propose(prompt[0, -1], k), 1))
+        res["lm_forward"].append(timed(lambda: lm(one, n, last_only=True), 1))
+    return {key: statistics.median(v) for key, v in res.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="tiny-target")
+    ap.add_argument("--w4-target", default=None)
+    ap.add_argument("--lm-draft", default="tiny-draft")
+    ap.add_argument("--block-draft", default="tiny-block-draft")
+    ap.add_argument("--w4-block", default=None, help="GPTQ W4 of the block drafter (compressed-tensors dir)")
+    ap.add_argument("--ks", default="3,7,15")
+    ap.add_argument("--lm-ks", default="3,7")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--prompts-per-set", type=int, default=1)
+    args = ap.parse_args()
+    tok = load_tokenizer(args.target)
+    prompts = [torch.tensor([p.ids]) for p in load_prompts(tok, {"short": 64}, ("prose", "code", "qa"), 1,
+                                                           args.prompts_per_set, 256) if p.kind == "content"]
+    rows = []
+    for tname, tpath in [("fp32", args.target)] + ([("w4", args.w4_target)] if args.w4_target else []):
+        target = load_model(tpath)
+        lm = load_model(args.lm_draft)
+        drafters = [("block", load_block_draft(args.block_draft).attach_target(target))]
+        if args.w4_block:
+            drafters.append(("W4 block", load_block_draft(args.w4_block).attach_target(target)))
+        for name, d in drafters:
+            for k in [int(x) for x in args.ks.split(",")]:
+                m = greedy_acceptance(d, target, prompts, args.new_tokens, k)
+                rows.append({"target": tname, "drafter": name, "k": k, "mal": m.mean_acceptance_length,
+                             "per_pos": [round(x, 3) for x in m.acceptance_rate_per_pos]})
+        for k in [int(x) for x in args.lm_ks.split(",")]:
+            m = SpecMetrics()
+            eng = SpecEngine(target, lm, SpecConfig(draft_len=k))
+            for p in prompts:
+                m.merge(eng.generate(p, args.new_tokens, stop_on_eos=False).spec)
+            rows.append({"target": tname, "drafter": "LM tiny-draft", "k": k, "mal": m.mean_acceptance_length,
+                         "per_pos": [round(x, 3) for x in m.acceptance_rate_per_pos]})
+        c = costs(target, drafters[0][1], lm, prompts[0], 7)
+        rows.append({"target": tname, "costs_s": c, "block_forward_over_step": c["block_forward"] / c["target_step"],
+                     "lm_forward_over_step": c["lm_forward"] / c["target_step"],
+                     "verify8_over_step": c["target_verify"] / c["target_step"]})
+    for r in rows:
+        if "mal" in r:
+            print(f"{r['target']:<5} {r['drafter']:<14} k={r['k']:<3} MAL {r['mal']:.3f}  per-position "
+                  + " ".join(f"{x:.2f}" for x in r["per_pos"]))
+        else:
+            print(f"{r['target']:<5} cost / target 1-token step: block forward {r['block_forward_over_step']:.2f}, "
+                  f"LM forward {r['lm_forward_over_step']:.2f}, verify of 8 rows {r['verify8_over_step']:.2f}")
+    print(json.dumps({"benchmark": "block_acceptance", "new_tokens": args.new_tokens, "prompts": len(prompts),
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,518 @@
+"""DFlash-style block drafter: one forward proposes a whole block from the target's hidden states.
+
+Architecture (REFERENCE.md §3, the `DFlashDraftModel` layout vLLM, SGLang and llama.cpp's converter read):
+  ctx   = hidden_norm(fc(concat(h_l for l in target_layer_ids)))   # target features -> drafter width
+  block = target.embed_tokens([anchor, MASK x (B-1)])                # queries, at positions n .. n+B-1
+  each Qwen3-style layer: q from the block; k/v = [k/v_proj(ctx) ; k/v_proj(block)] (k_norm + RoPE on both),
+  non-causal inside the block, every context position before the anchor visible
+  logits = target.lm_head(norm(block)) at block positions 1..B-1
+`h_l` is the output of the target's decoder layer l (0-based), i.e. transformers' `hidden_states[l + 1]`.
+
+The target's embeddings and lm_head are reused by reference (`attach_target`), never copied: they are not
+submodules, so they are neither saved, trained nor quantized with the drafter.
+
+Context cache: per layer the context K/V of the positions the target has accepted, written by `append_context`.
+Like the decoder's cache it keeps no truth about length beyond `context_len`, so `rollback(L)` is O(1). With a
+sliding window W the cache is a ring of W + chunk slots and a block query at position p sees context positions
+(p - W, n): per-step cost and memory stay bounded by W however long the context (serve time only; training is
+full attention, as in the reference).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specquant.errors import SpecquantError
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Linear, RMSNorm
+from specquant.model.rope import apply_rope, rope_tables
+
+ARCHITECTURE = "DFlashDraftModel"
+APPEND_CHUNK = 64  # largest number of context positions one ring-cache write takes (prefill is chunked)
+
+
+@dataclass
+class BlockDraftConfig:
+    """Drafter shape; hidden_size and vocab_size must equal the target's (its embeddings and lm_head are reused)."""
+
+    hidden_size: int = 384
+    intermediate_size: int = 1024
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 6
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    vocab_size: int = 8192
+    block_size: int = 16  # anchor + block_size - 1 drafted tokens per forward
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 3, 5, 6])  # 0-based target decoder layers
+    num_target_layers: int = 8
+    mask_token_id: int = 3
+    sliding_window: int | None = None  # serve-time window over the context (None: full attention)
+    eos_token_id: int | list[int] | None = 0
+    tie_word_embeddings = False  # class attribute, not a field: the drafter has no embeddings of its own
+
+    def validate(self) -> "BlockDraftConfig":
+        if self.block_size < 2:
+            raise SpecquantError(f"block_size {self.block_size} must be at least 2 (anchor + one drafted token)")
+        if not self.target_layer_ids:
+            raise SpecquantError("target_layer_ids is empty; list the target decoder layers the drafter reads")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise SpecquantError(f"target_layer_ids {bad} lie outside the target's {self.num_target_layers} layers "
+                                 f"(0-based: 0..{self.num_target_layers - 1})")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise SpecquantError(f"mask_token_id {self.mask_token_id} is outside the vocabulary 0..{self.vocab_size - 1}")
+        if self.sliding_window is not None and self.sliding_window < 2:
+            raise SpecquantError(f"drafter sliding window {self.sliding_window} must be at least 2 (or None)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise SpecquantError(f"num_attention_heads {self.num_attention_heads} must be a multiple of "
+                                 f"num_key_value_heads {self.num_key_value_heads}")
+        return self
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, **overrides) -> "BlockDraftConfig":
+        """A drafter shaped like the target's layers (same width, heads, RoPE), with `overrides` applied."""
+        base = dict(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                    num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+                    head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                    rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
+                    vocab_size=target.vocab_size, num_target_layers=target.num_hidden_layers,
+                    eos_token_id=target.eos_token_id)
+        return cls(**{**base, **overrides}).validate()
+
+    def check_target(self, target: ModelConfig):
+        """The drafter only works on the target it reads: same width, vocabulary and layer count."""
+        for name, mine, theirs in (("hidden_size", self.hidden_size, target.hidden_size),
+                                   ("vocab_size", self.vocab_size, target.vocab_size),
+                                   ("num_target_layers", self.num_target_layers, target.num_hidden_layers)):
+            if mine != theirs:
+                raise SpecquantError(f"block drafter has {name}={mine} but the target has {theirs}; use a drafter "
+                                     "trained for this target (specquant distill draft --kind block)")
+
+    def to_hf(self) -> dict:
+        """config.json in the DFlashDraftModel layout (embed/lm_head omitted: the target's are used)."""
+        window = self.sliding_window
+        return {
+            "architectures": [ARCHITECTURE], "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
+            "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "is_causal": False,
+            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                              "block_size": self.block_size},
+            # the window is a serve-time setting: full-attention layers in the file, ours under our own key
+            "layer_types": ["full_attention"] * self.num_hidden_layers, "use_sliding_window": False,
+            "sliding_window": None, "specquant_sliding_window": window,
+            "eos_token_id": self.eos_token_id,
+        }
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "BlockDraftConfig":
+        if ARCHITECTURE not in (hf.get("architectures") or []):
+            raise SpecquantError(f"config.json architectures {hf.get('architectures')} is not [{ARCHITECTURE!r}]; "
+                                 "not a block drafter checkpoint")
+        dflash = hf.get("dflash_config") or {}
+        try:
+            rope = hf.get("rope_parameters") or {}
+            return cls(
+                hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+                num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
+                num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+                rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                rope_scaling=hf.get("rope_scaling"),
+                max_position_embeddings=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
+                block_size=int(dflash.get("block_size", hf.get("block_size", 16))),
+                target_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=hf["num_target_layers"],
+                mask_token_id=int(dflash["mask_token_id"]),
+                sliding_window=hf.get("specquant_sliding_window") or (
+                    hf.get("sliding_window") if hf.get("use_sliding_window") else None),
+                eos_token_id=hf.get("eos_token_id"),
+            ).validate()
+        except KeyError as e:
+            raise SpecquantError(f"block drafter config.json lacks {e.args[0]!r}; it needs the DFlashDraftModel "
+                                 "fields (dflash_config.target_layer_ids, dflash_config.mask_token_id, "
+                                 "num_target_layers, ...)") from None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def is_block_draft_config(hf: dict) -> bool:
+    """Whether a config.json dict describes a block drafter (rather than a small LM drafter)."""
+    return ARCHITECTURE in (hf.get("architectures") or [])
+
+
+class ContextCache(nn.Module):
+    """Context K/V [1, kv_heads, capacity, head_dim] of one layer; slot = position (full) or position % capacity."""
+
+    def __init__(self, kv_heads, capacity, head_dim, dtype, device):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("v", torch.zeros_like(self.k), persistent=False)
+        self.capacity = capacity
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor):
+        slots = torch.arange(start, start + k.shape[2], device=k.device) % self.capacity
+        self.k.index_copy_(2, slots, k)
+        self.v.index_copy_(2, slots, v)
+
+    def read(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if first == 0 and end <= self.capacity:  # full cache (or a ring not yet wrapped): a view, no copy
+            return self.k[:, :, :end], self.v[:, :, :end]
+        idx = torch.arange(first, end, device=self.k.device) % self.capacity
+        return self.k.index_select(2, idx), self.v.index_select(2, idx)
+
+
+class BlockAttention(nn.Module):
+    def __init__(self, cfg: BlockDraftConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.cache: ContextCache | None = None
+
+    def kv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, T, hidden] -> k, v [b, kv_heads, T, head_dim] (k normalized and rotated)."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k.transpose(1, 2), cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """x [b, Q, hidden] block queries; ctx_k/ctx_v [b, kv, C, d]; mask [b|1, 1, Q, C+Q] bool or None."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim))
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k, v = self.kv(x, cos, sin)
+        keys, values = torch.cat((ctx_k, k), 2), torch.cat((ctx_v, v), 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class BlockMLP(nn.Module):
+    def __init__(self, cfg: BlockDraftConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class BlockLayer(nn.Module):
+    def __init__(self, cfg: BlockDraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = BlockAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = BlockMLP(cfg)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        # the context is not normalized by input_layernorm: hidden_norm already did (as in the reference)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BlockDraftModel(nn.Module):
+    """The drafter's own weights (fc, hidden_norm, layers, norm); the target's embed/lm_head are attached."""
+
+    def __init__(self, cfg: BlockDraftConfig):
+        super().__init__()
+        self.config = cfg.validate()
+        h = cfg.hidden_size
+        self.fc = Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self._target_modules: tuple[nn.Module, nn.Module] | None = None  # (embed_tokens, lm_head), not submodules
+        self.window: int | None = None
+        self.context_len = 0
+        self._set_rope(cfg.max_position_embeddings)
+
+    # -- wiring ---------------------------------------------------------------------------------------------------
+    def _set_rope(self, length: int):
+        cfg = self.config
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, length)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def attach_target(self, target) -> "BlockDraftModel":
+        """Reuse `target`'s embed_tokens and lm_head (a specquant Transformer); checks the shapes match."""
+        self.config.check_target(target.config)
+        self._target_modules = (target.model.embed_tokens, target.lm_head)
+        return self
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        if self._target_modules is None:
+            raise SpecquantError("block drafter has no target attached; call attach_target(target) first")
+        return self._target_modules[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._target_modules[1] if self._target_modules else self.embed_tokens
+
+    def _rope(self, positions: torch.Tensor, dtype, device):
+        """positions [..., T] -> cos, sin [..., T, head_dim] (grown on demand: RoPE tables are cheap)."""
+        need = int(positions.max()) + 1
+        if self.rope_cos.shape[0] < need:
+            self._set_rope(max(need, 2 * self.rope_cos.shape[0]))
+        if self.rope_cos.device != torch.device(device):
+            self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
+        return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [b, T, len(target_layer_ids) * hidden] (concat of the chosen layers) -> ctx [b, T, hidden]."""
+        return self.hidden_norm(self.fc(features))
+
+    def block_embeddings(self, anchors: torch.Tensor) -> torch.Tensor:
+        """anchor token ids [...] -> embeddings of [anchor, MASK x (B-1)]: [..., B, hidden]."""
+        B = self.config.block_size
+        ids = torch.full((*anchors.shape, B), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[..., 0] = anchors
+        return self.embed_tokens(ids)
+
+    # -- training: many blocks in one forward -----------------------------------------------------------------------
+    def block_logits(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced forward over many blocks at once.
+
+        features [b, L, taps*hidden] (target features of every position), tokens [b, L], anchors [b, A] (positions,
+        1 <= a < L). Block i holds [tokens[a_i], MASK...] at positions a_i .. a_i+B-1; it sees context strictly
+        before a_i and itself bidirectionally, never another block. Returns logits [b, A, B-1, vocab] for block
+        positions 1..B-1.
+        """
+        b, L = tokens.shape
+        A, B = anchors.shape[1], self.config.block_size
+        ctx = self.project_context(features)
+        x = self.block_embeddings(tokens.gather(1, anchors)).reshape(b, A * B, -1)
+        block_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).reshape(b, A * B)
+        q_cos, q_sin = self._rope(block_pos, x.dtype, x.device)  # [b, A*B, d]
+        c_cos, c_sin = self._rope(torch.arange(L, device=x.device), x.dtype, x.device)
+        q_cos, q_sin, c_cos, c_sin = q_cos[:, None], q_sin[:, None], c_cos, c_sin
+        mask = training_block_mask(anchors, L, B)
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.self_attn.kv(ctx, c_cos, c_sin)
+            x = layer(x, q_cos, q_sin, ctx_k, ctx_v, mask)
+        h = self.norm(x).view(b, A, B, -1)[:, :, 1:]
+        return self.lm_head(h)
+
+    # -- serving: context cache + one forward per block ---------------------------------------------------------------
+    def setup_cache(self, max_seq_len: int, window: int | None = -1, dtype=None, device=None):
+        """Allocate the context cache. window: -1 the config's sliding_window, None full attention, or W."""
+        w = self.norm.weight  # a dense tensor even when the Linears are quantized
+        dtype, device = dtype or w.dtype, device or w.device
+        cfg = self.config
+        window = cfg.sliding_window if window == -1 else window
+        if window is not None and window < 2:
+            raise SpecquantError(f"drafter window {window} must be at least 2 (or None for full attention)")
+        self.window = window if window is not None and window < max_seq_len else None
+        capacity = max_seq_len if self.window is None else min(max_seq_len, self.window + APPEND_CHUNK)
+        for layer in self.layers:
+            layer.self_attn.cache = ContextCache(cfg.num_key_value_heads, capacity, cfg.head_dim, dtype, device)
+        self.context_len = 0
+
+    def clear_cache(self):
+        for layer in self.layers:
+            layer.self_attn.cache = None
+        self.context_len, self.window = 0, None
+
+    def rollback(self, length: int):
+        """Forget context positions >= length (O(1): later writes overwrite them)."""
+        if not 0 <= length <= self.context_len:
+            raise ValueError(f"cannot roll the drafter's context back to {length}; it holds {self.context_len}")
+        if self.window is not None and self.context_len - length > APPEND_CHUNK:
+            raise ValueError(f"ring cache can roll back at most {APPEND_CHUNK} positions")
+        self.context_len = length
+
+    def append_context(self, features: torch.Tensor):
+        """Add the target features [1, T, taps*hidden] of positions context_len .. context_len+T-1."""
+        step = APPEND_CHUNK if self.window is not None else features.shape[1]
+        for i in range(0, features.shape[1], max(step, 1)):
+            chunk = features[:, i : i + step]
+            start, t = self.context_len, chunk.shape[1]
+            ctx = self.project_context(chunk)
+            cos, sin = self._rope(torch.arange(start, start + t, device=ctx.device), ctx.dtype, ctx.device)
+            for layer in self.layers:
+                attn = layer.self_attn
+                if attn.cache is None:
+                    raise RuntimeError("block drafter: setup_cache() before append_context()")
+                if self.window is None and start + t > attn.cache.capacity:
+                    raise ValueError(f"drafter context cache holds {attn.cache.capacity} positions; asked for "
+                                     f"{start + t}")
+                attn.cache.write(start, *attn.kv(ctx, cos, sin))
+            self.context_len = start + t
+
+    def propose(self, anchor: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+        """anchor: the last emitted token id (0-dim), at position context_len. Returns logits [num_tokens, vocab]
+        for positions context_len+1 .. context_len+num_tokens (default: block_size - 1).
+
+        The whole trained block (anchor + B-1 masks) always runs, because attention inside it is bidirectional:
+        a shorter block would not be the computation the drafter was trained on. Only the lm_head is cut to k.
+        """
+        B = self.config.block_size
+        k = B - 1 if num_tokens is None else num_tokens
+        if not 1 <= k <= B - 1:
+            raise SpecquantError(f"block drafter proposes 1..{B - 1} tokens per forward; asked for {k}")
+        n = self.context_len
+        x = self.block_embeddings(anchor.reshape(1))  # [1, B, hidden]
+        pos = torch.arange(n, n + B, device=x.device)
+        cos, sin = self._rope(pos, x.dtype, x.device)
+        first = 0 if self.window is None else max(0, n - self.window + 1)
+        mask = None
+        if self.window is not None and first > 0:  # query at p sees context (p - W, n); the block sees itself
+            kpos = torch.arange(first, n, device=x.device)
+            ctx_vis = kpos[None, :] > pos[:, None] - self.window  # [B, n-first]
+            mask = torch.cat((ctx_vis, torch.ones(B, B, dtype=torch.bool, device=x.device)), 1)
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.self_attn.cache.read(first, n)
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+        return self.lm_head(self.norm(x[0, 1 : k + 1]))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def training_block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """anchors [b, A] -> bool [b, 1, A*B, L + A*B]: block i sees context positions < a_i and all of block i."""
+    b, A = anchors.shape
+    qb = torch.arange(A * block_size, device=anchors.device) // block_size  # block of each query
+    ctx = torch.arange(context_len, device=anchors.device)[None, None, :] < anchors.gather(1, qb[None].expand(b, -1))[
+        :, :, None]  # [b, A*B, L]
+    same = (qb[:, None] == qb[None, :])[None].expand(b, -1, -1)  # [b, A*B, A*B]
+    return torch.cat((ctx, same), 2)[:, None]
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """Loss weight of block positions 1..B-1: exp(-(k-1)/gamma); early positions matter most for acceptance."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, gamma: float,
+               valid: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted CE over block positions 1..B-1.
+
+    logits [b, A, B-1, vocab]; labels [b, L]: the token expected at each position; anchors [b, A];
+    valid [b, L] bool: positions whose label is trained (default all). Returns (loss, {per-position accuracy}).
+    """
+    b, A, K, V = logits.shape
+    L = labels.shape[1]
+    pos = anchors[:, :, None] + torch.arange(1, K + 1, device=anchors.device)  # [b, A, K]
+    inside = pos < L
+    pos_c = pos.clamp(max=L - 1)
+    target = labels.gather(1, pos_c.reshape(b, -1)).view(b, A, K)
+    ok = inside if valid is None else inside & valid.gather(1, pos_c.reshape(b, -1)).view(b, A, K)
+    w = position_weights(K + 1, gamma, logits.device)[None, None, :] * ok
+    ce = F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1), reduction="none").view(b, A, K)
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
+    ce = ce.detach()
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == target) & ok
+        acc = hit.sum((0, 1)).float() / ok.sum((0, 1)).clamp(min=1)
+        # accepted length of each block under greedy verification: the run of hits from position 1
+        run = torch.cumprod(hit.long(), dim=-1).sum(-1).float()
+    return loss, {"acc_per_pos": acc.tolist(), "mean_run": float(run.mean()), "ce": float(ce[ok].mean()) if ok.any()
+                  else math.nan}
+
+
+def sample_anchors(valid: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """valid [b, L] bool (positions that may anchor a block) -> anchors [b, A], uniform without replacement.
+
+    Rows with fewer than A valid positions repeat some (their blocks then count twice; harmless for the loss)."""
+    scores = torch.rand(valid.shape, generator=generator, device=valid.device)
+    scores = scores.masked_fill(~valid, -1.0)
+    return scores.topk(num_anchors, dim=1).indices.sort(dim=1).values
+
+
+CONFIG_FIELDS = tuple(f.name for f in fields(BlockDraftConfig))
+
+
+# -- checkpoint: config.json + model.safetensors in the DFlashDraftModel layout ------------------------------------------
+
+def save_block_drafter(model: BlockDraftModel, out, extra_config: dict | None = None,
+                       tensors: dict[str, torch.Tensor] | None = None, tokenizer_from=None):
+    """Write config.json + model.safetensors atomically; tensor names are the reference's (fc, hidden_norm, layers.N.*,
+    norm), without embed_tokens / lm_head."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from specquant.model.checkpoint import copy_tokenizer, resolve
+    from specquant.util.files import atomic_dir
+
+    hf = model.config.to_hf()
+    tensors = tensors if tensors is not None else {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    hf["torch_dtype"] = str(tensors["fc.weight"].dtype).removeprefix("torch.") if "fc.weight" in tensors else None
+    if extra_config:
+        hf.update(extra_config)
+    with atomic_dir(Path(out)) as tmp:
+        save_file({k: v.cpu() for k, v in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        if tokenizer_from is not None:
+            copy_tokenizer(resolve(tokenizer_from), tmp)
+    return Path(out)
+
+
+def load_block_draft_dense(path, hf: dict, dtype=torch.float32, device="cpu") -> BlockDraftModel:
+    """Build a dense block drafter from a checkpoint directory whose config.json dict is `hf`."""
+    from specquant.model.checkpoint import load_dense_into, load_tensors
+
+    cfg = BlockDraftConfig.from_hf(hf)
+    tensors = load_tensors(path)
+    with torch.device("meta"):
+        model = BlockDraftModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model._set_rope(cfg.max_position_embeddings)
+    load_dense_into(model, tensors)
+    model.source_path = path
+    return model.eval()
+
+
+def capture_features(target, layer_ids: list[int]):
+    """Context manager: while active, `store["features"]` holds concat(output of target decoder layer l for l in
+    layer_ids) [b, T, taps*hidden] of the target's latest forward (forward hooks: no extra forward, no decoder edit)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def _ctx():
+        outs: dict[int, torch.Tensor] = {}
+        store: dict[str, torch.Tensor] = {}
+        handles = []
+        last = max(layer_ids)
+
+        def hook(i):
+            def fn(_mod, _inp, out):
+                outs[i] = out
+                if i == last:
+                    store["features"] = torch.cat([outs[j] for j in layer_ids], dim=-1)
+            return fn
+
+        for i in sorted(set(layer_ids)):
+            handles.append(target.model.layers[i].register_forward_hook(hook(i)))
+        try:
+            yield store
+        finally:
+            for h in handles:
+                h.remove()
+
+    return _ctx()

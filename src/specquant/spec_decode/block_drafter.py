@@ -1,0 +1,70 @@
+"""The block drafter (DFlash-style): one forward proposes up to block_size - 1 tokens from the target's features.
+
+Its context is the target's hidden states of verified positions only (drafter.py's call order): `prefill` projects
+the prompt's, `accept` the accepted ones', both taken from forwards the target runs anyway. `propose` runs the
+block [last committed token, MASK x (B-1)] at positions n-1 .. n+B-2 against that context: the drafted tokens
+for positions n .. n+k-1 all come from one forward, so a step costs one drafter forward whatever k is.
+
+Sampling: token j is drawn from the drafter's marginal q_j at block position j, independently of the tokens drawn
+before it. Rejection sampling stays exact: conditional on the prefix it was drawn from q_j, which is what the
+verifier divides by (spec_decode/verify.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specquant.decode.sampling import SamplingConfig, logits_to_probs, sample
+from specquant.errors import SpecquantError
+from specquant.model.block_draft import BlockDraftModel
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.drafter import Draft
+
+
+class BlockDrafter:
+    """A Drafter (spec_decode/drafter.py) over a BlockDraftModel attached to its target."""
+
+    def __init__(self, model: BlockDraftModel, target, config: SpecConfig):
+        self.model = model.attach_target(target)
+        self.target_layers = tuple(model.config.target_layer_ids)
+        # window: SpecConfig.draft_window when set, else the checkpoint's own serve-time window (or none)
+        self.window = config.draft_window if config.draft_window else -1
+        self.max_tokens = model.config.block_size - 1
+
+    def setup(self, batch: int, max_len: int) -> None:
+        if batch != 1:
+            raise SpecquantError(f"the block drafter runs batch 1; got batch {batch}")
+        self.model.setup_cache(max_len, window=self.window)
+
+    @staticmethod
+    def _features(hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, layers, H] -> [B, T, layers * H]: the concatenation over layers the drafter's fc reads."""
+        return hidden.reshape(*hidden.shape[:2], -1)
+
+    def prefill(self, prompt_ids: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
+        if target_hidden is None:
+            raise SpecquantError("the block drafter needs the target's hidden states; the target returned none")
+        self.model.rollback(0)
+        self.model.append_context(self._features(target_hidden))
+
+    def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        n = tokens.shape[1]
+        assert self.model.context_len == n - 1, (self.model.context_len, n)  # context = verified prefix
+        k = min(k, self.max_tokens)
+        logits = self.model.propose(tokens[0, n - 1], k)  # [k, vocab]
+        if sampling.greedy:
+            return Draft(logits.argmax(-1)[None])
+        probs = logits_to_probs(logits, sampling)  # [k, vocab]
+        return Draft(sample(probs, generator)[None], probs[None])
+
+    def accept(self, length: int, target_hidden: torch.Tensor | None) -> None:
+        if target_hidden is None:
+            raise SpecquantError("the block drafter needs the target's hidden states; the target returned none")
+        t = target_hidden.shape[1]
+        self.model.rollback(min(self.model.context_len, length - t))
+        self.model.append_context(self._features(target_hidden))
+        assert self.model.context_len == length
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(min(self.model.context_len, length))

@@ -1,0 +1,207 @@
+"""`specquant distill draft`: train a drafter against a target with the shared trainer, in one or two stages.
+
+Kinds:
+  block  the DFlash-style block drafter (train/block_draft.py's objective): a fresh one shaped for the target, or
+         --init DIR to continue one.
+  lm     today's small-LM drafter adapted by forward KL(target || draft) over the full vocabulary (train/qad.py's
+         chunked KL): --init is the LM drafter to start from (default tiny-draft for the bundled target).
+
+Stages (REFERENCE.md §3): with --stage1-target, stage 1 trains against that (high-precision) target into
+OUT/stage1, then stage 2 warm-starts from stage 1's best weights and trains against --target (the W4 / QAD one)
+into OUT/stage2 with a fresh optimizer and schedule. Without it there is one stage, into OUT. Each stage is a
+resumable trainer run (OUT[/stageN]/checkpoints, log.jsonl, model/); --resume continues whichever stage stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specquant.errors import SpecquantError
+
+KINDS = ("block", "lm")
+
+
+@dataclass
+class DraftConfig:
+    """Drafter-distillation settings beyond the shared TrainConfig (the block objective's own are in
+    BlockDraftTrainConfig)."""
+
+    init: str | None = field(default=None, metadata={
+        "help": "start from this drafter checkpoint (block: a DFlashDraftModel dir; lm: a small LM; default lm: "
+                "tiny-draft for the bundled target)"})
+    layers: int = field(default=2, metadata={"help": "block: drafter layers of a fresh drafter"})
+    block_size: int = field(default=16, metadata={"help": "block: anchor + drafted tokens per forward"})
+    target_layer_ids: str = field(default="", metadata={
+        "help": "block: comma-separated 0-based target layers read (default: 4 spread over the target's layers)"})
+    mask_token_id: int = field(default=-1, metadata={"help": "block: MASK token id (-1: the tokenizer's pad token)"})
+    heldout: str | None = field(default=None, metadata={"help": "held-out text (default: bundled heldout.txt)"})
+    eval_seq_len: int = field(default=256, metadata={"help": "tokens per held-out sequence"})
+    kl_chunk: int = field(default=256, metadata={"help": "lm: positions per KL chunk"})
+
+    def validate(self) -> "DraftConfig":
+        for name in ("layers", "eval_seq_len", "kl_chunk"):
+            if getattr(self, name) < 1:
+                raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.block_size < 2:
+            raise SpecquantError(f"block_size={self.block_size} must be at least 2")
+        return self
+
+    def layer_ids(self, num_target_layers: int) -> list[int]:
+        if self.target_layer_ids:
+            try:
+                return [int(x) for x in self.target_layer_ids.split(",")]
+            except ValueError:
+                raise SpecquantError(f"--target-layer-ids {self.target_layer_ids!r} must be comma-separated "
+                                     "integers, e.g. 1,3,5,6") from None
+        taps = min(4, num_target_layers)
+        # spread from layer 1 to the second-to-last (the last layer's output is the final norm's input only)
+        last = max(1, num_target_layers - 2)
+        return sorted({round(1 + i * (last - 1) / max(1, taps - 1)) for i in range(taps)})
+
+
+def init_block_drafter(drafter, target, seed: int):
+    """Small normal init (residual projections scaled by depth); the output norm starts as the target's final
+    norm, so the untrained drafter speaks through the target's lm_head at the target's scale."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    depth = drafter.config.num_hidden_layers
+    with torch.no_grad():
+        for n, p in drafter.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * depth) if n.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        drafter.norm.weight.copy_(target.model.norm.weight)
+
+
+class LMDraftTask:
+    """The trainer's task for --kind lm: KL(target || draft); best = lowest held-out KL."""
+
+    best_key = "kl"
+
+    def __init__(self, draft, target, eval_tokens, kl_chunk: int, tokenizer_from, run_meta: dict):
+        from specquant.train.qad import KLStudent
+
+        self.module = KLStudent(draft, target, kl_chunk)
+        self.draft, self.target, self.eval_tokens = draft, target, eval_tokens
+        self.tokenizer_from, self.run_meta = tokenizer_from, run_meta
+
+    def evaluate(self) -> dict:
+        from specquant.quant.quality import compare
+
+        r = compare(self.target, self.draft, self.eval_tokens)
+        return {"kl": r["kl"], "top1_agree": r["top1_agree"]}
+
+    def check_start(self, metrics: dict) -> None:
+        if not metrics["kl"] < 1e3:
+            raise SpecquantError(f"step-0 held-out KL is {metrics['kl']}; the draft does not share this target's "
+                                 "vocabulary or is broken")
+
+    def export(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
+        from specquant.model.checkpoint import save_model
+
+        tensors = {k.removeprefix("student."): v.to(torch.bfloat16) if v.is_floating_point() else v
+                   for k, v in state.items() if k.startswith("student.")}
+        if self.draft.config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        save_model(self.draft, out_dir, tokenizer_from=self.tokenizer_from, tensors=tensors,
+                   extra_config={"torch_dtype": "bfloat16", "specquant_distill_draft": self.run_meta})
+
+
+def _block_task(target, target_dir, tokenizer, cfg: DraftConfig, bcfg, eval_tokens, init, seed, meta):
+    from specquant.drafter_loader import load_block_draft
+    from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
+    from specquant.train.block_draft import BlockDraftObjective, BlockDraftTask
+
+    device = target.model.embed_tokens.weight.device
+    if init:
+        drafter = load_block_draft(init, device=device)
+        drafter.config.check_target(target.config)
+        drafter.train()
+    else:
+        mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else tokenizer.pad_token_id
+        if mask is None:
+            raise SpecquantError("the tokenizer has no pad token to use as MASK; pass --mask-token-id")
+        dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=cfg.layers, block_size=cfg.block_size,
+                                           target_layer_ids=cfg.layer_ids(target.config.num_hidden_layers),
+                                           mask_token_id=mask)
+        drafter = BlockDraftModel(dcfg).to(device)
+        init_block_drafter(drafter, target, seed)
+    objective = BlockDraftObjective(drafter, target, bcfg)
+    return BlockDraftTask(objective, eval_tokens, tokenizer_from=target_dir,
+                          extra_config={"specquant_distill_draft": meta})
+
+
+def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: str | None = None,
+              stage1_target: str | None = None, resume: bool = False, overwrite: bool = False,
+              device: str = "cpu", dtype: str = "float32", progress: bool = True) -> dict | None:
+    """Every input is checked before --out is touched. Returns the result on rank 0 (None elsewhere)."""
+    from specquant.loader import load_model
+    from specquant.model.checkpoint import load_tokenizer, resolve
+    from specquant.util.dtypes import DTYPES
+    from specquant.quant.config import BUNDLED_CALIB
+    from specquant.quant.quality import heldout_tokens
+    from specquant.train.cli import clear_our_outputs, prepare_out
+    from specquant.train.data import BlockOrder, load_blocks
+    from specquant.train.qad import BUNDLED_HELDOUT
+    from specquant.train.trainer import Trainer, setup_distributed
+
+    if kind not in KINDS:
+        raise SpecquantError(f"--kind {kind!r} is unknown; use one of {', '.join(KINDS)}")
+    cfg.validate()
+    out = Path(out).expanduser()
+    stages = [("stage1", stage1_target), ("stage2", target)] if stage1_target else [("", target)]
+    dirs = {name: (out / name if name else out) for name, _ in stages}
+    resuming = {name: prepare_out(d, resume, overwrite) for name, d in dirs.items()}
+    heldout = Path(cfg.heldout).expanduser() if cfg.heldout else BUNDLED_HELDOUT
+    data_path = Path(data).expanduser() if data else BUNDLED_CALIB
+    for p, flag in ((heldout, "--heldout"), (data_path, "--data")):
+        if not p.is_file():
+            raise SpecquantError(f"{flag} {str(p)!r} does not exist; pass a text or `specquant regen` .jsonl file")
+    if data_path.resolve() == heldout.resolve():
+        raise SpecquantError(f"--data {str(data_path)!r} is the held-out evaluation text; train on other text")
+    target_dirs = {name: resolve(t) for name, t in stages}
+    rank, world, dev = setup_distributed(device)
+    tokenizer = load_tokenizer(target_dirs[stages[-1][0]])
+    results, init = [], cfg.init
+    if kind == "lm" and init is None:
+        if target_dirs[stages[-1][0]] != resolve("tiny-target"):
+            raise SpecquantError("--kind lm needs --init: the small LM drafter to adapt")
+        init = "tiny-draft"
+    for name, t in stages:
+        target_model = load_model(target_dirs[name], dtype=DTYPES[dtype], device=str(dev))
+        for p in target_model.parameters():
+            p.requires_grad_(False)
+        vocab = target_model.config.vocab_size
+        blocks = load_blocks(data_path, tokenizer, train.seq_len, vocab)
+        eval_tokens = heldout_tokens(tokenizer, heldout, bcfg.eval_samples, cfg.eval_seq_len).to(dev)
+        meta = {"kind": kind, "stage": name or "single", "target": str(target_dirs[name]), "data": str(data_path),
+                "init": str(init) if init else None, "train": train.to_json(), "draft": dataclasses.asdict(cfg)}
+        if kind == "block":
+            task = _block_task(target_model, target_dirs[name], tokenizer, cfg, bcfg, eval_tokens, init, train.seed,
+                               {**meta, "objective": dataclasses.asdict(bcfg)})
+        else:
+            draft = load_model(init, dtype=DTYPES[dtype], device=str(dev)).train()
+            task = LMDraftTask(draft, target_model, eval_tokens, cfg.kl_chunk, target_dirs[name], meta)
+        d = dirs[name]
+        if overwrite and not resuming[name] and rank == 0 and d.exists():
+            clear_our_outputs(d)
+        trainer = Trainer(task, BlockOrder(blocks, train.seed), train, d, device=dev, progress=progress,
+                          run_info={"kind": kind, "stage": meta["stage"], "target": meta["target"]})
+        result = trainer.fit(resume=resuming[name])
+        if rank == 0:
+            evals = [json.loads(ln) for ln in (d / "log.jsonl").read_text().splitlines()]
+            evals = [e for e in evals if e.get("event") == "eval"]
+            start = next((e for e in evals if e["step"] == 0), None)
+            best = next((e for e in reversed(evals) if e["step"] == result["best"]["step"]), None)
+            results.append({"stage": meta["stage"], "target": meta["target"], **result, "start_eval": start,
+                            "best_eval": best, "model": str(d / "model"), "train_blocks": len(blocks)})
+        init = d / "model"  # stage 2 warm-starts from stage 1's best weights, with a fresh optimizer and schedule
+    if rank != 0:
+        return None
+    return {"kind": kind, "stages": results, "model": results[-1]["model"]}

@@ -1,0 +1,80 @@
+"""`specquant distill draft`: block and lm drafters on the shared trainer, two stages, resume, bad input."""
+
+import json
+
+import pytest
+import torch
+from _qad_models import write_student, write_teacher
+
+from specquant.cli import main
+from specquant.drafter_loader import drafter_kind, load_block_draft
+from specquant.loader import load_model
+from specquant.model.checkpoint import save_model
+from specquant.train.draft import DraftConfig
+
+FAST = ["--steps", "3", "--seq-len", "48", "--batch", "2", "--eval-samples", "2", "--eval-seq-len", "48",
+        "--save-every", "3", "--eval-every", "0", "--no-progress", "--num-anchors", "4"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft")
+    teacher = write_teacher(root / "teacher", num_hidden_layers=4)
+    return teacher, write_student(teacher, root / "student")
+
+
+def test_block_two_stages_then_resume_is_a_no_op(pair, tmp_path, capsys):
+    teacher, student = pair
+    out = tmp_path / "run"
+    args = ["distill", "draft", "--kind", "block", "--target", str(student), "--stage1-target", str(teacher),
+            "--out", str(out), "--layers", "1", "--block-size", "4", "--json", *FAST]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [s["stage"] for s in result["stages"]] == ["stage1", "stage2"]
+    assert result["stages"][0]["target"].endswith("teacher") and result["stages"][1]["target"].endswith("student")
+    for stage in ("stage1", "stage2"):
+        assert drafter_kind(out / stage / "model") == "block"
+    d2 = load_block_draft(out / "stage2" / "model")
+    assert d2.config.block_size == 4 and d2.config.target_layer_ids == [1, 2]  # spread over 4 target layers
+    assert d2.config.num_hidden_layers == 1
+    # stage 2 started from stage 1's weights (not a fresh init) and then trained: both differ from a fresh init
+    log2 = [json.loads(ln) for ln in (out / "stage2" / "log.jsonl").read_text().splitlines()]
+    assert json.loads((out / "stage2" / "model" / "config.json").read_text())["specquant_distill_draft"]["init"] \
+        .endswith("stage1/model")
+    assert any(r.get("event") == "train_start" for r in log2)
+    before = (out / "stage2" / "model" / "model.safetensors").read_bytes()
+    assert main(args + ["--resume"]) == 0  # both stages complete: nothing left to train, nothing rewritten
+    capsys.readouterr()
+    assert (out / "stage2" / "model" / "model.safetensors").read_bytes() == before
+
+
+def test_lm_kind_adapts_a_small_lm_by_kl(pair, tmp_path, capsys):
+    teacher, _ = pair
+    draft = tmp_path / "lm"
+    save_model(load_model(write_teacher(tmp_path / "d0", seed=3, num_hidden_layers=1)), draft,
+               tokenizer_from=teacher)
+    out = tmp_path / "run"
+    assert main(["distill", "draft", "--kind", "lm", "--target", str(teacher), "--init", str(draft),
+                 "--out", str(out), "--lr", "3e-3", "--json", *FAST]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    st = result["stages"][0]
+    assert st["best_eval"]["kl"] <= st["start_eval"]["kl"]
+    assert drafter_kind(out / "model") == "lm"
+    assert load_model(out / "model").config.num_hidden_layers == 1
+
+
+def test_bad_input_is_one_line(pair, tmp_path, capsys):
+    teacher, _ = pair
+    assert main(["distill", "draft", "--kind", "block", "--target", str(teacher), "--out", str(tmp_path / "o"),
+                 "--data", str(tmp_path / "missing.txt"), *FAST]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert main(["distill", "draft", "--kind", "lm", "--target", str(teacher), "--out", str(tmp_path / "o"),
+                 *FAST]) == 2
+    assert "--init" in capsys.readouterr().err
+
+
+def test_default_layer_ids_spread():
+    assert DraftConfig().layer_ids(8) == [1, 3, 4, 6]
+    assert DraftConfig().layer_ids(36) == [1, 12, 23, 34]
+    assert DraftConfig(target_layer_ids="2,5").layer_ids(8) == [2, 5]
