@@ -44,12 +44,12 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def test_models_json_lists_both_bundled(capsys):
+def test_models_json_lists_every_bundled(capsys):
     rc, out, err = run_cli(capsys, "models", "--json")
     assert rc == 0 and err == ""
     assert len(out.splitlines()) == 1
     rows = json.loads(out)["models"]
-    assert [r["name"] for r in rows] == ["tiny-target", "tiny-draft"]
+    assert [r["name"] for r in rows] == ["tiny-target", "tiny-draft", "tiny-block-draft"]
     for r in rows:
         assert Path(r["path"]) == BUNDLED_DIR / r["name"]
         assert r["available"] == (Path(r["path"]) / "config.json").exists()
