@@ -82,7 +82,8 @@ def test_full_numbers_are_consistent(run):
         assert ms["w4"]["weight_bytes"] < ms["bf16"]["weight_bytes"]
     assert {r["rows"] for r in res["layers"]} == {1, 4, 16}
     for r in res["layers"]:
-        assert r["w4_speedup"] == pytest.approx(r["bf16_us"] / r["w4_us"]) and r["backend"] == "int4pack_cpu_bf16"
+        assert r["w4_speedup"] == pytest.approx(r["bf16_us"] / r["w4_us"])
+        assert r["backend"] in ("native_w4_bf16", "int4pack_cpu_bf16")  # auto: the native kernel where it builds
     assert res["kernel_sweep"].startswith("not measured")
     e = res["engine"]
     assert e["verify_steps"] > 0 and e["ms_per_step"] > 0 and e["parts_ms"] > 0
