@@ -87,6 +87,39 @@ def test_quant_linear_uses_it_by_default_for_few_rows():
     assert y.shape == (2, 3, 64) and (y - ref).abs().max() <= REL_TOL * ref.abs().max()
 
 
+def test_unpack_inverts_pack():
+    codes = torch.randint(-8, 8, (48, 96), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
+    assert torch.equal(native.unpack_codes(native.pack_codes(codes)), codes)
+
+
+@needs_kernel
+def test_one_copy_of_the_codes_in_memory_and_checkpoint_tensors_unchanged():
+    """The native kernel permutes weight_packed in place (no second packed copy); codes(), state_dict(), .to()
+    and load_state_dict() still see the compressed-tensors layout, bit for bit."""
+    codes, scale, g = weights(64, 256, 32)
+    m = QuantLinear.from_codes(codes, scale, None, 4)
+    saved = {k: v.clone() for k, v in m.state_dict().items()}
+    ptr = m.weight_packed.data_ptr()
+    x = torch.randn(3, 256, generator=g)
+    y = m(x)
+    assert m.native_layout and m.weight_packed.data_ptr() == ptr
+    assert not torch.equal(m.weight_packed, saved["weight_packed"])  # permuted in place ...
+    assert [k for k in m._cache if not (isinstance(k, tuple) and k[0] == "backend")] == ["native_scales"]
+    assert torch.equal(m.codes(), codes)  # ... yet every reader sees the same codes
+    state = m.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+    assert torch.equal(m(x), y) and m.native_layout  # saving left the kernel's layout in place
+    ref = reference(x, codes, scale)
+    assert (y - ref).abs().max() <= REL_TOL * ref.abs().max()
+    moved = m.to(torch.float32)  # _apply: back to the checkpoint layout
+    assert not moved.native_layout and torch.equal(moved.weight_packed, saved["weight_packed"])
+    moved.backend = "auto"
+    moved(x)
+    assert moved.native_layout
+    moved.load_state_dict(saved)  # overwrites the buffer with checkpoint bytes
+    assert not moved.native_layout and torch.equal(moved.codes(), codes) and torch.equal(moved(x), y)
+
+
 def test_unsupported_layers_are_declined():
     assert not native.supports(8, 32, True, 256, 64)  # 8 bits
     assert not native.supports(4, 32, False, 256, 64)  # zero points

@@ -5,6 +5,10 @@ Buffers (names = checkpoint names, so `state_dict()` is the pack-quantized check
   weight_scale       [out, in/group] model dtype
   weight_zero_point  int32 [ceil(out·bits/32), in/group]  asymmetric only, packed along dim 0
   weight_shape       int64 [2] = (out, in)
+Once the native kernel runs a layer, `weight_packed` holds the same bytes permuted into the kernel's layout
+(native.pack_codes; `native_layout` is then True) instead of a second copy: one copy of the codes in memory.
+`codes()` reads either layout, and `state_dict()` / `.to()` restore the compressed-tensors layout first, so
+saving, exporting and moving see the checkpoint tensors as they are.
 
 `forward` dispatches to a backend from BACKENDS. Every backend computes x @ dequant(W)ᵀ + b and is tested
 against `reference` (tests/test_quant_linear.py):
@@ -72,6 +76,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         self.backend = "auto"  # or a key of BACKENDS
         self._cache: dict = {}
+        self.native_layout = False  # weight_packed permuted in place for the native kernel (see the docstring)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
@@ -105,7 +110,35 @@ class QuantLinear(nn.Module):
         return fused
 
     def codes(self) -> torch.Tensor:
+        if self.native_layout:
+            from specquant.quant import native
+
+            return native.unpack_codes(self._native_view())
         return unpack_codes(self.weight_packed, self.bits, self.in_features)  # int8 [out, in]
+
+    def _native_view(self) -> torch.Tensor:
+        """weight_packed's bytes as the native kernel's uint8 [out/16, in/8, 64] (no copy)."""
+        from specquant.quant import native
+
+        return self.weight_packed.view(torch.uint8).view(self.out_features // native.TILE, self.in_features // 8, 64)
+
+    def to_native_layout(self) -> None:
+        """Permute weight_packed in place into the native kernel's layout (a no-op when it already is)."""
+        if self.native_layout:
+            return
+        from specquant.quant import native
+
+        permuted = native.pack_codes(self.codes())
+        self._native_view().copy_(permuted)
+        self.native_layout = True
+
+    def to_standard_layout(self) -> None:
+        """Back to the compressed-tensors layout (a no-op when it already is)."""
+        if not self.native_layout:
+            return
+        codes = self.codes()
+        self.native_layout = False
+        self.weight_packed.copy_(pack_codes(codes, self.bits))
 
     def zero_point(self) -> torch.Tensor | None:
         if self.weight_zero_point is None:
@@ -122,11 +155,18 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._cache.clear()
+        self.to_standard_layout()  # other devices' kernels (and the bytes of a copy) read the checkpoint layout
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._cache.clear()
+        self.native_layout = False  # the buffer is overwritten with checkpoint (compressed-tensors) bytes
         return super()._load_from_state_dict(*args, **kwargs)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.native_layout:  # the checkpoint tensor, rebuilt from the permuted copy (only while saving)
+            destination[prefix + "weight_packed"] = pack_codes(self.codes(), self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         key = ("backend", self.backend, x.dtype, x.device.type, x.numel() >= LARGE_ROWS * self.in_features)
@@ -212,10 +252,11 @@ def _native_w4_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     int4 weights, fp32 sums and scales; the result in x's dtype."""
     from specquant.quant import native
 
-    packed = m._cache.get("native_w4")
-    if packed is None:
-        packed = m._cache["native_w4"] = native.pack(m.codes(), m.weight_scale)
-    y = native.gemm(x.reshape(-1, m.in_features), *packed, m.group_size).to(x.dtype)
+    scales = m._cache.get("native_scales")
+    if scales is None:
+        m.to_native_layout()
+        scales = m._cache["native_scales"] = native.pack_scales(m.weight_scale)
+    y = native.gemm(x.reshape(-1, m.in_features), m._native_view(), scales, m.group_size).to(x.dtype)
     if m.bias is not None:
         y = y + m.bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], m.out_features)

@@ -107,6 +107,12 @@ def pack(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.
     """codes int8 [N, K] in [-8, 7], scale [N, K/group] -> (packed uint8 [N/16, K/8, 64], fp32 [N/16, groups, 16]).
 
     See the layout comment in kernels/w4_bf16.cpp."""
+    return pack_codes(codes), pack_scales(scale)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes int8 [N, K] in [-8, 7] -> uint8 [N/16, K/8, 64]: the same N·K/2 bytes as compressed-tensors' packing,
+    permuted (so QuantLinear can hold either layout in one buffer)."""
     n, k = codes.shape
     u = (codes.to(torch.int16) + 8).to(torch.uint8).view(n // TILE, 4, 4, k // 8, 8)  # [tile, L, i, k8, kk]
     lo, hi = u[..., :4], u[..., 4:]  # k0..k3 low nibbles, k4..k7 high nibbles
@@ -114,9 +120,22 @@ def pack(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.
     # bytes of lane L: 2i, 2i+1 <- (k0|k4), (k1|k5); 8+2i, 8+2i+1 <- (k2|k6), (k3|k7)
     first, second = b[..., 0:2], b[..., 2:4]  # [tile, L, i, k8, 2]
     lane = torch.stack([first, second], dim=2)  # [tile, L, half, i, k8, 2]
-    packed = lane.permute(0, 4, 1, 2, 3, 5).reshape(n // TILE, k // 8, 64).contiguous()
-    scales = scale.float().view(n // TILE, TILE, -1).transpose(1, 2).contiguous()
-    return packed, scales
+    return lane.permute(0, 4, 1, 2, 3, 5).reshape(n // TILE, k // 8, 64).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_codes: uint8 [N/16, K/8, 64] -> codes int8 [N, K]."""
+    tiles, k8 = packed.shape[0], packed.shape[1]
+    lane = packed.reshape(tiles, k8, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5)  # [tile, L, i, k8, half, 2]
+    b = lane.reshape(tiles, 4, 4, k8, 4)  # [tile, L, i, k8, 4]: (k0|k4), (k1|k5), (k2|k6), (k3|k7)
+    u = torch.cat([b & 15, b >> 4], dim=-1)  # [tile, L, i, k8, 8]: k0..k7
+    return (u.to(torch.int16) - 8).to(torch.int8).reshape(tiles * TILE, k8 * 8)
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """scale [N, K/group] -> fp32 [N/16, groups, 16]."""
+    n = scale.shape[0]
+    return scale.float().view(n // TILE, TILE, -1).transpose(1, 2).contiguous()
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
