@@ -96,6 +96,22 @@ def test_generate_json_random_checkpoint(capsys, random_checkpoint):
     assert obj["text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_generate_compile_flag_reaches_the_stepper(capsys, random_checkpoint, monkeypatch):
+    """--compile hands the decode step to torch.compile (recorded here, run eagerly: tests/test_compiled.py checks
+    compiled against eager) and prints the same tokens."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compiled.append(model) or model)
+    monkeypatch.setenv("SPECQUANT_CACHE", str(random_checkpoint.parent / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    outs = []
+    for flag in ([], ["--compile"]):
+        rc, out, err = run_cli(capsys, "generate", "--target", str(random_checkpoint), *GENERATE_JSON, *flag)
+        assert rc == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert len(compiled) == 1 and outs[0] == outs[1]
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(random_checkpoint.parent / "cache" / "compile")
+
+
 @needs_bundled("tiny-target")
 def test_generate_json_tiny_target(capsys):
     rc, out, err = run_cli(capsys, "generate", "--target", "tiny-target", *GENERATE_JSON)

@@ -3,9 +3,19 @@
 Compiled steps need a shape-static cache (`setup_cache(static=True)`): positions travel as a tensor, attention spans
 the whole buffer under a mask, so one graph serves every position. Prompts (long, variable T) run eagerly through
 the same static cache. tests/test_compiled.py checks compiled against eager.
+
+Compiled graphs persist across processes: inductor's FX-graph cache and AOTAutograd cache (both on by default in
+torch >= 2.5) are pointed at `${SPECQUANT_CACHE:-~/.cache/specquant}/compile` (unless TORCHINDUCTOR_CACHE_DIR is set),
+so a second process skips inductor's code generation and C++ build. Staleness: those caches key every entry on the
+torch version, the traced graph (so any change to the model code that changes the graph), input shapes, dtypes and
+strides, and the inductor config; dynamo re-traces the Python code in every process, so a cached graph is only ever
+looked up under the key of the code that runs now.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 
@@ -21,17 +31,38 @@ def _raise_recompile_limit(n: int = 64):
             setattr(cfg, name, n)
 
 
-class Stepper:
-    """`stepper(tokens [batch, T], start, last_only) -> logits`; compiled for T <= COMPILED_MAX_T when enabled.
+def compile_cache_dir() -> Path:
+    """Where compiled graphs are kept across processes."""
+    root = os.environ.get("SPECQUANT_CACHE") or Path.home() / ".cache" / "specquant"
+    return Path(root) / "compile"
 
+
+def use_compile_cache() -> None:
+    """Point inductor's on-disk caches at compile_cache_dir(), unless the user chose a directory. Inductor reads
+    TORCHINDUCTOR_CACHE_DIR on every lookup; it writes its /tmp default there on first use, which is replaced."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+
+
+class Stepper:
+    """`stepper(tokens [batch, T], start, last_only) -> logits`; compiled for T in compile_shapes when enabled.
+
+    Each token count is its own compilation (seconds from the disk cache, 15-45 s cold), so only the shapes a loop
+    repeats are compiled: the one-token decode step by default; None compiles every T <= COMPILED_MAX_T. Other
+    inputs (prompts) run eagerly through the same static cache.
     `step` also returns the hidden states of `hidden_layers` (None when empty), for drafters that read them."""
 
-    def __init__(self, model: Transformer, compile: bool = False):
+    def __init__(self, model: Transformer, compile: bool = False, compile_shapes: tuple[int, ...] | None = (1,)):
         self.model = model
         self.compile = compile
+        self.compile_shapes = None if compile_shapes is None else set(compile_shapes)
         self.compiled = None
         if compile:
             _raise_recompile_limit()
+            use_compile_cache()
             self.compiled = torch.compile(model, dynamic=False)
 
     def setup(self, batch: int, max_seq_len: int, **kw):
@@ -39,7 +70,8 @@ class Stepper:
 
     def __call__(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
         t = tokens.shape[1]
-        if self.compiled is None or t > COMPILED_MAX_T:
+        if self.compiled is None or t > COMPILED_MAX_T or (self.compile_shapes is not None
+                                                          and t not in self.compile_shapes):
             return self.model(tokens, start, last_only, hidden_layers=hidden_layers)
         pos = torch.arange(start, start + t, device=tokens.device)
         return self.compiled(tokens, 0, last_only, pos, hidden_layers=hidden_layers)

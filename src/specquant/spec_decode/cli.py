@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specquant.decode.compiled import Stepper
 from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.loader import load_model
@@ -28,6 +29,10 @@ def add_parser(sub):
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode / verify steps (graphs cached on disk under "
+                        "$SPECQUANT_CACHE/compile). Off by default: on CPU it pays only past a few hundred new "
+                        "tokens with a warm cache, thousands with a cold one (docs/SHAPES.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -49,7 +54,8 @@ def run(args):
     prompt = torch.tensor([ids], device=args.device)
     target = load_model(args.target, args.dtype, args.device, fuse=True)
     if draft_name is None:
-        result = generate(target, prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
+        result = generate(Stepper(target, compile=args.compile), prompt, args.max_new_tokens, sampling,
+                          stop_on_eos=not args.ignore_eos)
     else:
         from specquant.spec_decode.engine import SpecEngine
 
@@ -60,10 +66,10 @@ def run(args):
             from specquant.spec_decode.block_drafter import BlockDrafter
 
             drafter = BlockDrafter(load_block_draft(draft_name, args.dtype, args.device), target, spec)
-            engine = SpecEngine(target, drafter, spec)
+            engine = SpecEngine(target, drafter, spec, compile=args.compile)
         else:
             draft = load_model(draft_name, args.dtype, args.device, fuse=True)
-            engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name))
+            engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name), compile=args.compile)
         result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     new = result.token_ids[0]
     text = tokenizer.decode(new, skip_special_tokens=True)

@@ -43,8 +43,9 @@ class SpecEngine:
         self.target, self.drafter = target, draft
         # graphs: the target's verify (and prefill, when short) steps replayed as CUDA graphs over a static cache
         # (decode/graphs.py; on CPU an eager stand-in over the same buffers); compile then covers the verify shape
-        self.target_step = (GraphStepper(target, compile, compile_shapes=(self.config.longest_draft + 1,))
-                            if graphs else Stepper(target, compile))
+        verify = (self.config.longest_draft + 1,)
+        self.target_step = (GraphStepper(target, compile, compile_shapes=verify) if graphs
+                            else Stepper(target, compile, compile_shapes=verify))
         self.profile = profile
         self.metrics = SpecMetrics()  # accumulated over requests
 

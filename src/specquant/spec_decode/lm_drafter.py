@@ -25,7 +25,8 @@ class LMDrafter:
     def __init__(self, model: Transformer, config: SpecConfig, compile: bool = False, graphs: bool = False):
         self.model = model
         # graphs: one-token and catch-up steps replayed as CUDA graphs (decode/graphs.py; eager stand-in on CPU)
-        self.step = GraphStepper(model, compile) if graphs else Stepper(model, compile)
+        # compiled: the one-token step and the 2-token catch-up after a verify (the shapes every round repeats)
+        self.step = GraphStepper(model, compile) if graphs else Stepper(model, compile, compile_shapes=(1, 2))
         self.window = config.draft_window
         self.window_prefill = config.draft_prefill == "window"
         # stop drafting once the draft's top probability falls below this (0 = never); see SpecConfig
