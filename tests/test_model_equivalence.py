@@ -288,22 +288,21 @@ def test_sdpa_reference_agrees_too():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_rows_linear_matches_f_linear(bias):
-    # Linear's W·xᵀ path (fp32, <= 8 rows, big enough weight) is the same product as F.linear up to summation order
+    # Linear's W·xᵀ path (fp32, 5..8 rows, big enough weight) is the same product as F.linear up to summation order
     from specquant.model.decoder import SMALL_MIN_WEIGHT, SMALL_ROWS, Linear
 
     torch.manual_seed(0)
-    wide = Linear(256, SMALL_MIN_WEIGHT // 256, bias=bias)  # out >= in: fast path from 1 row
-    narrow = Linear(SMALL_MIN_WEIGHT // 256, 256, bias=bias)  # out < in: fast path from 2 rows
+    wide = Linear(256, SMALL_MIN_WEIGHT // 256, bias=bias)
+    narrow = Linear(SMALL_MIN_WEIGHT // 256, 256, bias=bias)
     small = Linear(96, 160, bias=bias)  # too small: always F.linear
     for lin in (wide, narrow, small):
-        for lead in [(1,), (2,), (1, 5), (2, 4), (8,), (9,), (1, 1), (40,)]:
+        for lead in [(1,), (2,), (1, 5), (2, 4), (6,), (8,), (9,), (1, 1), (40,)]:
             x = torch.randn(*lead, lin.in_features)
             got, want = lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias)
             assert got.shape == want.shape and got.is_contiguous()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             rows = x.numel() // lin.in_features
-            fast = (rows <= SMALL_ROWS and lin.weight.numel() >= SMALL_MIN_WEIGHT
-                    and (rows > 1 or lin.out_features >= lin.in_features))
+            fast = SMALL_ROWS[0] <= rows <= SMALL_ROWS[1] and lin.weight.numel() >= SMALL_MIN_WEIGHT
             if not fast:
                 assert torch.equal(got, want)  # outside the fast path it is F.linear itself
     xb = torch.randn(4, 256, dtype=torch.bfloat16)

@@ -31,28 +31,27 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
-SMALL_ROWS = 8  # Linear: fp32 CPU inputs with up to this many rows may take the W·xᵀ path
-SMALL_MIN_WEIGHT = 1 << 17  # ... on weights of at least this many elements (benchmarks/small_gemm.py)
+SMALL_ROWS = (5, 8)  # Linear: fp32 CPU inputs with this many rows (inclusive) take the W·xᵀ path ...
+SMALL_MIN_WEIGHT = 1 << 21  # ... on weights of at least this many elements (measurement in Linear's docstring)
 
 
 class Linear(nn.Linear):
     """nn.Linear, with a faster path for the few-row fp32 GEMMs of decode and verify steps on CPU.
 
-    F.linear computes x·Wᵀ; with a few rows MKL then runs its small-M kernels on the transposed weight, which
-    stream the weight at a fraction of memory bandwidth on CPU. (W·xᵀ)ᵀ is the same product with the roles swapped
-    and was faster for 2..8 rows on large enough weights, and for one row (sent twice) when out >= in; bf16 was
-    not (benchmarks/small_gemm.py, numbers in docs/BENCH.md). Results match F.linear to float rounding (summation
+    F.linear computes x·Wᵀ; from 5 rows on MKL then runs small-M kernels that stream the weight at half of memory
+    bandwidth on CPU. (W·xᵀ)ᵀ is the same product with the roles swapped and is faster for 5..8 rows on weights of
+    2M+ elements. Re-measured on torch 2.13 (weights streamed, 1 thread, docs/SHAPES.md): 1..4 rows F.linear is as
+    fast or faster everywhere (1 row: 5.4-6.2 GB/s against 2.7-3.0 GB/s for W·xᵀ with the row sent twice, which
+    earlier torch builds favoured); 5..8 rows W·xᵀ wins by 1.1-1.5x on 1024->4096/6144 and 384->8192 and loses on
+    small weights (384->1024 at 8 rows: 0.64 vs 0.53 ms). Results match F.linear to float rounding (summation
     order); tests/test_model_equivalence.py compares them.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (rows <= SMALL_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
-                and self.weight.numel() >= SMALL_MIN_WEIGHT and (rows > 1 or self.out_features >= self.in_features)):
-            x2 = x.reshape(rows, self.in_features)
-            if rows == 1:
-                x2 = torch.cat((x2, x2))
-            y = torch.mm(self.weight, x2.t()).t()[:rows].contiguous()
+        if (SMALL_ROWS[0] <= rows <= SMALL_ROWS[1] and x.dtype == torch.float32 and x.device.type == "cpu"
+                and self.weight.numel() >= SMALL_MIN_WEIGHT):
+            y = torch.mm(self.weight, x.reshape(rows, self.in_features).t()).t().contiguous()
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features)
