@@ -31,8 +31,8 @@ def add_parser(sub):
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode / verify steps (graphs cached on disk under "
-                        "$SPECQUANT_CACHE/compile). Off by default: on CPU it pays only past a few hundred new "
-                        "tokens with a warm cache, thousands with a cold one (docs/SHAPES.md)")
+                        "$SPECQUANT_CACHE/compile). Off by default: on CPU it pays only past ~2000 new tokens per "
+                        "process with a warm cache, more with a cold one (docs/SHAPES.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
