@@ -22,7 +22,7 @@ specquant.quant.head).
 
 With --llama-cpp DIR, llama-bench (DIR/build/bin/llama-bench or DIR/bin/llama-bench) is run on the GGUF files
 DIR/shapes/<shape>-<f32|q4_0>.gguf for tg (decode) and pp2..pp16 (verify-sized prompt batches); the column says
-"not built" when the binary is absent and "no gguf" when a file is.
+"not built" when the binary is absent and "no gguf" when a file is (benchmarks/shapes_gguf.py DIR makes them).
 
 Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b] [--modes fp32,bf16,w4]
        [--rows 1,2,4,8,16] [--context 128] [--reps 5] [--threads N] [--lm-head dense] [--llama-cpp DIR]
