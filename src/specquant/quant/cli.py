@@ -24,6 +24,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                           "pack-quantized checkpoint that vLLM and transformers load.")
     p.add_argument("--model", required=True, help="checkpoint directory or bundled name (tiny-target, tiny-draft)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even when it is a non-empty directory specquant did not create (its files "
+                        "are deleted)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="dtype of scales and dense weights in the output (default: the checkpoint's torch_dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -56,12 +59,14 @@ def run(args) -> int:
     from specquant.model.checkpoint import load_dense, load_tokenizer, read_hf_config, resolve
     from specquant.quant.checkpoint import save_quantized
     from specquant.quant.pipeline import quantize, tensor_bytes
+    from specquant.util.files import check_out_dir
 
     cfg = quant_config(args).validate()
     src = resolve(args.model)
     out = Path(args.out).expanduser()
-    if out.resolve() == src.resolve():
-        raise SpecquantError(f"--out {str(out)!r} is the input checkpoint; choose a new directory")
+    if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
+        raise SpecquantError(f"--out {str(out)!r} is (or holds) the input checkpoint; choose a new directory")
+    check_out_dir(out, args.overwrite)  # before the minutes of quantizing, not after
     hf = read_hf_config(src)
     if hf.get("quantization_config"):
         raise SpecquantError(f"{src} is already quantized; quantize the unquantized checkpoint")
@@ -76,7 +81,7 @@ def run(args) -> int:
     report = quantize(model, cfg, tokenizer, scale_dtype=dtype, progress=not args.json)
     model.to(dtype)
     report["bytes_before"], report["bytes_after"] = bytes_before, tensor_bytes(model)
-    save_quantized(model, out, tokenizer_from=src, cfg=cfg)
+    save_quantized(model, out, tokenizer_from=src, cfg=cfg, overwrite=args.overwrite)
     report["out"] = str(out)
     report["dtype"] = dtype_name
     print(json.dumps(report) if args.json else _table(report))
