@@ -125,7 +125,7 @@ def load_dense_into(model: Transformer, tensors: dict[str, torch.Tensor]):
         if not p.is_floating_point() and t.dtype != p.dtype:
             raise SpecquantError(f"tensor {name!r} has dtype {t.dtype}; this layer needs {p.dtype}")
         with torch.no_grad():
-            p.data.copy_(t.to(p.dtype))
+            p.data.copy_(t)  # converts the dtype in the same pass (no temporary copy of a bf16 checkpoint)
     unexpected = set(tensors) - set(expected) - {"lm_head.weight"}
     unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
     if unexpected:

@@ -47,6 +47,9 @@ def _table(report: dict) -> str:
         rel = r.get("output_rel_mse")
         lines.append(f"{r['name']:<36} {shape:>11} {r['weight_sqnr_db']:>10.2f} "
                      f"{'-' if out is None else f'{out:.2f}':>12} {'-' if rel is None else f'{rel:.2e}':>12}")
+    if report["method"] == "rtn" and all(r.get("output_sqnr_db") is None for r in report["layers"]):
+        lines.append("output errors not measured (RTN reads no text): --report-samples 1 runs one calibration "
+                     "sequence for them")
     b0, b1 = report["bytes_before"], report["bytes_after"]
     lines.append(f"bytes: {b0:,} -> {b1:,} ({b1 / b0:.1%}); {report['quantized_linears']} Linears, "
                  f"{report['method']}, {report['seconds']} s")
@@ -76,7 +79,9 @@ def run(args) -> int:
     dtype = DTYPES[dtype_name]
     # Calibrate in float32 (bf16 GEMMs are slow on many CPUs) but round scales to the output dtype first.
     model = load_dense(src, dtype=torch.float32)
-    tokenizer = load_tokenizer(src) if cfg.method_name != "rtn" or (src / "tokenizer.json").exists() else None
+    calibrates = cfg.method_name != "rtn" or cfg.report_samples > 0
+    # RTN without an error report reads no text: skip the tokenizer (and the seconds of importing transformers)
+    tokenizer = load_tokenizer(src) if calibrates else None
     bytes_before = tensor_bytes(model) * dtype.itemsize // 4  # every tensor of the fp32 copy, at the output dtype
     report = quantize(model, cfg, tokenizer, scale_dtype=dtype, progress=not args.json)
     model.to(dtype)
