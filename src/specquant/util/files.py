@@ -102,7 +102,9 @@ def check_out_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "
     if out.is_dir() and not overwrite and not (out / MARKER).exists() and any(out.iterdir()):
         raise SpecquantError(f"{flag} {str(out)!r} is a non-empty directory specquant did not create; pass a new or "
                              "empty directory, or --overwrite to replace it")
-    check_writable(out, flag)
+    check_writable(out.parent, flag, shown=out)  # where a replacement is built (atomic_dir) or out is created
+    if out.is_dir():
+        check_writable(out, flag)  # where claim_out_dir's commands write
     return out
 
 
