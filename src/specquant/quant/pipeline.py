@@ -152,9 +152,10 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
             for name, res in results.items():
                 _swap(layer, name, res, local[name], cfg.bits)
 
-        if capture is None:
+        if capture is None:  # no stream to push through the layer: swap now
             swap()
-        return swap
+            return None
+        return swap  # run_sequential calls it once the stream has gone through the stand-ins
 
     bar = None
     if progress:

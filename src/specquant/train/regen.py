@@ -6,7 +6,8 @@ step for all rows, so rows of equal length need no padding or mask) and each gro
 different lengths batch less well.
 Resumable: lines are appended one batch at a time and flushed; a rerun skips prompt ids already in --out (a torn
 last line from a killed run is dropped first). Batch i always holds the same prompts and samples with seed + i, so
-a resumed file equals an uninterrupted one.
+a resumed file equals an uninterrupted one. An existing --out that is not regen output (a user's file) is never
+touched, torn-line repair included, unless --overwrite, which starts the file over.
 Each line: {"id", "prompt", "prompt_ids", "completion", "completion_ids", "sampling", "model", "model_sha256"}.
 
 Bundled prompts come from the package's calibration text (training split of the corpus, src/specquant/data/
