@@ -147,8 +147,9 @@ def main():
               f"{'':12} {fmt('kl', '9.2e')} {fmt('ppl', '8.3f')} {fmt('top1_agree', '7.2%')} "
               f"{fmt('tiny_quantize_s', '6.1f')}")
     if not args.skip_quality:
-        print(f"tiny-target fp32 ppl {next(iter(rows.values()))['ppl_ref']:.3f}; load average {result['load_avg_start']:.1f} "
-              f"-> {result['load_avg_end']:.1f}")
+        ppl_ref = next(iter(rows.values()))["ppl_ref"]
+        print(f"tiny-target fp32 ppl {ppl_ref:.3f}; load average {result['load_avg_start']:.1f} -> "
+              f"{result['load_avg_end']:.1f}")
     print(json.dumps(result))
 
 

@@ -39,7 +39,8 @@ COMMANDS = {
                          "specquant.export.llama_cpp:source_from_checkpoint"),
     "gate": (["gate", "--model", "tiny-target", "--baseline", "tiny-target", "--tasks", "kl"],
              "specquant.gate.run:kl_gate"),
-    "bench": (["bench", "--target", "tiny-target", "--draft", "tiny-draft"], "specquant.bench.prepare:prepare_quantized"),
+    "bench": (["bench", "--target", "tiny-target", "--draft", "tiny-draft"],
+              "specquant.bench.prepare:prepare_quantized"),
     "demo": (["demo", "--quick"], "specquant.bench.prepare:prepare_quantized"),
 }
 
