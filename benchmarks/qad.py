@@ -29,6 +29,7 @@ from specquant.quant.quality import compare, heldout_tokens, logprobs
 from specquant.train.config import QADConfig, TrainConfig
 from specquant.train.qad import BUNDLED_HELDOUT, run_qad
 from specquant.train.trainer import checkpoints
+from specquant.util.flags import finite_float
 
 METHODS = ("rtn", "awq", "gptq")
 
@@ -82,7 +83,7 @@ def main() -> int:
     p.add_argument("--eval-samples", type=int, default=64)
     p.add_argument("--eval-seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--lr", type=finite_float(TrainConfig.lr), default=TrainConfig.lr)
     p.add_argument("--batch", type=int, default=TrainConfig.batch)
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)

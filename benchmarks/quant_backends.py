@@ -32,6 +32,7 @@ import torch
 from specquant.quant.config import QuantConfig
 from specquant.quant.grid import quantize_weight
 from specquant.quant.linear import BACKENDS, LARGE_ROWS, QuantLinear
+from specquant.util.flags import finite_float
 
 SHAPES = [(384, 384), (384, 128), (384, 1024), (1024, 384), (384, 8192), (4096, 4096)]  # (in, out)
 ROWS = [1, 2, 4, 9, 16]
@@ -54,7 +55,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--copies-mb", type=float, default=96.0, help="weight bytes walked per pass (past the LLC)")
+    ap.add_argument("--copies-mb", type=finite_float(96.0), default=96.0,
+                    help="weight bytes walked per pass (past the LLC)")
     ap.add_argument("--shapes", default=None, help="comma list like 384x1024,4096x4096 (in x out)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma list of row counts")
     args = ap.parse_args()

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_backends import time_streamed  # noqa: E402  (one streamed-weights timer for both kernel benchmarks)
 
 from specquant.model.decoder import Linear  # noqa: E402
+from specquant.util.flags import finite_float  # noqa: E402
 
 SHAPES = [(384, 384), (384, 128), (384, 1024), (1024, 384), (384, 8192)]  # (in, out)
 ROWS = [1, 2, 4, 5, 9, 16]
@@ -30,7 +31,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--copies-mb", type=float, default=96.0)
+    ap.add_argument("--copies-mb", type=finite_float(96.0), default=96.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

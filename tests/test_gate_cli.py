@@ -68,8 +68,10 @@ def test_thresholds_file_overrides_and_validation(tmp_path):
     rules = load_thresholds(str(f), GateConfig().default_thresholds)
     assert rules["ifeval"] == {"min": 0.8} and rules["mmlu_pro"] == {"ratio": 0.9}
     for bad, msg in [({"hellaswag": {"min": 1}}, "unknown gate 'hellaswag'"), ({"ifeval": {"max": 1}}, "takes a"),
-                     ({"kl": {"min": 1}}, "takes a"), ({"ifeval": {"min": "high"}}, "must be a number")]:
-        f.write_text(json.dumps(bad))
+                     ({"kl": {"min": 1}}, "takes a"), ({"ifeval": {"min": "high"}}, "must be a finite number"),
+                     ({"ifeval": {"min": float("nan")}}, "got nan"), ({"kl": {"max_kl": float("inf")}}, "got inf"),
+                     ({"ifeval": {"ratio": True}}, "got True")]:
+        f.write_text(json.dumps(bad))  # json.dumps writes NaN / Infinity, which json.loads reads back
         with pytest.raises(SpecquantError, match=msg):
             load_thresholds(str(f), GateConfig().default_thresholds)
     f.write_text("{not json")

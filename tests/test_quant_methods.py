@@ -116,3 +116,48 @@ def test_group_size_error_names_layer_and_changes_nothing():
 def test_calibrating_methods_need_tokens():
     with pytest.raises(SpecquantError, match="needs a tokenizer"):
         quantize(gaussian_model(), QuantConfig(method="gptq", group_size=32))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "rtn"])
+def test_calibration_stream_through_stand_ins_equals_quantlinear_reference(method, monkeypatch):
+    """The calibration stream goes through plain Linears holding the dequantized weight (pipeline._stand_in,
+    dequantized once per layer) instead of QuantLinear (which dequantizes on every batch): the quantized model and
+    the report must be bit-identical to streaming through QuantLinear's reference backend, the plain path. Few
+    rows per batch on purpose: there auto would pick an int4 kernel, whose bf16 activations differ."""
+    import specquant.quant.pipeline as pipeline
+
+    fp = outlier_model(kv_heads=2)
+    calib = sample_text(fp, 4, 16, seed=3)
+    cfg = QuantConfig(method=method, group_size=64, symmetric=method != "gptq", report_samples=2)
+    fast = copy.deepcopy(fp)
+    fast_report = quantize(fast, cfg, calib_tokens=calib, scale_dtype=torch.bfloat16)
+
+    def reference_stand_in(linear, res, deq):  # what the stream went through before: QuantLinear, reference backend
+        ql = QuantLinear.from_codes(res.codes, res.scale, res.zero, cfg.bits, linear.bias)
+        ql.backend = "reference"
+        return ql
+
+    monkeypatch.setattr(pipeline, "_stand_in", reference_stand_in)
+    slow = copy.deepcopy(fp)
+    slow_report = quantize(slow, cfg, calib_tokens=calib, scale_dtype=torch.bfloat16)
+    assert fast_report["layers"] == slow_report["layers"]
+    fast_sd, slow_sd = fast.state_dict(), slow.state_dict()
+    assert fast_sd.keys() == slow_sd.keys()
+    for key in fast_sd:
+        assert torch.equal(fast_sd[key], slow_sd[key]), key
+
+
+def test_rtn_report_changes_nothing_but_the_report():
+    """RTN's output-error report (report_samples > 0) runs calibration forwards only to measure: the quantized
+    tensors are bit-identical without it (the default, which reads no text)."""
+    fp = gaussian_model()
+    calib = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    plain, measured = copy.deepcopy(fp), copy.deepcopy(fp)
+    quiet = quantize(plain, QuantConfig(method="rtn", group_size=64), scale_dtype=torch.bfloat16)
+    loud = quantize(measured, QuantConfig(method="rtn", group_size=64, report_samples=2), calib_tokens=calib,
+                    scale_dtype=torch.bfloat16)
+    assert all("output_sqnr_db" not in r for r in quiet["layers"])
+    assert all(r["output_sqnr_db"] > 10 for r in loud["layers"])
+    assert [r["weight_sqnr_db"] for r in quiet["layers"]] == [r["weight_sqnr_db"] for r in loud["layers"]]
+    for (key, a), b in zip(plain.state_dict().items(), measured.state_dict().values()):
+        assert torch.equal(a, b), key

@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from specquant.errors import SpecquantError
+from specquant.util.flags import Parser
 
 # verb -> module with add_parser()/run(); a module that does not exist yet is simply not offered
 VERBS = {
@@ -23,7 +24,7 @@ VERBS = {
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(prog="specquant", description=__doc__)
+    parser = Parser(prog="specquant", description=__doc__)
     sub = parser.add_subparsers(dest="verb", required=True)
     modules = {}
     for verb, mod_name in VERBS.items():

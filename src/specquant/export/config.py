@@ -54,11 +54,9 @@ def check_out(out, overwrite: bool):
     util.files: --overwrite never lets an export replace a directory specquant did not write)."""
     from pathlib import Path
 
-    from specquant.util.files import MARKER
+    from specquant.util.files import MARKER, check_out_dir
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise SpecquantError(f"--out {str(out)!r} is a file; pass a directory")
+    out = check_out_dir(out, overwrite=True)  # not a file, writable; the rule on existing contents follows
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise SpecquantError(f"--out {str(out)!r} already exists; pass --overwrite to replace an earlier export "

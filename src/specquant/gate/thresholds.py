@@ -4,6 +4,7 @@ bounds. Exit codes: 0 every gate passed, 1 a gate failed, 2 bad input (specquant
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +39,9 @@ def load_thresholds(path: str | None, defaults: dict) -> dict:
             raise SpecquantError(f"thresholds file {path!r}: gate {gate!r} takes a non-empty object with keys from "
                                  f"{', '.join(sorted(allowed))}; got {rule!r}")
         for k, v in rule.items():
-            if k != "metric" and not isinstance(v, (int, float)):
-                raise SpecquantError(f"thresholds file {path!r}: {gate}.{k} must be a number, got {v!r}")
+            # json reads NaN and Infinity, which would make every comparison with them False
+            if k != "metric" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise SpecquantError(f"thresholds file {path!r}: {gate}.{k} must be a finite number, got {v!r}")
         rules[gate] = dict(rule)
     return rules
 

@@ -125,7 +125,7 @@ def load_dense_into(model: Transformer, tensors: dict[str, torch.Tensor]):
         if not p.is_floating_point() and t.dtype != p.dtype:
             raise SpecquantError(f"tensor {name!r} has dtype {t.dtype}; this layer needs {p.dtype}")
         with torch.no_grad():
-            p.data.copy_(t.to(p.dtype))
+            p.data.copy_(t)  # converts the dtype in the same pass (no temporary copy of a bf16 checkpoint)
     unexpected = set(tensors) - set(expected) - {"lm_head.weight"}
     unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
     if unexpected:
@@ -148,9 +148,10 @@ def copy_tokenizer(src: Path, dst: Path):
 
 
 def save_model(model: Transformer, out, tokenizer_from=None, extra_config: dict | None = None,
-               tensors: dict[str, torch.Tensor] | None = None):
+               tensors: dict[str, torch.Tensor] | None = None, overwrite: bool = False):
     """Write an HF-layout checkpoint atomically: config.json (with the model's `quantization` as its
-    quantization_config, if any), model.safetensors, and the tokenizer files of `tokenizer_from`."""
+    quantization_config, if any), model.safetensors, and the tokenizer files of `tokenizer_from`. A non-empty `out`
+    specquant did not create is replaced only with overwrite=True (util.files.atomic_dir)."""
     from specquant.model.fuse import check_unfused
 
     check_unfused(model, "save")
@@ -162,7 +163,7 @@ def save_model(model: Transformer, out, tokenizer_from=None, extra_config: dict 
     if extra_config:
         hf.update(extra_config)
     tensors = tensors if tensors is not None else state_dict_for_save(model)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, overwrite) as tmp:
         save_file({k: v.cpu() for k, v in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         if tokenizer_from is not None:

@@ -98,7 +98,9 @@ def run_sequential(model, tokens: torch.Tensor, per_layer: Callable, batch_size:
     propagate.
 
     `capture(linears)` runs the layer on the current residual stream with LinearInputs hooks and returns the
-    captured inputs; per_layer may replace the layer's Linears before the stream is pushed through it.
+    captured inputs; per_layer may replace the layer's Linears before the stream is pushed through it, and may
+    return a function, called once the stream has gone through the layer (to swap in modules that are slower to
+    run than the float stand-ins the stream went through).
     """
     model.clear_cache()
     emb = model.model.embed_tokens
@@ -114,8 +116,10 @@ def run_sequential(model, tokens: torch.Tensor, per_layer: Callable, batch_size:
                     layer(h, cos, sin, 0)
             return rec.result()
 
-        per_layer(i, layer, capture, (cos, sin))
+        after = per_layer(i, layer, capture, (cos, sin))
         hidden = [layer(h, cos, sin, 0) for h in hidden]
+        if after is not None:
+            after()
         if progress is not None:
             progress.update(1)
     return hidden

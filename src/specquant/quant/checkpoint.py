@@ -78,7 +78,8 @@ def quantization_config(model: nn.Module, cfg: QuantConfig | None = None) -> dic
     return qc
 
 
-def save_quantized(model: nn.Module, out, tokenizer_from=None, cfg: QuantConfig | None = None) -> Path:
+def save_quantized(model: nn.Module, out, tokenizer_from=None, cfg: QuantConfig | None = None,
+                   overwrite: bool = False) -> Path:
     """Write a compressed-tensors checkpoint atomically (a failure leaves no `out`).
 
     Its quantization_config is built from `cfg` when given, else it is the model's own (`model.quantization`,
@@ -86,7 +87,8 @@ def save_quantized(model: nn.Module, out, tokenizer_from=None, cfg: QuantConfig 
     qc = quantization_config(model, cfg)  # also checks that there is something quantized to save
     if cfg is None and model.quantization:
         qc = model.quantization
-    return save_model(model, out, tokenizer_from=tokenizer_from, extra_config={"quantization_config": qc})
+    return save_model(model, out, tokenizer_from=tokenizer_from, extra_config={"quantization_config": qc},
+                      overwrite=overwrite)
 
 
 # --- loading --------------------------------------------------------------------------------------------------

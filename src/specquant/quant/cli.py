@@ -24,6 +24,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                           "pack-quantized checkpoint that vLLM and transformers load.")
     p.add_argument("--model", required=True, help="checkpoint directory or bundled name (tiny-target, tiny-draft)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even when it is a non-empty directory specquant did not create (its files "
+                        "are deleted)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="dtype of scales and dense weights in the output (default: the checkpoint's torch_dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -44,6 +47,9 @@ def _table(report: dict) -> str:
         rel = r.get("output_rel_mse")
         lines.append(f"{r['name']:<36} {shape:>11} {r['weight_sqnr_db']:>10.2f} "
                      f"{'-' if out is None else f'{out:.2f}':>12} {'-' if rel is None else f'{rel:.2e}':>12}")
+    if report["method"] == "rtn" and all(r.get("output_sqnr_db") is None for r in report["layers"]):
+        lines.append("output errors not measured (RTN reads no text): --report-samples 1 runs one calibration "
+                     "sequence for them")
     b0, b1 = report["bytes_before"], report["bytes_after"]
     lines.append(f"bytes: {b0:,} -> {b1:,} ({b1 / b0:.1%}); {report['quantized_linears']} Linears, "
                  f"{report['method']}, {report['seconds']} s")
@@ -56,12 +62,14 @@ def run(args) -> int:
     from specquant.model.checkpoint import load_dense, load_tokenizer, read_hf_config, resolve
     from specquant.quant.checkpoint import save_quantized
     from specquant.quant.pipeline import quantize, tensor_bytes
+    from specquant.util.files import check_out_dir
 
     cfg = quant_config(args).validate()
     src = resolve(args.model)
     out = Path(args.out).expanduser()
-    if out.resolve() == src.resolve():
-        raise SpecquantError(f"--out {str(out)!r} is the input checkpoint; choose a new directory")
+    if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
+        raise SpecquantError(f"--out {str(out)!r} is (or holds) the input checkpoint; choose a new directory")
+    check_out_dir(out, args.overwrite)  # before the minutes of quantizing, not after
     hf = read_hf_config(src)
     if hf.get("quantization_config"):
         raise SpecquantError(f"{src} is already quantized; quantize the unquantized checkpoint")
@@ -71,12 +79,14 @@ def run(args) -> int:
     dtype = DTYPES[dtype_name]
     # Calibrate in float32 (bf16 GEMMs are slow on many CPUs) but round scales to the output dtype first.
     model = load_dense(src, dtype=torch.float32)
-    tokenizer = load_tokenizer(src) if cfg.method_name != "rtn" or (src / "tokenizer.json").exists() else None
+    calibrates = cfg.method_name != "rtn" or cfg.report_samples > 0
+    # RTN without an error report reads no text: skip the tokenizer (and the seconds of importing transformers)
+    tokenizer = load_tokenizer(src) if calibrates else None
     bytes_before = tensor_bytes(model) * dtype.itemsize // 4  # every tensor of the fp32 copy, at the output dtype
     report = quantize(model, cfg, tokenizer, scale_dtype=dtype, progress=not args.json)
     model.to(dtype)
     report["bytes_before"], report["bytes_after"] = bytes_before, tensor_bytes(model)
-    save_quantized(model, out, tokenizer_from=src, cfg=cfg)
+    save_quantized(model, out, tokenizer_from=src, cfg=cfg, overwrite=args.overwrite)
     report["out"] = str(out)
     report["dtype"] = dtype_name
     print(json.dumps(report) if args.json else _table(report))

@@ -109,8 +109,9 @@ class QuantConfig:
     calib: str | None = field(default=None, metadata={"help": "calibration text file (default: bundled calib.txt)"})
     calib_samples: int = field(default=64, metadata={"help": "calibration sequences (AWQ/GPTQ; their calibration "
                                                               "forwards grow linearly with it)"})
-    report_samples: int = field(default=1, metadata={"help": "RTN: calibration sequences run only to report "
-                                                              "per-layer output errors (0: weight SQNR only)"})
+    report_samples: int = field(default=0, metadata={"help": "RTN: calibration sequences run only to report "
+                                                              "per-layer output errors (0: weight SQNR only; each "
+                                                              "one costs about 4 forwards of --seq-len tokens)"})
     seq_len: int = field(default=256, metadata={"help": "tokens per calibration sequence"})
     seed: int = field(default=0, metadata={"help": "seed for token subsampling"})
 

@@ -57,14 +57,30 @@ def tensor_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in unique.values())
 
 
-def _swap(root: nn.Module, name: str, res: QuantizedWeight, linear: nn.Linear, bits: int):
+def _set(root: nn.Module, name: str, module: nn.Module):
     parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, QuantLinear.from_codes(res.codes, res.scale, res.zero, bits, linear.bias))
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
 
 
-def _error_row(name: str, res: QuantizedWeight, x: torch.Tensor | None, seed: int) -> dict:
-    deq = dequantize(res.codes, res.scale.float(), res.zero)
+def _swap(root: nn.Module, name: str, res: QuantizedWeight, linear: nn.Linear, bits: int):
+    _set(root, name, QuantLinear.from_codes(res.codes, res.scale, res.zero, bits, linear.bias))
+
+
+def _stand_in(linear: nn.Linear, res: QuantizedWeight, deq: torch.Tensor) -> nn.Module:
+    """What the calibration stream goes through until QuantLinear replaces linear: a plain Linear holding res's
+    weight dequantized once (deq, float32, rounded here to the scale dtype as QuantLinear does) and linear's bias.
+    QuantLinear's reference path computes the same product but dequantizes on every batch (tested equal)."""
+    with torch.device("meta"):
+        stand_in = nn.Linear(linear.in_features, linear.out_features, bias=False)
+    weight = deq.to(res.scale.dtype).to(linear.weight.dtype)
+    stand_in.weight = nn.Parameter(weight, requires_grad=False)
+    stand_in.bias = linear.bias
+    return stand_in
+
+
+def _error_row(name: str, res: QuantizedWeight, deq: torch.Tensor, x: torch.Tensor | None, seed: int) -> dict:
+    """Weight SQNR, and with captured inputs x the output SQNR / relative MSE on REPORT_TOKENS of them; deq: the
+    dequantized weight in float32."""
     row = {"name": name, "shape": list(res.codes.shape), "weight_sqnr_db": round(sqnr_db(res.reference, deq), 2)}
     if x is not None:
         xs = subsample(x, REPORT_TOKENS, seed)
@@ -126,8 +142,20 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
                                         stats=stats.setdefault(prefix[:-1], {}), rope=rope,
                                         seq_len=None if calib_tokens is None else calib_tokens.shape[1])
         for name, res in results.items():
-            rows.append(_error_row(prefix + name, res, inputs.get(name), cfg.seed))
-            _swap(layer, name, res, local[name], cfg.bits)
+            # float32 and exact; rounded to scale_dtype it is bit-identical to QuantLinear.dequantized_weight()
+            deq = dequantize(res.codes, res.scale.float(), res.zero)
+            rows.append(_error_row(prefix + name, res, deq, inputs.get(name), cfg.seed))
+            if capture is not None:
+                _set(layer, name, _stand_in(local[name], res, deq))
+
+        def swap():
+            for name, res in results.items():
+                _swap(layer, name, res, local[name], cfg.bits)
+
+        if capture is None:  # no stream to push through the layer: swap now
+            swap()
+            return None
+        return swap  # run_sequential calls it once the stream has gone through the stand-ins
 
     bar = None
     if progress:
@@ -146,7 +174,7 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     for name, lin in targets.items():
         if not name.startswith("model.layers."):
             res = rtn.quantize_linear(name, lin, cfg, scale_dtype)
-            rows.append(_error_row(name, res, None, cfg.seed))
+            rows.append(_error_row(name, res, dequantize(res.codes, res.scale.float(), res.zero), None, cfg.seed))
             _swap(model, name, res, lin, cfg.bits)
     if cfg.lm_head != "dense":
         from specquant.quant.head import set_lm_head

@@ -42,9 +42,9 @@ def train_config_from_args(args) -> TrainConfig:
 def prepare_out(out: Path, resume: bool, overwrite: bool) -> bool:
     """Check --out before any work; returns True when a run there should resume. Changes nothing on disk."""
     from specquant.train.trainer import checkpoints
+    from specquant.util.files import check_out_dir
 
-    if out.exists() and not out.is_dir():
-        raise SpecquantError(f"--out {str(out)!r} is a file; pass a directory")
+    check_out_dir(out, overwrite=True)  # not a file, writable; distill's stricter rule on existing contents follows
     if not out.exists() or not any(out.iterdir()):
         return False
     if resume and checkpoints(out):
@@ -54,6 +54,19 @@ def prepare_out(out: Path, resume: bool, overwrite: bool) -> bool:
     what = "holds no checkpoint to resume" if resume else "is not empty"
     raise SpecquantError(f"--out {str(out)!r} {what}; pass --overwrite to start over there, "
                          f"{'' if resume else '--resume to continue its run, '}or choose a new directory")
+
+
+def check_stages_parent(out: Path, stages: list[str], overwrite: bool):
+    """A two-stage run writes only out/<stage>/: refuse an `out` that holds anything else and that specquant did
+    not create (a user's folder), unless overwrite; nothing there is removed either way."""
+    from specquant.util.files import MARKER, check_out_dir
+
+    check_out_dir(out, overwrite=True)  # not a file, writable
+    if out.is_dir() and not overwrite and not (out / MARKER).exists():
+        other = sorted(p.name for p in out.iterdir() if p.name not in stages)
+        if other:
+            raise SpecquantError(f"--out {str(out)!r} holds {other[0]!r}, which is not this run's; choose a new "
+                                 "directory, or pass --overwrite to write stage1/ and stage2/ there anyway")
 
 
 def clear_our_outputs(out: Path):

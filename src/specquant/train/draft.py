@@ -146,7 +146,8 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
     from specquant.util.dtypes import DTYPES
     from specquant.quant.config import BUNDLED_CALIB
     from specquant.quant.quality import heldout_tokens
-    from specquant.train.cli import clear_our_outputs, prepare_out
+    from specquant.train.cli import check_stages_parent, clear_our_outputs, prepare_out
+    from specquant.util.files import claim_out_dir
     from specquant.train.data import BlockOrder, load_blocks
     from specquant.train.qad import BUNDLED_HELDOUT
     from specquant.train.trainer import Trainer, setup_distributed
@@ -157,6 +158,8 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
     out = Path(out).expanduser()
     stages = [("stage1", stage1_target), ("stage2", target)] if stage1_target else [("", target)]
     dirs = {name: (out / name if name else out) for name, _ in stages}
+    if stage1_target:
+        check_stages_parent(out, list(dirs), overwrite)
     resuming = {name: prepare_out(d, resume, overwrite) for name, d in dirs.items()}
     heldout = Path(cfg.heldout).expanduser() if cfg.heldout else BUNDLED_HELDOUT
     data_path = Path(data).expanduser() if data else BUNDLED_CALIB
@@ -189,6 +192,8 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
             draft = load_model(init, dtype=DTYPES[dtype], device=str(dev)).train()
             task = LMDraftTask(draft, target_model, eval_tokens, cfg.kl_chunk, target_dirs[name], meta)
         d = dirs[name]
+        if stage1_target and rank == 0:
+            claim_out_dir(out, overwrite=True)  # marked as ours: a rerun there needs no --overwrite for its parent
         if overwrite and not resuming[name] and rank == 0 and d.exists():
             clear_our_outputs(d)
         trainer = Trainer(task, BlockOrder(blocks, train.seed), train, d, device=dev, progress=progress,

@@ -6,7 +6,8 @@ step for all rows, so rows of equal length need no padding or mask) and each gro
 different lengths batch less well.
 Resumable: lines are appended one batch at a time and flushed; a rerun skips prompt ids already in --out (a torn
 last line from a killed run is dropped first). Batch i always holds the same prompts and samples with seed + i, so
-a resumed file equals an uninterrupted one.
+a resumed file equals an uninterrupted one. An existing --out that is not regen output (a user's file) is never
+touched, torn-line repair included, unless --overwrite, which starts the file over.
 Each line: {"id", "prompt", "prompt_ids", "completion", "completion_ids", "sampling", "model", "model_sha256"}.
 
 Bundled prompts come from the package's calibration text (training split of the corpus, src/specquant/data/
@@ -80,32 +81,57 @@ def make_batches(prompts: list[dict], batch: int) -> list[list[dict]]:
             for i in range(0, len(group), batch)]
 
 
+LINE_START = b'{"id": '  # json.dumps of a regen row begins so: how a torn last line is recognised as ours
+
+
+def _rows(raw: bytes) -> tuple[list[dict] | None, bytes]:
+    """(the complete lines' rows, the torn tail) when `raw` is regen output, else (None, b"")."""
+    cut = raw.rfind(b"\n") + 1
+    keep, tail = raw[:cut], raw[cut:]
+    if tail and not (tail.startswith(LINE_START) or LINE_START.startswith(tail)):
+        return None, b""
+    rows = []
+    for line in keep.decode("utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not {"id", "sampling", "model_sha256"} <= set(row):
+                return None, b""
+        except json.JSONDecodeError:
+            return None, b""
+        rows.append(row)
+    return rows, tail
+
+
+def is_regen_file(path: Path) -> bool:
+    """True when `path` holds only regen lines (and at most a torn last one): a file this command may resume."""
+    return _rows(path.read_bytes())[0] is not None
+
+
 def read_done(out: Path, sampling: dict, sha: str) -> set[str]:
-    """Prompt ids already in `out`; drops a torn last line; refuses a file from another model or settings."""
+    """Prompt ids already in `out`; drops a torn last line; refuses a file from another model or settings, and
+    changes nothing in a file that is not regen output (the caller checked that with is_regen_file)."""
     if not out.exists():
         return set()
     raw = out.read_bytes()
-    keep = raw[: raw.rfind(b"\n") + 1]  # a killed run may leave a partial last line: it is regenerated
-    if len(keep) != len(raw):
-        with out.open("r+b") as f:
-            f.truncate(len(keep))
-    done = set()
-    for n, line in enumerate(keep.decode("utf-8").splitlines(), 1):
-        try:
-            row = json.loads(line)
-            pid, row_sampling, row_sha = row["id"], row["sampling"], row["model_sha256"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SpecquantError(f"{out}:{n} is not a regen line ({e}); write to a new --out") from None
-        if row_sha != sha or row_sampling != sampling:
+    rows, tail = _rows(raw)
+    if rows is None:
+        raise SpecquantError(f"--out {str(out)!r} is not `specquant regen` output; pass a new path, or --overwrite to "
+                             "replace it")
+    for n, row in enumerate(rows, 1):
+        if row["model_sha256"] != sha or row["sampling"] != sampling:
             raise SpecquantError(f"{out} holds lines from another model or other sampling settings (line {n}); "
-                                 "write to a new --out, or rerun with the same model and flags to resume")
-        done.add(pid)
-    return done
+                                 "write to a new --out, rerun with the same model and flags to resume, or pass "
+                                 "--overwrite to start over")
+    if tail:  # a killed run's partial last line: it is regenerated
+        with out.open("r+b") as f:
+            f.truncate(len(raw) - len(tail))
+    return {row["id"] for row in rows}
 
 
 def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None = None, device: str = "cpu",
-          progress: bool = True) -> dict:
-    """Write continuations for every prompt not yet in `out`; returns counts and tokens/s."""
+          progress: bool = True, overwrite: bool = False) -> dict:
+    """Write continuations for every prompt not yet in `out` (every prompt, replacing `out`, with overwrite);
+    returns counts and tokens/s."""
     import time
 
     from specquant.decode.generate import generate
@@ -113,8 +139,10 @@ def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None
     from specquant.loader import load_model
     from specquant.model.checkpoint import load_tokenizer, resolve
     from specquant.train.qad import fingerprint
+    from specquant.util.files import check_out_file
 
     cfg.validate()
+    out = check_out_file(out, overwrite, ours=is_regen_file, what="`specquant regen` .jsonl")
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed).validate()
     path = resolve(model_dir)
     tokenizer = load_tokenizer(path)
@@ -122,13 +150,10 @@ def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None
         file_prompts(Path(prompts).expanduser(), tokenizer)
     if cfg.limit:
         items = items[: cfg.limit]
-    out = Path(out).expanduser()
-    if out.is_dir():
-        raise SpecquantError(f"--out {str(out)!r} is a directory; pass a .jsonl file path")
     sha = fingerprint(path)
     settings = {"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                 "max_new_tokens": cfg.max_new_tokens, "batch": cfg.batch, "draft": draft}
-    done = read_done(out, settings, sha)
+    done = set() if overwrite else read_done(out, settings, sha)
     model = load_model(path, device=device)
     vocab = model.config.vocab_size
     engine = None
@@ -144,6 +169,8 @@ def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None
                 raise SpecquantError(f"prompt {p['id']!r} ({len(p['prompt_ids'])} tokens) + --max-new-tokens "
                                      f"{cfg.max_new_tokens} exceeds the model's context; shorten either")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        out.unlink(missing_ok=True)  # every input is checked: start the file over
     bar = None
     if progress:
         from tqdm import tqdm
@@ -196,6 +223,8 @@ def add_parser(subparsers):
     p.add_argument("--prompts", default="bundled", help="prompts .jsonl ({id, prompt}) or .txt (one per line), or "
                                                         "`bundled` (from the calibration text; default)")
     p.add_argument("--out", required=True, help="output .jsonl (appended; ids already there are skipped)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start --out over: replace it even when it holds other lines or is not regen output")
     p.add_argument("--draft", default=None, help="draft checkpoint: speculative generation (one prompt at a time)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -206,7 +235,7 @@ def add_parser(subparsers):
 def run(args) -> int:
     cfg = config_from_args(RegenConfig, args)
     result = regen(args.model, args.prompts, args.out, cfg, draft=args.draft, device=args.device,
-                   progress=not args.json)
+                   progress=not args.json, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(result))
     else:

@@ -11,7 +11,34 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import typing
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with errors on one line (the project's bad-input rule) instead of the usage block; exit code 2.
+    Subparsers inherit it (add_subparsers uses the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def finite_float(default=None):
+    """argparse type for a float flag: refuses text that is not a number and NaN / infinity, which pass float()
+    and then silently poison every comparison a validate() makes (nan < 0 is False)."""
+    example = f"e.g. {default}" if default is not None and math.isfinite(default) else "e.g. 0.5"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass a finite number ({example})") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not finite; pass a finite number ({example})")
+        return value
+
+    parse.__name__ = "float"
+    return parse
 
 
 def _default(f: dataclasses.Field):
@@ -47,6 +74,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, prefix: str = "", def
         else:
             args = typing.get_args(hint)
             base = next((a for a in args if a is not type(None)), hint) if args else hint
+            if base is float:
+                base = finite_float(default)
             parser.add_argument(flag, dest=dest, type=base, default=default, choices=meta.get("choices"),
                                 help=f"{meta['help']} (default: {default})")
 

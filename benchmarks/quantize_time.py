@@ -1,0 +1,157 @@
+"""How long `specquant quantize` takes on a real model shape, and what calibration size buys on a trained model.
+
+Time: the CLI end to end, each run a fresh process (imports, load, calibration, quantization, save), on a
+random-init checkpoint of --shape (benchmarks/shapes.py's configs, e.g. Qwen3-0.6B; stored bf16 like the published
+weights, with the bundled tokenizer; built once into --ckpt-dir and reused). Per method and calibration size:
+wall seconds and the child's CPU seconds (user + sys). On a machine shared with other jobs wall exceeds CPU by the
+share the others took; run it as `taskset -c 0 nice python ...` with --threads 1 for the one-core figure.
+RTN reads no text by default; it is timed with --report-samples 0 and 1 (1: one calibration sequence run only for
+the per-layer output-error report).
+
+Quality: random weights say nothing about what calibration buys, so the same methods and calibration sizes are
+applied to tiny-target (trained, bundled) and compared with it on held-out text (quant/quality.py): KL(fp || W4)
+per position, perplexity, top-1 agreement, and the seconds quantize() took there.
+
+Usage: python benchmarks/quantize_time.py [--shape qwen3-0.6b] [--methods rtn,awq,gptq] [--calib-samples 8,32]
+       [--threads 1] [--ckpt-dir runs/quantize_time] [--skip-time] [--skip-quality] [--eval-samples 16]
+A table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/shapes.py: the shapes' configs
+from shapes import SHAPES  # noqa: E402
+
+from specquant.model.checkpoint import BUNDLED_DIR, load_dense, load_tokenizer, save_model  # noqa: E402
+from specquant.model.decoder import Transformer  # noqa: E402
+from specquant.quant import QuantConfig, quantize  # noqa: E402
+from specquant.quant.config import BUNDLED_CALIB  # noqa: E402
+from specquant.quant.quality import compare, heldout_tokens, logprobs  # noqa: E402
+
+
+def random_checkpoint(shape: str, root: Path) -> Path:
+    """root/<shape>-random: N(0, 0.02) matrices, unit norms, bf16, the bundled tokenizer; built once."""
+    path = root / f"{shape}-random"
+    if (path / "model.safetensors").exists():
+        return path
+    cfg = SHAPES[shape]()
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.split(".")[-2]:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    save_model(model.to(torch.bfloat16), path, tokenizer_from=BUNDLED_DIR / "tiny-target")
+    return path
+
+
+def time_cli(ckpt: Path, argv: list[str], threads: int) -> dict:
+    """One `specquant quantize` process: wall and CPU seconds, and the seconds its report gives quantize()."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with tempfile.TemporaryDirectory(dir=ckpt.parent) as tmp:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "specquant.cli", "quantize", "--model", str(ckpt),
+                               "--out", str(Path(tmp) / "q"), "--json", *argv], env=env, capture_output=True,
+                              text=True)
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"specquant quantize {' '.join(argv)} failed:\n{proc.stderr[-2000:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "quantize_s": report["seconds"]}
+
+
+def runs(methods: list[str], calib: list[int]) -> list[tuple[str, dict]]:
+    """(label, QuantConfig overrides as CLI flags) for every method and calibration size."""
+    out = []
+    for method in methods:
+        if method == "rtn":
+            out += [("rtn", {"method": "rtn", "report_samples": 0}), ("rtn +report", {"method": "rtn",
+                                                                                      "report_samples": 1})]
+        else:
+            out += [(f"{method} n={n}", {"method": method, "calib_samples": n}) for n in calib]
+    return out
+
+
+def flags(overrides: dict) -> list[str]:
+    return [x for k, v in overrides.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def quality(label: str, overrides: dict, fp, tok, heldout, reference) -> dict:
+    model = copy.deepcopy(fp)
+    t0 = time.perf_counter()
+    quantize(model, QuantConfig(**overrides), tok)
+    seconds = time.perf_counter() - t0
+    r = compare(reference, model, heldout)
+    return {"kl": r["kl"], "kl_sem": r["kl_sem"], "ppl": r["ppl"], "ppl_ref": r["ppl_ref"],
+            "top1_agree": r["top1_agree"], "tiny_quantize_s": round(seconds, 2)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=[s for s in SHAPES if s != "tiny-target"])
+    ap.add_argument("--methods", default="rtn,awq,gptq")
+    ap.add_argument("--calib-samples", default="8,32", help="calibration sizes for AWQ and GPTQ (comma-separated)")
+    ap.add_argument("--threads", type=int, default=1, help="threads of each quantize process (default: 1)")
+    ap.add_argument("--ckpt-dir", default="runs/quantize_time", help="where the random checkpoint is built once")
+    ap.add_argument("--eval-samples", type=int, default=16, help="held-out sequences of 256 tokens (quality)")
+    ap.add_argument("--skip-time", action="store_true")
+    ap.add_argument("--skip-quality", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    plan = runs(args.methods.split(","), [int(n) for n in args.calib_samples.split(",")])
+    result = {"shape": args.shape, "threads": args.threads, "load_avg_start": os.getloadavg()[0], "runs": {}}
+    rows = {label: {} for label, _ in plan}
+    if not args.skip_quality:
+        fp = load_dense("tiny-target")
+        tok = load_tokenizer("tiny-target")
+        heldout = heldout_tokens(tok, BUNDLED_CALIB.with_name("heldout.txt"), args.eval_samples, 256)
+        reference = logprobs(fp, heldout)
+        for label, overrides in plan:
+            rows[label].update(quality(label, overrides, fp, tok, heldout, reference))
+            print(f"quality {label}: {rows[label]}", file=sys.stderr, flush=True)
+    if not args.skip_time:
+        ckpt = random_checkpoint(args.shape, Path(args.ckpt_dir))
+        for label, overrides in plan:
+            rows[label].update(time_cli(ckpt, flags(overrides), args.threads))
+            print(f"time {label}: {rows[label]}", file=sys.stderr, flush=True)
+    result["load_avg_end"] = os.getloadavg()[0]
+    result["runs"] = rows
+    print(f"{'run':<14} {args.shape + ' wall s':>16} {'CPU s':>8} {'quantize() s':>13} | tiny-target: "
+          f"{'KL':>9} {'ppl':>8} {'top-1':>7} {'s':>6}")
+    for label, r in rows.items():
+        def fmt(key, spec):
+            return format(r[key], spec) if key in r else format("-", ">" + spec.split(".")[0])
+        print(f"{label:<14} {fmt('wall_s', '16.1f')} {fmt('cpu_s', '8.1f')} {fmt('quantize_s', '13.1f')} | "
+              f"{'':12} {fmt('kl', '9.2e')} {fmt('ppl', '8.3f')} {fmt('top1_agree', '7.2%')} "
+              f"{fmt('tiny_quantize_s', '6.1f')}")
+    if not args.skip_quality:
+        ppl_ref = next(iter(rows.values()))["ppl_ref"]
+        print(f"tiny-target fp32 ppl {ppl_ref:.3f}; load average {result['load_avg_start']:.1f} -> "
+              f"{result['load_avg_end']:.1f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
