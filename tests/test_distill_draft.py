@@ -29,10 +29,11 @@ def test_block_two_stages_then_resume_is_a_no_op(pair, tmp_path, capsys):
     teacher, student = pair
     out = tmp_path / "run"
     args = ["distill", "draft", "--kind", "block", "--target", str(student), "--stage1-target", str(teacher),
-            "--out", str(out), "--layers", "1", "--block-size", "4", "--json", *FAST]
+            "--out", str(out), "--layers", "1", "--block-size", "4", "--json", *FAST, "--stage2-steps", "2"]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [s["stage"] for s in result["stages"]] == ["stage1", "stage2"]
+    assert [s["steps"] for s in result["stages"]] == [3, 2]  # stage 2: its own, shorter schedule
     assert result["stages"][0]["target"].endswith("teacher") and result["stages"][1]["target"].endswith("student")
     for stage in ("stage1", "stage2"):
         assert drafter_kind(out / stage / "model") == "block"

@@ -43,6 +43,8 @@ class DraftConfig:
     block_init: str = field(default="random", metadata={
         "help": "block: how a fresh drafter starts: random (small normal init) or target (its layers copied from "
                 "the target's last layers, fc reading the last tapped layer)", "choices": BLOCK_INITS})
+    stage2_steps: int = field(default=0, metadata={
+        "help": "with --stage1-target: optimizer steps of stage 2's fresh schedule (0: the same as --steps)"})
     heldout: str | None = field(default=None, metadata={"help": "held-out text (default: bundled heldout.txt)"})
     eval_seq_len: int = field(default=256, metadata={"help": "tokens per held-out sequence"})
     kl_chunk: int = field(default=256, metadata={"help": "lm: positions per KL chunk"})
@@ -53,6 +55,8 @@ class DraftConfig:
                 raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
         if self.block_size < 2:
             raise SpecquantError(f"block_size={self.block_size} must be at least 2")
+        if self.stage2_steps < 0:
+            raise SpecquantError(f"stage2_steps={self.stage2_steps} must be >= 0 (0: the same as --steps)")
         if self.block_init not in BLOCK_INITS:
             raise SpecquantError(f"block_init {self.block_init!r} is unknown; use one of {', '.join(BLOCK_INITS)}")
         return self
@@ -206,6 +210,8 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
             raise SpecquantError("--kind lm needs --init: the small LM drafter to adapt")
         init = "tiny-draft"
     for name, t in stages:
+        stage_train = dataclasses.replace(train, steps=cfg.stage2_steps) if name == "stage2" and cfg.stage2_steps \
+            else train
         target_model = load_model(target_dirs[name], dtype=DTYPES[dtype], device=str(dev))
         for p in target_model.parameters():
             p.requires_grad_(False)
@@ -213,7 +219,7 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
         blocks = load_blocks(data_path, tokenizer, train.seq_len, vocab)
         eval_tokens = heldout_tokens(tokenizer, heldout, bcfg.eval_samples, cfg.eval_seq_len).to(dev)
         meta = {"kind": kind, "stage": name or "single", "target": str(target_dirs[name]), "data": str(data_path),
-                "init": str(init) if init else None, "train": train.to_json(), "draft": dataclasses.asdict(cfg)}
+                "init": str(init) if init else None, "train": stage_train.to_json(), "draft": dataclasses.asdict(cfg)}
         if kind == "block":
             task = _block_task(target_model, target_dirs[name], tokenizer, cfg, bcfg, eval_tokens, init, train.seed,
                                {**meta, "objective": dataclasses.asdict(bcfg)})
@@ -223,7 +229,7 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
         d = dirs[name]
         if overwrite and not resuming[name] and rank == 0 and d.exists():
             clear_our_outputs(d)
-        trainer = Trainer(task, BlockOrder(blocks, train.seed), train, d, device=dev, progress=progress,
+        trainer = Trainer(task, BlockOrder(blocks, train.seed), stage_train, d, device=dev, progress=progress,
                           run_info={"kind": kind, "stage": meta["stage"], "target": meta["target"]})
         result = trainer.fit(resume=resuming[name])
         if rank == 0:
