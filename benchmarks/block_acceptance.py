@@ -5,7 +5,8 @@ greedy continuation, so acceptance needs no timing. Block drafter: train.block_d
 engine). LM drafter: SpecEngine. Cost: interleaved median of single forwards at the prompt's context — target one-token
 decode step, target verify of k+1 rows, block drafter forward (one per step), LM drafter one-token forward (k per step).
 
-Usage: python benchmarks/block_acceptance.py [--w4-target DIR] [--w4-block DIR] [--ks 3,7,15] [--new-tokens 48]
+Usage: python benchmarks/block_acceptance.py [--w4-target DIR] [--block-draft [NAME=]DIR,...] [--w4-block DIR]
+       [--ks 3,7,15] [--new-tokens 48] [--heldout N]
 The last stdout line is one JSON object.
 """
 
@@ -59,26 +60,43 @@ def costs(target, block, lm, prompt, k, reps=9):
     return {key: statistics.median(v) for key, v in res.items()}
 
 
+def heldout_prompts(tok, n: int, length: int = 32) -> list[torch.Tensor]:
+    """n prompts of `length` tokens from the bundled held-out text (never trained on): tokens 64.. of each block."""
+    from specquant.quant.quality import heldout_tokens
+    from specquant.train.qad import BUNDLED_HELDOUT
+
+    ids = heldout_tokens(tok, BUNDLED_HELDOUT, n, 256)
+    return [ids[i : i + 1, 64 : 64 + length] for i in range(len(ids))]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny-target")
-    ap.add_argument("--w4-target", default=None)
+    ap.add_argument("--w4-target", default=None, help="the W4 target (e.g. the demo's W4 + QAD target)")
     ap.add_argument("--lm-draft", default="tiny-draft")
-    ap.add_argument("--block-draft", default="tiny-block-draft")
+    ap.add_argument("--block-draft", default="tiny-block-draft",
+                    help="block drafter(s): DIR or NAME=DIR, comma-separated (e.g. stage1=A,stage2=B)")
     ap.add_argument("--w4-block", default=None, help="GPTQ W4 of the block drafter (compressed-tensors dir)")
     ap.add_argument("--ks", default="3,7,15")
     ap.add_argument("--lm-ks", default="3,7")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--prompts-per-set", type=int, default=1)
+    ap.add_argument("--heldout", type=int, default=0,
+                    help="use N held-out prompts (32 tokens of heldout.txt) instead of the bench's content sets")
+    ap.add_argument("--no-costs", action="store_true", help="acceptance only")
     args = ap.parse_args()
     tok = load_tokenizer(args.target)
-    prompts = [torch.tensor([p.ids]) for p in load_prompts(tok, {"short": 64}, ("prose", "code", "qa"), 1,
-                                                           args.prompts_per_set, 256) if p.kind == "content"]
+    if args.heldout:
+        prompts = heldout_prompts(tok, args.heldout)
+    else:
+        prompts = [torch.tensor([p.ids]) for p in load_prompts(tok, {"short": 64}, ("prose", "code", "qa"), 1,
+                                                               args.prompts_per_set, 256) if p.kind == "content"]
+    blocks = [item.split("=", 1) if "=" in item else ("block", item) for item in args.block_draft.split(",")]
     rows = []
     for tname, tpath in [("fp32", args.target)] + ([("w4", args.w4_target)] if args.w4_target else []):
         target = load_model(tpath)
         lm = load_model(args.lm_draft)
-        drafters = [("block", load_block_draft(args.block_draft).attach_target(target))]
+        drafters = [(name, load_block_draft(path).attach_target(target)) for name, path in blocks]
         if args.w4_block:
             drafters.append(("W4 block", load_block_draft(args.w4_block).attach_target(target)))
         for name, d in drafters:
@@ -86,17 +104,18 @@ def main():
                 m = greedy_acceptance(d, target, prompts, args.new_tokens, k)
                 rows.append({"target": tname, "drafter": name, "k": k, "mal": m.mean_acceptance_length,
                              "per_pos": [round(x, 3) for x in m.acceptance_rate_per_pos]})
-        for k in [int(x) for x in args.lm_ks.split(",")]:
+        for k in [int(x) for x in args.lm_ks.split(",") if x]:
             m = SpecMetrics()
             eng = SpecEngine(target, lm, SpecConfig(draft_len=k))
             for p in prompts:
                 m.merge(eng.generate(p, args.new_tokens, stop_on_eos=False).spec)
             rows.append({"target": tname, "drafter": "LM tiny-draft", "k": k, "mal": m.mean_acceptance_length,
                          "per_pos": [round(x, 3) for x in m.acceptance_rate_per_pos]})
-        c = costs(target, drafters[0][1], lm, prompts[0], 7)
-        rows.append({"target": tname, "costs_s": c, "block_forward_over_step": c["block_forward"] / c["target_step"],
-                     "lm_forward_over_step": c["lm_forward"] / c["target_step"],
-                     "verify8_over_step": c["target_verify"] / c["target_step"]})
+        if not args.no_costs:
+            c = costs(target, drafters[0][1], lm, prompts[0], 7)
+            rows.append({"target": tname, "costs_s": c, "block_forward_over_step": c["block_forward"] / c["target_step"],
+                         "lm_forward_over_step": c["lm_forward"] / c["target_step"],
+                         "verify8_over_step": c["target_verify"] / c["target_step"]})
     for r in rows:
         if "mal" in r:
             print(f"{r['target']:<5} {r['drafter']:<14} k={r['k']:<3} MAL {r['mal']:.3f}  per-position "
