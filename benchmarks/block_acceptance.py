@@ -20,7 +20,6 @@ import time
 import torch
 
 from specquant.bench.prompts import load_prompts
-from specquant.decode.generate import generate
 from specquant.drafter_loader import load_block_draft
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
@@ -113,7 +112,8 @@ def main():
                          "per_pos": [round(x, 3) for x in m.acceptance_rate_per_pos]})
         if not args.no_costs:
             c = costs(target, drafters[0][1], lm, prompts[0], 7)
-            rows.append({"target": tname, "costs_s": c, "block_forward_over_step": c["block_forward"] / c["target_step"],
+            rows.append({"target": tname, "costs_s": c,
+                         "block_forward_over_step": c["block_forward"] / c["target_step"],
                          "lm_forward_over_step": c["lm_forward"] / c["target_step"],
                          "verify8_over_step": c["target_verify"] / c["target_step"]})
     for r in rows:

@@ -11,7 +11,8 @@
 #  2. the W4 target the demo's draft rows run against: `specquant demo`'s full preset (AWQ, then QAD), built by the
 #     bench's own prepare step into RUN_DIR/demo-out/cache (`specquant demo --out RUN_DIR/demo-out` reuses it).
 #  3. distill draft --kind block: stage 1 against fp32 tiny-target, stage 2 (a fresh, shorter schedule) against
-#     the W4 + QAD target; OUT/stage2/model is the drafter. Budget: 1600 + 250 steps at ~1.4 s, about 45 minutes on one core.
+#     the W4 + QAD target; OUT/stage2/model is the drafter. Budget: 1600 + 250 steps at ~1.4 s, about 45 minutes
+#     on one core.
 #  4. EXPORT_DIR (optional): a copy of stage 2's best model, bf16 as trained (src/specquant/models/tiny-block-draft).
 set -euo pipefail
 RUN=${1:-runs/block-draft}
@@ -41,7 +42,11 @@ PYEOF
 echo "stage-2 target: $W4" >&2
 
 RESUME=()  # continue from the newest checkpoint; a run killed before its first one starts over (--overwrite)
-if [ -d "$RUN/draft/stage1/checkpoints" ]; then RESUME=(--resume); elif [ -d "$RUN/draft" ]; then RESUME=(--overwrite); fi
+if [ -d "$RUN/draft/stage1/checkpoints" ]; then
+    RESUME=(--resume)
+elif [ -d "$RUN/draft" ]; then
+    RESUME=(--overwrite)
+fi
 "${SQ[@]}" distill draft --kind block --stage1-target tiny-target --target "$W4" --data "$RUN/regen_all.jsonl" \
     --out "$RUN/draft" --steps "$STAGE1_STEPS" --stage2-steps "$STAGE2_STEPS" --seq-len 256 --batch 4 \
     --num-anchors 32 --lr "${LR:-1e-3}" --warmup 50 --eval-every 250 --save-every 100 --layers 2 \

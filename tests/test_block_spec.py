@@ -1,12 +1,10 @@
-"""The block drafter in the speculative engine: lossless greedy output, bookkeeping, windows (the sampling law is\ntested for both drafter kinds in test_spec.py)."""
-
-import math
+"""The block drafter in the speculative engine: lossless greedy output, bookkeeping, windows (the sampling law is
+tested for both drafter kinds in test_spec.py)."""
 
 import pytest
 import torch
 
 from specquant.decode.generate import generate
-from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer

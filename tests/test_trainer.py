@@ -125,4 +125,3 @@ def test_gradient_accumulation_matches_one_large_batch(pair, tmp_path):
     a, b = _final(tmp_path / "acc"), _final(tmp_path / "big")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
-

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import (BlockForward, Probe, environment, forward_times, hf_assisted, interleaved, ours_speculative,
+from specquant.bench.measure import (BlockForward, Probe, environment, forward_times, hf_assisted, interleaved,
+                                     ours_speculative,
                                      ours_target_only, summarize)
 from specquant.bench.predict import predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts

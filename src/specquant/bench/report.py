@@ -167,7 +167,8 @@ def step_costs(row: dict, cat: str) -> dict | None:
     draft = p["draft_forwards_per_step"] * p["c_forward"]
     step = draft + p["verify_ratio"]
     return {"k": p["k"], "forwards": p["draft_forwards_per_step"], "c_forward": p["c_forward"], "draft": draft,
-            "verify": p["verify_ratio"], "step": step, "mal": p["expected_tokens"], "per_token": step / p["expected_tokens"]}
+            "verify": p["verify_ratio"], "step": step, "mal": p["expected_tokens"],
+            "per_token": step / p["expected_tokens"]}
 
 
 def drafter_verdict(results: dict) -> str:
