@@ -153,7 +153,7 @@ def prepare_quantized(cfg: BenchConfig, paths: dict[str, Path], log=print) -> di
             paths["block_draft"], calib_target, cfg.block_draft_quant, cache)
         how = (f"quantized in {info['quantized_block_draft']['seconds']:.1f} s"
                if info["quantized_block_draft"]["produced"] else "reused: same source, target, config")
-        log(f"W4 block drafter: GPTQ on {calib_target.name}'s features -> {cache / 'block_draft'} ({how})")
+        log(f"W4 block drafter: GPTQ on the features of {calib_target} -> {cache / 'block_draft'} ({how})")
     elif "quantized_block_draft" in paths:
         info["quantized_block_draft"] = str(paths["quantized_block_draft"])
     return info
