@@ -61,9 +61,10 @@ class BenchConfig:
     qad_prompts: int = field(default=64, metadata={"help": "regen prompts for row (q)'s training text"})
     qad_new_tokens: int = field(default=64, metadata={"help": "tokens the teacher writes per regen prompt"})
     # Rows (f)-(h), the block drafter (run_bench's block_draft): k per step. A block drafter pays one forward per
-    # step whatever k (up to block_size - 1), so k is bounded by the verify forward, which grows with k on a CPU;
-    # 4 from the k sweep in docs/BLOCK_DRAFT.md on the bundled pair.
-    block_draft_len: int = field(default=4, metadata={"help": "rows (f)-(h): block drafter tokens per step (k)"})
+    # step whatever k (up to block_size - 1), so k is bounded by its acceptance and by the verify forward, which
+    # grows with k on a CPU. 3: the best predicted MAL / (drafter forward + verify) over k = 1..4 for tiny-block-draft
+    # against the demo's W4 target (benchmarks/block_acceptance.py; docs/BLOCK_DRAFT.md).
+    block_draft_len: int = field(default=3, metadata={"help": "rows (f)-(h): block drafter tokens per step (k)"})
     # GPTQ W4 of the block drafter when --quantized-block-draft is not given: calibrated on the features of the
     # target its rows run against (quant/block_draft_gptq.py)
     block_draft_quant: dict = field(default_factory=lambda: {"method": "gptq", "bits": 4, "group_size": 128,
