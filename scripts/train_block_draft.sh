@@ -53,7 +53,7 @@ fi
     --target-layer-ids 1,3,5,6 --no-progress --json "${RESUME[@]}"
 
 if [ -n "$EXPORT" ]; then
-    rm -rf "$EXPORT.tmp" && cp -r "$RUN/draft/stage2/model" "$EXPORT.tmp"
+    rm -rf "$EXPORT.tmp" && cp -r "$RUN/draft/stage2/model" "$EXPORT.tmp" && rm -f "$EXPORT.tmp/.specquant-out"
     rm -rf "$EXPORT" && mv "$EXPORT.tmp" "$EXPORT"
     echo "exported $EXPORT" >&2
 fi
