@@ -203,9 +203,13 @@ def drafter_verdict(results: dict) -> str:
     if cw and cl:
         cheaper = "a cheaper step" if cw["step"] < cl["step"] else "a dearer step"
         more = "more" if cw["mal"] > cl["mal"] else "fewer"
-        why = (f" It pays {cheaper} ({cw['step']:.2f} vs {cl['step']:.2f} target steps) and emits {more} tokens "
-               f"per step (MAL {cw['mal']:.2f} vs {cl['mal']:.2f}): {cw['per_token']:.2f} vs {cl['per_token']:.2f} "
-               "target steps per token.")
+        why = (f" At the {cat} context it pays {cheaper} ({cw['step']:.2f} vs {cl['step']:.2f} target steps) and "
+               f"emits {more} tokens per step (MAL {cw['mal']:.2f} vs {cl['mal']:.2f}): {cw['per_token']:.2f} vs "
+               f"{cl['per_token']:.2f} target steps per token.")
+        if cw["per_token"] > cl["per_token"]:
+            gap = winner["tokens_per_s_avg"] / loser["tokens_per_s_avg"] - 1
+            why += (f" By those costs the other drafter is cheaper per token there, so this {gap:.1%} lead comes "
+                    "from the other length categories or from run-to-run noise.")
     kind = "block drafter" if winner is blk else "LM drafter"
     return ("\n\n## Which drafter wins\n\n" + "\n".join(lines)
             + f"\n\nThe {kind} wins in this run: ({winner['id']}) {winner['tokens_per_s_avg']:.1f} vs "
