@@ -25,12 +25,14 @@ from specquant.bench.prompts import DEFAULT_PROMPTS, fit_lengths, load_prompts, 
 from specquant.bench.report import FILES, consistency_problems
 from specquant.cli import main
 from specquant.errors import SpecquantError
+from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, save_block_drafter
 from specquant.model.checkpoint import BUNDLED_DIR, save_model
 from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.quant import QuantConfig, quantize, save_quantized
 from specquant.spec_decode.config import SpecConfig
+from specquant.train.draft import init_block_drafter
 
 TOKENIZER = BUNDLED_DIR / "tiny-target"
 # smallest settings that still run every row on every category and content set
@@ -67,6 +69,10 @@ def pair(tmp_path_factory):
                 p.add_(0.1 * p.std() * torch.randn(p.shape, generator=g))
     paths = {"target": save_model(target, root / "target", tokenizer_from=TOKENIZER),
              "draft": save_model(draft, root / "draft", tokenizer_from=TOKENIZER)}
+    block = BlockDraftModel(BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=8,
+                                                        target_layer_ids=[0, 1], mask_token_id=3))
+    init_block_drafter(block, target, seed=0, mode="target")  # the target's last layer: it agrees sometimes
+    paths["block"] = save_block_drafter(block, root / "block", tokenizer_from=TOKENIZER)
     for role in ("target", "draft"):  # RTN: the quick way to hand bench ready-made quantized inputs
         m = load_model(paths[role])
         quantize(m, QuantConfig(method="rtn"))
@@ -231,16 +237,34 @@ def test_consistency_check_catches_a_tampered_report(bench_run):
 
 
 def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
-    from specquant.bench.demo import NOT_YET, run_demo
+    from specquant.bench.demo import NOT_RUN, run_demo
 
     logged = []
     tiny_quant = {"calib_samples": 2, "seq_len": 32, "awq": {"grid": 2, "clip": False}}
+    block_quant = {"method": "gptq", "bits": 4, "group_size": 128, "calib_samples": 2, "seq_len": 32}
     results = run_demo(str(tmp_path / "demo"), quick=True, target=str(pair["target"]), draft=str(pair["draft"]),
                        log=logged.append, hf_compare=False, quant_overrides=tiny_quant,
+                       block_draft=str(pair["block"]), block_draft_quant=block_quant, block_draft_len=3,
                        **SMALL_CFG)
     for name in FILES:
         assert (tmp_path / "demo" / name).exists()
-    assert all(any(name in line and "not built yet" in line for line in logged) for name in NOT_YET)
+    assert all(any(name in line and "not run by the demo" in line and "specquant distill draft" in line
+                   for line in logged) for name in NOT_RUN)
+    # the block drafter rows, against the QAD target like the LM rows, with the same metrics
+    rows = {r["id"]: r for r in results["rows"]}
+    for rid in ("f", "g", "h"):
+        r = rows[rid]
+        assert r["status"] == "ok" and r["drafter"] == "block" and r["target"] == "qad" and r["draft_len"] == 3
+        for e in r["categories"].values():
+            assert e["same_tokens_as"] == {"row": "q", "match": True}  # greedy: the QAD target's own tokens
+            assert e["predicted"]["draft_forwards_per_step"] == 1 and e["acceptance"]["num_drafts"] > 0
+        # k = block_size - 1 = 7, cut to what is left of the 8 new tokens: more positions than the timed k = 3
+        assert 3 < len(r["acceptance_whole_block"]["acceptance_rate_per_pos"]) <= 7
+        assert r["acceptance_all"]["mean_acceptance_length"] >= 1
+    assert rows["h"]["draft_window"] == 16 and rows["f"]["draft_window"] is None
+    assert results["quantized"]["quantized_block_draft"]["produced"]
+    report = (tmp_path / "demo" / "report.md").read_text()
+    assert "## Which drafter wins" in report and "## Block drafter, whole block verified" in report
     gate = results["quality_gate"]  # the kl gate: W4 target against its fp32 source, quick preset's 4 x 128 tokens
     assert gate["kl"]["tokens"] == 4 * 128 and gate["kl"]["kl"] > 0 and len(gate["gates"]) == 3
     assert any(line == f"quality gate: {'PASS' if gate['passed'] else 'FAIL'}" for line in logged)

@@ -1,12 +1,10 @@
-"""The block drafter in the speculative engine: lossless greedy output, the sampling law, bookkeeping, windows."""
-
-import math
+"""The block drafter in the speculative engine: lossless greedy output, bookkeeping, windows (the sampling law is
+tested for both drafter kinds in test_spec.py)."""
 
 import pytest
 import torch
 
 from specquant.decode.generate import generate
-from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
@@ -59,8 +57,8 @@ def test_greedy_block_speculation_equals_target_greedy(pair, k, window):
 
 
 def test_bundled_block_drafter_is_lossless_and_accepts():
-    """The trained pair: output equal to target-only greedy, and the trained drafter's tokens do get accepted (the
-    shipped drafter is under-trained: ~1.1 mean acceptance length at k=7 on this prompt, docs/BLOCK_DRAFT.md)."""
+    """The trained pair: output equal to target-only greedy, and the trained drafter's tokens do get accepted
+    (its measured acceptance: docs/BLOCK_DRAFT.md)."""
     from specquant.drafter_loader import load_block_draft
     from specquant.loader import load_model
     from specquant.model.checkpoint import load_tokenizer
@@ -73,33 +71,6 @@ def test_bundled_block_drafter_is_lossless_and_accepts():
     out = engine(target, draft, draft_len=7).generate(prompt, 48, stop_on_eos=False)
     assert out.token_ids[0] == ref
     assert out.spec.num_accepted_tokens > 0
-
-
-def test_block_sampling_matches_target_law(pair):
-    """First token (target prefill) and second token (the first verified block position) follow the target's law.
-    Binomial z-test on the first token: |z| > 4.5 has probability < 1e-5; total variation of the conditional
-    second-token histogram below 0.35, far above its sampling noise (~0.2 at a few hundred hits)."""
-    target, draft = pair
-    prompt = PROMPTS[1]
-    with torch.no_grad():
-        temperature = float(target(prompt)[0, -1].std()) / 2
-        law = SamplingConfig(temperature=temperature)
-        first_probs = logits_to_probs(target(prompt)[0, -1], law)
-        top = int(first_probs.argmax())
-        second_probs = logits_to_probs(target(torch.cat([prompt, torch.tensor([[top]])], 1))[0, -1], law)
-    eng = engine(target, draft, draft_len=3)
-    n, hits, counts = 600, 0, torch.zeros(VOCAB)
-    for seed in range(n):
-        toks = eng.generate(prompt, 3, SamplingConfig(temperature, seed=seed), stop_on_eos=False).token_ids[0]
-        if toks[0] == top:
-            hits += 1
-            counts[toks[1]] += 1
-    p = float(first_probs[top])
-    assert 0.05 < p < 0.95 and float(second_probs.max()) < 0.95  # the law has spread: the test can fail
-    assert abs(hits - n * p) / math.sqrt(n * p * (1 - p)) < 4.5
-    tv = 0.5 * float((counts / counts.sum() - second_probs).abs().sum())
-    assert tv < 0.35, tv
-    assert eng.metrics.num_accepted_tokens > 0  # the acceptance path ran, not only recoveries
 
 
 def test_context_holds_exactly_the_verified_prefix(pair):

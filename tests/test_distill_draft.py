@@ -1,12 +1,14 @@
 """`specquant distill draft`: block and lm drafters on the shared trainer, two stages, resume, bad input."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from _qad_models import write_student, write_teacher
 
 from specquant.cli import main
+from specquant.errors import SpecquantError
 from specquant.drafter_loader import drafter_kind, load_block_draft
 from specquant.loader import load_model
 from specquant.model.checkpoint import save_model
@@ -27,10 +29,11 @@ def test_block_two_stages_then_resume_is_a_no_op(pair, tmp_path, capsys):
     teacher, student = pair
     out = tmp_path / "run"
     args = ["distill", "draft", "--kind", "block", "--target", str(student), "--stage1-target", str(teacher),
-            "--out", str(out), "--layers", "1", "--block-size", "4", "--json", *FAST]
+            "--out", str(out), "--layers", "1", "--block-size", "4", "--json", *FAST, "--stage2-steps", "2"]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [s["stage"] for s in result["stages"]] == ["stage1", "stage2"]
+    assert [s["steps"] for s in result["stages"]] == [3, 2]  # stage 2: its own, shorter schedule
     assert result["stages"][0]["target"].endswith("teacher") and result["stages"][1]["target"].endswith("student")
     for stage in ("stage1", "stage2"):
         assert drafter_kind(out / stage / "model") == "block"
@@ -78,3 +81,45 @@ def test_default_layer_ids_spread():
     assert DraftConfig().layer_ids(8) == [1, 3, 4, 6]
     assert DraftConfig().layer_ids(36) == [1, 12, 23, 34]
     assert DraftConfig(target_layer_ids="2,5").layer_ids(8) == [2, 5]
+
+
+def test_resume_at_the_last_step_evaluates_and_exports(pair, tmp_path, capsys):
+    """The shared trainer: a run stopped at a checkpoint and resumed with --steps lowered to that step (to end it
+    there) has nothing left to train; its weights are still evaluated and, being better than the best so far,
+    exported to model/."""
+    teacher, _ = pair
+    out = tmp_path / "run"
+    args = ["distill", "draft", "--kind", "block", "--target", str(teacher), "--out", str(out), "--layers", "1",
+            "--block-size", "4", "--lr", "1e-2", "--warmup", "1", "--keep-checkpoints", "3", *FAST]
+    assert main([*args, "--steps", "4", "--save-every", "2"]) == 0
+    # the state of a run killed right after its step-2 checkpoint: no later checkpoint, no export since step 0
+    shutil.rmtree(out / "checkpoints" / "step-0000004")
+    shutil.rmtree(out / "model")
+    assert main([*args, "--steps", "2", "--resume"]) == 0
+    capsys.readouterr()
+    evals = [e for e in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if e.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [0, 2]
+    assert evals[1]["loss"] < evals[0]["loss"], "training did not lower the held-out loss; the test proves nothing"
+    assert evals[1]["best_step"] == 2
+    assert (out / "model" / "model.safetensors").exists()
+
+
+def test_block_init_from_target_copies_its_last_layers(pair):
+    from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
+    from specquant.train.draft import init_block_drafter
+
+    target = load_model(pair[0])
+    cfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=2, block_size=4, target_layer_ids=[0, 2],
+                                      mask_token_id=1)
+    drafter = BlockDraftModel(cfg)
+    init_block_drafter(drafter, target, seed=0, mode="target")
+    for i, src in ((0, 2), (1, 3)):
+        mine, theirs = drafter.layers[i].state_dict(), target.model.layers[src].state_dict()
+        assert all(torch.equal(mine[k], theirs[k].float()) for k in mine)
+    h = cfg.hidden_size
+    assert torch.equal(drafter.fc.weight[:, -h:], torch.eye(h))  # the last tap (layer 2) passes through
+    assert torch.equal(drafter.hidden_norm.weight, target.model.layers[3].input_layernorm.weight.float())
+    with pytest.raises(SpecquantError, match="fewer --layers"):
+        init_block_drafter(BlockDraftModel(BlockDraftConfig.for_target(
+            target.config, num_hidden_layers=5, block_size=4, target_layer_ids=[0, 2], mask_token_id=1)),
+            target, seed=0, mode="target")

@@ -19,12 +19,15 @@ from pathlib import Path
 import torch
 
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import (Probe, environment, forward_times, hf_assisted, interleaved, ours_speculative,
+from specquant.bench.measure import (BlockForward, Probe, environment, forward_times, hf_assisted, interleaved,
+                                     ours_speculative,
                                      ours_target_only, summarize)
 from specquant.bench.predict import predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
+from specquant.drafter_loader import load_block_draft
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
+from specquant.spec_decode.block_drafter import BlockDrafter
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.dtypes import DTYPES
@@ -38,6 +41,7 @@ class Row:
     draft: str | None  # None (target alone), "hp" or "w4"
     window: bool = False  # draft attends to its last BenchConfig.spec.draft_window positions
     impl: str = "specquant"  # or "transformers"
+    drafter: str = "lm"  # "lm": the small LM draft (k forwards per step); "block": the block drafter (one forward)
 
 
 ROWS = (
@@ -47,18 +51,27 @@ ROWS = (
     Row("d", "W4 target + W4 draft", "w4", "w4"),
     Row("e", "W4 target + W4 draft + window", "w4", "w4", window=True),
 )
+# The block drafter (DFlash-style, model/block_draft.py) beside the LM rows (c)-(e): same targets, same metrics;
+# its k is BenchConfig.block_draft_len.
+BLOCK_ROWS = (
+    Row("f", "W4 target + block draft", "w4", "hp", drafter="block"),
+    Row("g", "W4 target + W4 block draft", "w4", "w4", drafter="block"),
+    Row("h", "W4 target + W4 block draft + window", "w4", "w4", window=True, drafter="block"),
+)
 HF_ROW = Row("hf", "transformers assisted: target + draft", "hp", "hp", impl="transformers")
 BASELINE = "a"
 QAD_ROW = Row("q", "W4 + QAD target", "qad", None)
 
 
-def rows_for(with_qad: bool) -> tuple[Row, ...]:
-    """ROWS, or with a QAD target: row (q) after (b), and the draft rows (c)-(e) run against the QAD target."""
+def rows_for(with_qad: bool, with_block: bool = False) -> tuple[Row, ...]:
+    """ROWS (+ BLOCK_ROWS), or with a QAD target: row (q) after (b), and every draft row runs against the QAD
+    target."""
+    table = (*ROWS, *BLOCK_ROWS) if with_block else ROWS
     if not with_qad:
-        return ROWS
+        return table
     drafted = tuple(dataclasses.replace(r, target="qad", name=r.name.replace("W4 target", "W4 + QAD target"))
-                    for r in ROWS if r.draft is not None)
-    return (*[r for r in ROWS if r.draft is None], QAD_ROW, *drafted)
+                    for r in table if r.draft is not None)
+    return (*[r for r in table if r.draft is None], QAD_ROW, *drafted)
 
 
 # --- the run -----------------------------------------------------------------------------------------------------
@@ -88,7 +101,10 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
               for role, kind, key in (("target", "hp", "target"), ("target", "w4", "quantized_target"),
                                       ("draft", "hp", "draft"), ("draft", "w4", "quantized_draft"),
                                       ("target", "qad", "qad_target")) if key in paths}
-    table = rows_for("qad_target" in paths)
+    for kind, key in (("hp", "block_draft"), ("w4", "quantized_block_draft")):
+        if key in paths:
+            models[("block", kind)] = load_block_draft(paths[key], dtype, device)
+    table = rows_for("qad_target" in paths, ("block", "hp") in models)
     context = min(models[("target", "hp")].config.max_position_embeddings,
                   models[("draft", "hp")].config.max_position_embeddings)
     lengths = fit_lengths(cfg.lengths, context, cfg.max_new_tokens)
@@ -103,8 +119,8 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
         if row.draft is None:
             runners[row.id] = ours_target_only(target, cfg.max_new_tokens, sampling)
             continue
-        engine = SpecEngine(target, models[("draft", row.draft)], cfg.spec_for(row.window), tokenizer, draft_tokenizer)
-        runners[row.id] = ours_speculative(engine, cfg.max_new_tokens, sampling)
+        runners[row.id] = ours_speculative(_engine(cfg, row, models, tokenizer, draft_tokenizer), cfg.max_new_tokens,
+                                           sampling)
     if cfg.hf_compare:
         try:
             hf_target, hf_draft = _load_hf(paths["target"], dtype, device), _load_hf(paths["draft"], dtype, device)
@@ -130,11 +146,22 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
                           for rid, per_prompt in interleaved(spec_runners, content_prompts, 1, 0, device,
                                                              desc="acceptance").items()}
 
+    # the block rows again with the whole block verified (k = block_size - 1): acceptance at every block position
+    block_rows = [r for r in rows if r.drafter == "block"]
+    whole = {r.id: ours_speculative(_engine(cfg, r, models, tokenizer, draft_tokenizer, whole_block=True),
+                                    cfg.max_new_tokens, sampling) for r in block_rows}
+    whole_block = {rid: SpecMetrics.total(ss[0]["spec"] for ss in per_prompt.values())
+                   for rid, per_prompt in interleaved(whole, content_prompts, 1, 0, device,
+                                                      desc="acceptance, whole block").items()}
+
     costs = measure_costs(cfg, models, lengths)
     curve = drafter_curve(cfg, models[("draft", "w4")], context)
 
     results_rows = [_row_result(r, cfg, samples, acceptance_samples, skipped, prompts, lengths, costs)
                     for r in rows]
+    for res in results_rows:
+        if res["id"] in whole_block:
+            res["acceptance_whole_block"] = whole_block[res["id"]].to_dict()
     _add_speedups(results_rows)
     return {
         "benchmark": "specquant bench",
@@ -150,21 +177,40 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     }
 
 
+def _engine(cfg: BenchConfig, row: Row, models: dict, tokenizer, draft_tokenizer, whole_block: bool = False):
+    """The SpecEngine of a speculative row: the LM draft, or the block drafter at BenchConfig.block_draft_len (or
+    its whole block)."""
+    target = models[("target", row.target)]
+    if row.drafter == "lm":
+        return SpecEngine(target, models[("draft", row.draft)], cfg.spec_for(row.window), tokenizer, draft_tokenizer)
+    block = models[("block", row.draft)]
+    spec = cfg.block_spec_for(row.window, block.config.block_size - 1 if whole_block else None)
+    return SpecEngine(target, BlockDrafter(block, target, spec), spec)
+
+
 def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> dict:
     """Per length category, forward times at the mean decode context (prompt + max_new_tokens / 2), all timed
     interleaved: each target's one-token step and (k+1)-token verify, each draft's one-token step (the W4 draft
-    also with the window)."""
+    also with the window); with block rows, each block drafter's forward (its whole per-step cost) and each
+    target's verify of block_draft_len + 1 tokens."""
     k1 = cfg.spec.draft_len + 1
-    probes = {"target_hp_step_s": Probe(models[("target", "hp")]),
-              "target_hp_verify_s": Probe(models[("target", "hp")], k1),
-              "target_w4_step_s": Probe(models[("target", "w4")]),
-              "target_w4_verify_s": Probe(models[("target", "w4")], k1),
-              "draft_hp_step_s": Probe(models[("draft", "hp")]),
-              "draft_w4_step_s": Probe(models[("draft", "w4")]),
-              "draft_w4_step_s_window": Probe(models[("draft", "w4")], window=cfg.spec.draft_window)}
-    if ("target", "qad") in models:
-        probes["target_qad_step_s"] = Probe(models[("target", "qad")])
-        probes["target_qad_verify_s"] = Probe(models[("target", "qad")], k1)
+    targets = [t for t in ("hp", "w4", "qad") if ("target", t) in models]
+    probes = {}
+    for t in targets:
+        probes[f"target_{t}_step_s"] = Probe(models[("target", t)])
+        probes[f"target_{t}_verify_s"] = Probe(models[("target", t)], k1)
+    probes.update({"draft_hp_step_s": Probe(models[("draft", "hp")]),
+                   "draft_w4_step_s": Probe(models[("draft", "w4")]),
+                   "draft_w4_step_s_window": Probe(models[("draft", "w4")], window=cfg.spec.draft_window)})
+    if ("block", "hp") in models:
+        kb = cfg.block_draft_len
+        for t in targets:
+            probes[f"target_{t}_verify_block_s"] = Probe(models[("target", t)], kb + 1)
+        fwd = {kind: BlockForward(models[("block", kind)], kb) for kind in ("hp", "w4") if ("block", kind) in models}
+        for kind, bf in fwd.items():
+            probes[f"block_{kind}_step_s"] = Probe(bf)
+        if "w4" in fwd:
+            probes["block_w4_step_s_window"] = Probe(fwd["w4"], window=cfg.spec.draft_window)
     out = {}
     with _bar(len(lengths), "forward costs") as bar:
         for cat, n in lengths.items():
@@ -189,16 +235,20 @@ def drafter_curve(cfg: BenchConfig, draft, context: int) -> dict:
 
 
 def _costs_for(row: Row, c: dict) -> dict:
-    draft_key = f"draft_{row.draft}_step_s" + ("_window" if row.window else "")
+    window = "_window" if row.window else ""
+    if row.drafter == "block":  # one drafter forward per step, whatever k
+        return {"target_step_s": c[f"target_{row.target}_step_s"], "verify_s": c[f"target_{row.target}_verify_block_s"],
+                "draft_step_s": c[f"block_{row.draft}_step_s{window}"], "baseline_step_s": c["target_hp_step_s"],
+                "draft_forwards_per_step": 1}
     return {"target_step_s": c[f"target_{row.target}_step_s"], "verify_s": c[f"target_{row.target}_verify_s"],
-            "draft_step_s": c[draft_key], "baseline_step_s": c["target_hp_step_s"]}
+            "draft_step_s": c[f"draft_{row.draft}_step_s{window}"], "baseline_step_s": c["target_hp_step_s"]}
 
 
 def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped, prompts: list[Prompt],
                 lengths: dict[str, int], costs: dict) -> dict:
     res = {"id": row.id, "name": row.name, "impl": row.impl, "target": row.target, "draft": row.draft,
-           "draft_window": cfg.spec.draft_window if row.window else None,
-           "draft_len": cfg.spec.draft_len if row.draft else None}
+           "drafter": row.drafter if row.draft else None, "draft_window": cfg.spec.draft_window if row.window else None,
+           "draft_len": (cfg.block_draft_len if row.drafter == "block" else cfg.spec.draft_len) if row.draft else None}
     if row.id in skipped:
         return {**res, "status": "skipped", "reason": skipped[row.id]}
     res["status"] = "ok"
@@ -265,15 +315,17 @@ def _add_speedups(rows: list[dict]):
 
 
 def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu",
-              log=print, qad_target=None) -> tuple[dict, list[Path]]:
+              log=print, qad_target=None, block_draft=None, quantized_block_draft=None) -> tuple[dict, list[Path]]:
     """The whole bench as one call (`specquant bench` and `specquant demo` only parse and call this): check every
     input, claim the output directory, quantize what was not given, measure every row, write the report.
-    Returns (results, written files)."""
+    block_draft: a block drafter (DFlashDraftModel) for rows (f)-(h); its W4 is GPTQ'd into out/cache when not
+    given. Returns (results, written files)."""
     from specquant.bench.prepare import prepare_quantized, validate
     from specquant.bench.report import write_report
     from specquant.util.files import claim_out_dir
 
-    paths = validate(cfg, target, draft, quantized_target, quantized_draft, device, qad_target)
+    paths = validate(cfg, target, draft, quantized_target, quantized_draft, device, qad_target, block_draft,
+                     quantized_block_draft)
     claim_out_dir(cfg.out, cfg.overwrite)
     quantized = prepare_quantized(cfg, paths, log)
     if cfg.threads:

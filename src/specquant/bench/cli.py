@@ -24,6 +24,10 @@ def add_parser(sub):
     p.add_argument("--quantized-draft", default=None, help="W4 draft checkpoint (default: GPTQ it into --out/cache)")
     p.add_argument("--qad-target", default=None, help="W4 + QAD target checkpoint for row (q) and the draft rows "
                                                       "(default: regen + distill target into --out/cache)")
+    p.add_argument("--block-draft", default=None, help="block drafter (DFlashDraftModel dir or bundled name, e.g. "
+                                                        "tiny-block-draft) for rows (f)-(h); default: no block rows")
+    p.add_argument("--quantized-block-draft", default=None,
+                   help="its W4 checkpoint (default: GPTQ it on the rows' target features into --out/cache)")
     add_config_flags(p, BenchConfig)
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON summary line instead of the table")
@@ -56,7 +60,7 @@ def run(args) -> int:
     if args.engine == "llama.cpp":
         return run_llama_cpp(cfg, args, log)
     results, files = run_bench(cfg, args.target, args.draft, args.quantized_target, args.quantized_draft,
-                               args.device, log, args.qad_target)
+                               args.device, log, args.qad_target, args.block_draft, args.quantized_block_draft)
     if args.json:
         print_json(summary(results, files))
     else:

@@ -60,13 +60,22 @@ class BenchConfig:
     qad_steps: int = field(default=60, metadata={"help": "QAD steps for row (q) when --qad-target is not given"})
     qad_prompts: int = field(default=64, metadata={"help": "regen prompts for row (q)'s training text"})
     qad_new_tokens: int = field(default=64, metadata={"help": "tokens the teacher writes per regen prompt"})
+    # Rows (f)-(h), the block drafter (run_bench's block_draft): k per step. A block drafter pays one forward per
+    # step whatever k (up to block_size - 1), so k is bounded by its acceptance and by the verify forward, which
+    # grows with k on a CPU. 3: the best predicted MAL / (drafter forward + verify) over k = 1..4 for tiny-block-draft
+    # against the demo's W4 target (benchmarks/block_acceptance.py; docs/BLOCK_DRAFT.md).
+    block_draft_len: int = field(default=3, metadata={"help": "rows (f)-(h): block drafter tokens per step (k)"})
+    # GPTQ W4 of the block drafter when --quantized-block-draft is not given: calibrated on the features of the
+    # target its rows run against (quant/block_draft_gptq.py)
+    block_draft_quant: dict = field(default_factory=lambda: {"method": "gptq", "bits": 4, "group_size": 128,
+                                                             "calib_samples": 16, "seq_len": 256})
     cost_reps: int = 15  # repetitions per forward timing (c, verify ratio, drafter latency curve); median kept
     # contexts (fractions of the model context) at which the drafter's one-token forward is timed for the plot
     curve_fractions: tuple[float, ...] = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)
 
     def validate(self) -> "BenchConfig":
         for name in ("max_new_tokens", "runs", "prompts_per_length", "prompts_per_set", "content_max_tokens",
-                     "cost_reps", "qad_steps", "qad_prompts", "qad_new_tokens"):
+                     "cost_reps", "qad_steps", "qad_prompts", "qad_new_tokens", "block_draft_len"):
             if getattr(self, name) < 1:
                 raise SpecquantError(f"{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
         if self.warmup < 0:
@@ -93,6 +102,11 @@ class BenchConfig:
     def spec_for(self, window: bool) -> SpecConfig:
         """The SpecConfig of a speculative row: with the drafter window (row e) or full attention."""
         return dataclasses.replace(self.spec, draft_window=self.spec.draft_window if window else None)
+
+    def block_spec_for(self, window: bool, draft_len: int | None = None) -> SpecConfig:
+        """The SpecConfig of a block row: k = block_draft_len (or draft_len), the window as spec_for."""
+        return dataclasses.replace(self.spec_for(window), draft_len=draft_len or self.block_draft_len,
+                                   adaptive=False)
 
     def qad_recipe(self):
         """The regen + QAD sizes for row (q) (train/recipe.py); held-out evaluation at the start and the end."""

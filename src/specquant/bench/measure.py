@@ -165,6 +165,35 @@ def interleaved(runners: dict[str, Callable[[torch.Tensor], dict]], prompts, rep
     return samples
 
 
+class BlockForward:
+    """A block drafter behind the model interface `forward_times` probes: the prefill call appends `context`
+    positions of (random) target features to its context cache; every timed call is one drafter forward proposing
+    `k` tokens at that context (`propose`), which is a block drafter's whole per-step cost."""
+
+    def __init__(self, drafter, k: int):
+        self.drafter, self.k = drafter, k
+        self.config = drafter.config
+        self.model = drafter  # forward_times reads model.embed_tokens.weight.device (the target's embeddings)
+        self._gen = torch.Generator().manual_seed(0)
+
+    def setup_cache(self, batch: int, length: int, max_block: int = 64, window: int | None = -1):
+        self.drafter.setup_cache(length, window=window)
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, start: int, last_only: bool = False):
+        d = self.drafter
+        if start == 0:  # the prefill: context features for every position of `ids`
+            width = len(d.config.target_layer_ids) * d.config.hidden_size
+            feats = torch.randn(1, ids.shape[1], width, generator=self._gen).to(d.norm.weight)
+            d.append_context(feats)
+            return None
+        d.rollback(start)
+        return d.propose(ids[0, -1], self.k)
+
+    def clear_cache(self):
+        self.drafter.clear_cache()
+
+
 @dataclass(frozen=True)
 class Probe:
     """One forward to time: `model` taking n_tokens new tokens after the context; window = a sliding window for

@@ -68,18 +68,24 @@ def predict_row(histogram: list[int], draft_tokens: int, drafts: int, costs: dic
     """All predicted numbers for one speculative row in one category.
 
     costs: target_step_s (the row's target, 1 token), verify_s ((k+1)-token forward), draft_step_s and
-    baseline_step_s (the baseline target, 1 token), all at the category's context. k is the mean number of draft
-    tokens per step (= draft_len unless adaptive or cut by max_new_tokens).
+    baseline_step_s (the baseline target, 1 token), all at the category's context; optional
+    draft_forwards_per_step: 1 for a block drafter, whose one forward drafts the whole step (c is then its
+    forward's cost and k·c becomes 1·c). k is the mean number of draft tokens per step (= draft_len unless adaptive
+    or cut by max_new_tokens).
     """
     k = draft_tokens / drafts if drafts else 0.0
-    c = costs["draft_step_s"] / costs["target_step_s"]
+    # a per-token drafter pays k forwards per step; a block drafter one (counted as k·c with c scaled by 1/k)
+    c = costs["draft_step_s"] / costs["target_step_s"] * (costs["draft_forwards_per_step"] / k
+                                                          if "draft_forwards_per_step" in costs and k else 1.0)
     verify_ratio = costs["verify_s"] / costs["target_step_s"]
     e = mean_tokens_per_step(histogram)
     alpha = alpha_from_mal(e, k) if k else 0.0
     s_row = predicted_speedup(histogram, k, c, verify_ratio)
     rescale = costs["baseline_step_s"] / costs["target_step_s"]
     return {
-        "k": k, "alpha": alpha, "c": c, "verify_ratio": verify_ratio, "expected_tokens": e,
+        "k": k, "alpha": alpha, "c": c, "c_forward": costs["draft_step_s"] / costs["target_step_s"],
+        "draft_forwards_per_step": costs.get("draft_forwards_per_step", k), "verify_ratio": verify_ratio,
+        "expected_tokens": e,
         "expected_tokens_leviathan": expected_tokens(alpha, k),
         "speedup_vs_own_target": s_row,
         "leviathan_speedup_vs_own_target": leviathan_speedup(alpha, k, c),

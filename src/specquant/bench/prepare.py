@@ -86,12 +86,37 @@ def check_inputs(target, draft, quantized_target=None, quantized_draft=None, qad
     return paths
 
 
+def check_block_inputs(paths: dict[str, Path], block_draft, quantized_block_draft=None):
+    """Add the block drafter (and its W4) to `paths` after checking that they are block drafters for this target."""
+    from specquant.model.block_draft import BlockDraftConfig, is_block_draft_config
+
+    target_cfg = read_config(paths["target"])
+    for role, given, quantized in (("block_draft", block_draft, False),
+                                   ("quantized_block_draft", quantized_block_draft, True)):
+        if given is None:
+            continue
+        flag = "--" + role.replace("_", "-")
+        path = resolve(given)
+        hf = read_hf_config(path)
+        if not is_block_draft_config(hf):
+            raise SpecquantError(f"{flag} {str(path)!r} is not a block drafter (config.json architectures "
+                                 f"{hf.get('architectures')}); pass a DFlashDraftModel checkpoint")
+        if bool(hf.get("quantization_config")) != quantized:
+            raise SpecquantError(f"{flag} {str(path)!r} is {'not ' if quantized else ''}quantized; pass the "
+                                 "high-precision block drafter as --block-draft and its W4 as --quantized-block-draft")
+        BlockDraftConfig.from_hf(hf).check_target(target_cfg)
+        paths[role] = path
+
+
 def validate(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu",
-             qad_target=None):
+             qad_target=None, block_draft=None, quantized_block_draft=None):
     """Every check that needs no model run; raises SpecquantError. Returns the resolved checkpoint paths."""
     cfg.validate()
     check_device(device)
     paths = check_inputs(target, draft, quantized_target, quantized_draft, qad_target if cfg.qad else None)
+    if quantized_block_draft is not None and block_draft is None:
+        raise SpecquantError("--quantized-block-draft needs --block-draft (its high-precision version)")
+    check_block_inputs(paths, block_draft, quantized_block_draft)
     if cfg.prompts:
         read_jsonl(Path(cfg.prompts).expanduser())
     if quantized_target is None:
@@ -122,4 +147,43 @@ def prepare_quantized(cfg: BenchConfig, paths: dict[str, Path], log=print) -> di
                                                               cfg.qad_recipe(), log)
     elif "qad_target" in paths:
         info["qad_target"] = str(paths["qad_target"])
+    if "block_draft" in paths and "quantized_block_draft" not in paths:
+        calib_target = paths.get("qad_target", paths["quantized_target"])  # the target the block rows run against
+        paths["quantized_block_draft"], info["quantized_block_draft"] = quantized_block_drafter(
+            paths["block_draft"], calib_target, cfg.block_draft_quant, cache)
+        how = (f"quantized in {info['quantized_block_draft']['seconds']:.1f} s"
+               if info["quantized_block_draft"]["produced"] else "reused: same source, target, config")
+        log(f"W4 block drafter: GPTQ on the features of {calib_target} -> {cache / 'block_draft'} ({how})")
+    elif "quantized_block_draft" in paths:
+        info["quantized_block_draft"] = str(paths["quantized_block_draft"])
     return info
+
+
+def quantized_block_drafter(src: Path, target_path: Path, overrides: dict, cache: Path) -> tuple[Path, dict]:
+    """cache/block_draft: GPTQ W4 of the block drafter `src`, calibrated on the features of `target_path` (the
+    target its rows run against); reused when the drafter, the target and the QuantConfig are unchanged."""
+    from specquant.drafter_loader import load_block_draft
+    from specquant.model.block_draft import save_block_drafter
+    from specquant.quant.block_draft_gptq import gptq_block_drafter
+    from specquant.quant.calib import calibration_tokens
+    from specquant.quant.checkpoint import quantization_config
+
+    qcfg = QuantConfig.from_json(json.loads(json.dumps(overrides))).validate()  # from_json fills its argument
+    want_quant = json.loads(json.dumps(qcfg.to_json()))
+    source = {"drafter": fingerprint(src), "target": fingerprint(target_path)}
+    dest = cache / "block_draft"
+    if (dest / "config.json").exists():
+        hf = read_hf_config(dest)
+        if hf.get("specquant_bench_source") == source and hf.get("specquant_bench_quant") == want_quant:
+            return dest, {"path": str(dest), "method": qcfg.method.name, "produced": False, "config": want_quant}
+    t0 = time.perf_counter()
+    target = load_model(target_path, torch.float32)
+    drafter = load_block_draft(src, torch.float32)
+    tokens = calibration_tokens(load_tokenizer(target_path), qcfg.calib_path(), qcfg.calib_samples, qcfg.seq_len)
+    report = gptq_block_drafter(drafter, target, tokens, qcfg)
+    save_block_drafter(drafter, dest, tokenizer_from=src, extra_config={
+        "quantization_config": quantization_config(drafter, qcfg), "specquant_bench_source": source,
+        "specquant_bench_quant": want_quant})
+    return dest, {"path": str(dest), "method": qcfg.method.name, "produced": True, "config": want_quant,
+                  "seconds": round(time.perf_counter() - t0, 1), "bytes_before": report["bytes_before"],
+                  "bytes_after": report["bytes_after"]}

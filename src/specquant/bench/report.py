@@ -140,6 +140,82 @@ def position_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def whole_block_table(results: dict) -> str:
+    """Block rows with the whole block verified (k = block_size - 1): acceptance at every block position."""
+    rows = [r for r in ok_rows(results) if r.get("acceptance_whole_block")]
+    if not rows:
+        return ""
+    k = max(len(r["acceptance_whole_block"]["acceptance_rate_per_pos"]) for r in rows)
+    head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        acc = r["acceptance_whole_block"]
+        rates = acc["acceptance_rate_per_pos"]
+        lines.append("| " + " | ".join([f"({r['id']}) {r['name']}"] + [_f(x) for x in rates]
+                                        + ["-"] * (k - len(rates)) + [_f(acc["mean_acceptance_length"])]) + " |")
+    return ("\n\n## Block drafter, whole block verified\n\nThe block rows again on the content sets with k = "
+            f"block_size - 1 = {k} (untimed, greedy): acceptance at every block position. The timed rows use "
+            f"k = {results['config']['block_draft_len']}.\n\n" + "\n".join(lines))
+
+
+def step_costs(row: dict, cat: str) -> dict | None:
+    """A speculative row's cost per verify step in units of its target's one-token step, from the predicted
+    entry: draft (forwards x c per forward) + verify, and per emitted token (step / MAL)."""
+    p = row["categories"].get(cat, {}).get("predicted")
+    if not p or "verify_ratio" not in p:
+        return None
+    draft = p["draft_forwards_per_step"] * p["c_forward"]
+    step = draft + p["verify_ratio"]
+    return {"k": p["k"], "forwards": p["draft_forwards_per_step"], "c_forward": p["c_forward"], "draft": draft,
+            "verify": p["verify_ratio"], "step": step, "mal": p["expected_tokens"],
+            "per_token": step / p["expected_tokens"]}
+
+
+def drafter_verdict(results: dict) -> str:
+    """Which drafter kind wins in this run (best tok/s row of each) and why, from the per-step costs."""
+    spec = [r for r in ok_rows(results) if r.get("drafter") and r["impl"] == "specquant"]
+    best = {}
+    for kind in ("lm", "block"):
+        rows = [r for r in spec if r["drafter"] == kind]
+        if rows:
+            best[kind] = max(rows, key=lambda r: r["tokens_per_s_avg"])
+    if len(best) < 2:
+        return ""
+    cats = list(results["lengths"])
+    cat = "medium" if "medium" in cats else cats[len(cats) // 2]
+    base = next(r for r in results["rows"] if r["id"] == "a")
+    lines = []
+    for kind, r in best.items():
+        c = step_costs(r, cat)
+        what = "LM drafter" if kind == "lm" else "block drafter"
+        line = (f"- {what}: best row ({r['id']}) {r['name']}, {r['tokens_per_s_avg']:.1f} tok/s "
+                f"({r['tokens_per_s_avg'] / base['tokens_per_s_avg']:.2f}x row (a))")
+        if c:
+            line += (f"; per step at the {cat} context, in target one-token steps: {c['forwards']:.0f} draft "
+                     f"forward{'s' if c['forwards'] != 1 else ''} x {c['c_forward']:.2f} = {c['draft']:.2f} + verify "
+                     f"of {c['k']:.0f}+1 tokens {c['verify']:.2f} = {c['step']:.2f}, for MAL {c['mal']:.2f} tokens: "
+                     f"{c['per_token']:.2f} per token")
+        lines.append(line)
+    lm, blk = best["lm"], best["block"]
+    winner, loser = (blk, lm) if blk["tokens_per_s_avg"] > lm["tokens_per_s_avg"] else (lm, blk)
+    cw, cl = step_costs(winner, cat), step_costs(loser, cat)
+    why = ""
+    if cw and cl:
+        cheaper = "a cheaper step" if cw["step"] < cl["step"] else "a dearer step"
+        more = "more" if cw["mal"] > cl["mal"] else "fewer"
+        why = (f" At the {cat} context it pays {cheaper} ({cw['step']:.2f} vs {cl['step']:.2f} target steps) and "
+               f"emits {more} tokens per step (MAL {cw['mal']:.2f} vs {cl['mal']:.2f}): {cw['per_token']:.2f} vs "
+               f"{cl['per_token']:.2f} target steps per token.")
+        if cw["per_token"] > cl["per_token"]:
+            gap = winner["tokens_per_s_avg"] / loser["tokens_per_s_avg"] - 1
+            why += (f" By those costs the other drafter is cheaper per token there, so this {gap:.1%} lead comes "
+                    "from the other length categories or from run-to-run noise.")
+    kind = "block drafter" if winner is blk else "LM drafter"
+    return ("\n\n## Which drafter wins\n\n" + "\n".join(lines)
+            + f"\n\nThe {kind} wins in this run: ({winner['id']}) {winner['tokens_per_s_avg']:.1f} vs "
+              f"({loser['id']}) {loser['tokens_per_s_avg']:.1f} tok/s.{why}")
+
+
 def markdown(results: dict) -> str:
     cfg, env = results["config"], results["environment"]
     lengths = ", ".join(f"{c} {n}" for c, n in results["lengths"].items())
@@ -152,7 +228,8 @@ def markdown(results: dict) -> str:
 Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['dtype']} activations;
 {'greedy' if cfg['sampling']['temperature'] == 0 else f"temperature {cfg['sampling']['temperature']}"}; {cfg['max_new_tokens']} new tokens
 per prompt with EOS ignored; {cfg['warmup']} warm-up + {cfg['runs']} timed runs per prompt and row, interleaved;
-k = {cfg['spec']['draft_len']} draft tokens per step; draft window {cfg['spec']['draft_window']} (row e).
+k = {cfg['spec']['draft_len']} draft tokens per step (block drafter rows: k = {cfg.get('block_draft_len')}, one drafter
+forward per step); draft window {cfg['spec']['draft_window']} (rows e, h).
 Prompt lengths (target tokens): {lengths}.
 
 {qlines}
@@ -170,7 +247,8 @@ rescaled to the baseline's step time. MAL = mean acceptance length = 1 + num_acc
 ## Per length category
 
 "decode speedup" compares TPOT; "predicted" and "Leviathan" predict it (Leviathan: α from the MAL, verify
-forward = one decode step). c = draft step / target step; verify ratio = (k+1)-token target forward / 1-token
+forward = one decode step). c = draft cost per drafted token / target step (a block drafter's one forward per
+step counts as k·c); verify ratio = (k+1)-token target forward / 1-token
 forward; both timed at prompt + max_new_tokens/2 context. "same tokens as": greedy output identical to the target's
 own output (row a for the high-precision target, b for the W4 one).
 
@@ -180,7 +258,7 @@ own output (row a for the high-precision target, b for the W4 one).
 
 Rate at position i = steps whose i-th draft token was accepted / steps (cumulative, so ≈ α^i).
 
-{position_table(results)}
+{position_table(results)}{whole_block_table(results)}{drafter_verdict(results)}
 
 ## Environment
 

@@ -107,9 +107,14 @@ def run_target(args) -> int:
         print(f"held-out KL(teacher || student): step 0 {first['kl']:.5f} -> best step {result['best']['step']} "
               f"{best['kl']:.5f} (± {best['kl_sem']:.5f}); ppl {first['ppl']:.2f} -> {best['ppl']:.2f} "
               f"(teacher {best['ppl_ref']:.2f}); top-1 {first['top1_agree']:.2%} -> {best['top1_agree']:.2%}")
-        print(f"model: {result['model']}  log: {result['log']}  ({result['seconds_per_step']:.2f} s/step, "
+        print(f"model: {result['model']}  log: {result['log']}  ({_per_step(result['seconds_per_step'])}, "
               f"{result['optimizer']})")
     return 0
+
+
+def _per_step(seconds: float | None) -> str:
+    """A resumed run that had no step left to train has no step time."""
+    return "no step trained in this call" if seconds is None else f"{seconds:.2f} s/step"
 
 
 def add_draft(p: argparse.ArgumentParser):
@@ -141,7 +146,7 @@ def run_draft(args) -> int:
     else:
         for st in result["stages"]:
             print(f"{st['stage']}: target {st['target']}; best step {st['best']['step']} "
-                  f"({st['seconds_per_step']:.2f} s/step) -> {st['model']}")
+                  f"({_per_step(st['seconds_per_step'])}) -> {st['model']}")
             if st["best_eval"]:
                 print("  held-out: " + ", ".join(f"{k} {v:.4f}" for k, v in st["best_eval"].items()
                                                  if isinstance(v, float)))

@@ -24,6 +24,7 @@ import torch
 from specquant.errors import SpecquantError
 
 KINDS = ("block", "lm")
+BLOCK_INITS = ("random", "target")
 
 
 @dataclass
@@ -39,6 +40,11 @@ class DraftConfig:
     target_layer_ids: str = field(default="", metadata={
         "help": "block: comma-separated 0-based target layers read (default: 4 spread over the target's layers)"})
     mask_token_id: int = field(default=-1, metadata={"help": "block: MASK token id (-1: the tokenizer's pad token)"})
+    block_init: str = field(default="random", metadata={
+        "help": "block: how a fresh drafter starts: random (small normal init) or target (its layers copied from "
+                "the target's last layers, fc reading the last tapped layer)", "choices": BLOCK_INITS})
+    stage2_steps: int = field(default=0, metadata={
+        "help": "with --stage1-target: optimizer steps of stage 2's fresh schedule (0: the same as --steps)"})
     heldout: str | None = field(default=None, metadata={"help": "held-out text (default: bundled heldout.txt)"})
     eval_seq_len: int = field(default=256, metadata={"help": "tokens per held-out sequence"})
     kl_chunk: int = field(default=256, metadata={"help": "lm: positions per KL chunk"})
@@ -49,6 +55,10 @@ class DraftConfig:
                 raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
         if self.block_size < 2:
             raise SpecquantError(f"block_size={self.block_size} must be at least 2")
+        if self.stage2_steps < 0:
+            raise SpecquantError(f"stage2_steps={self.stage2_steps} must be >= 0 (0: the same as --steps)")
+        if self.block_init not in BLOCK_INITS:
+            raise SpecquantError(f"block_init {self.block_init!r} is unknown; use one of {', '.join(BLOCK_INITS)}")
         return self
 
     def layer_ids(self, num_target_layers: int) -> list[int]:
@@ -64,19 +74,45 @@ class DraftConfig:
         return sorted({round(1 + i * (last - 1) / max(1, taps - 1)) for i in range(taps)})
 
 
-def init_block_drafter(drafter, target, seed: int):
-    """Small normal init (residual projections scaled by depth); the output norm starts as the target's final
-    norm, so the untrained drafter speaks through the target's lm_head at the target's scale."""
+def init_block_drafter(drafter, target, seed: int, mode: str = "random"):
+    """A fresh drafter's weights; the output norm always starts as the target's final norm, so the untrained drafter
+    speaks through the target's lm_head at the target's scale.
+
+    random: small normal init (residual projections scaled by depth).
+    target: drafter layer i is a copy of target layer L - n + i (same shape: BlockDraftConfig.for_target), fc
+    passes the last tapped layer's output through unchanged (the other taps start at a small random weight) and
+    hidden_norm is the input norm of the target layer after that tap, so the last drafter layer starts by reading
+    the context K/V its source layer reads in the target."""
     import math
 
     g = torch.Generator().manual_seed(seed)
-    depth = drafter.config.num_hidden_layers
+    cfg = drafter.config
+    depth = cfg.num_hidden_layers
     with torch.no_grad():
         for n, p in drafter.named_parameters():
             if p.dim() == 2:
                 std = 0.02 / math.sqrt(2 * depth) if n.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=g) * std)
         drafter.norm.weight.copy_(target.model.norm.weight)
+        if mode == "random":
+            return
+        if mode != "target":
+            raise SpecquantError(f"block_init {mode!r} is unknown; use one of {', '.join(BLOCK_INITS)}")
+        layers = target.model.layers
+        if depth > len(layers):
+            raise SpecquantError(f"block_init target copies target layers, but the drafter has {depth} layers and "
+                                 f"the target {len(layers)}; use fewer --layers or --block-init random")
+        for i, layer in enumerate(drafter.layers):
+            src = dict(layers[len(layers) - depth + i].named_parameters())
+            for n, p in layer.named_parameters():
+                if n not in src or src[n].shape != p.shape:
+                    raise SpecquantError(f"block_init target: target layer has no {n} of shape {tuple(p.shape)}; "
+                                         "use --block-init random")
+                p.copy_(src[n].float())
+        h, last = cfg.hidden_size, cfg.target_layer_ids[-1]
+        drafter.fc.weight[:, -h:].copy_(torch.eye(h))
+        nxt = min(last + 1, len(layers) - 1)
+        drafter.hidden_norm.weight.copy_(layers[nxt].input_layernorm.weight.float())
 
 
 class LMDraftTask:
@@ -131,7 +167,7 @@ def _block_task(target, target_dir, tokenizer, cfg: DraftConfig, bcfg, eval_toke
                                            target_layer_ids=cfg.layer_ids(target.config.num_hidden_layers),
                                            mask_token_id=mask)
         drafter = BlockDraftModel(dcfg).to(device)
-        init_block_drafter(drafter, target, seed)
+        init_block_drafter(drafter, target, seed, cfg.block_init)
     objective = BlockDraftObjective(drafter, target, bcfg)
     return BlockDraftTask(objective, eval_tokens, tokenizer_from=target_dir,
                           extra_config={"specquant_distill_draft": meta})
@@ -177,6 +213,8 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
             raise SpecquantError("--kind lm needs --init: the small LM drafter to adapt")
         init = "tiny-draft"
     for name, t in stages:
+        stage_train = dataclasses.replace(train, steps=cfg.stage2_steps) if name == "stage2" and cfg.stage2_steps \
+            else train
         target_model = load_model(target_dirs[name], dtype=DTYPES[dtype], device=str(dev))
         for p in target_model.parameters():
             p.requires_grad_(False)
@@ -184,7 +222,7 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
         blocks = load_blocks(data_path, tokenizer, train.seq_len, vocab)
         eval_tokens = heldout_tokens(tokenizer, heldout, bcfg.eval_samples, cfg.eval_seq_len).to(dev)
         meta = {"kind": kind, "stage": name or "single", "target": str(target_dirs[name]), "data": str(data_path),
-                "init": str(init) if init else None, "train": train.to_json(), "draft": dataclasses.asdict(cfg)}
+                "init": str(init) if init else None, "train": stage_train.to_json(), "draft": dataclasses.asdict(cfg)}
         if kind == "block":
             task = _block_task(target_model, target_dirs[name], tokenizer, cfg, bcfg, eval_tokens, init, train.seed,
                                {**meta, "objective": dataclasses.asdict(bcfg)})
@@ -196,7 +234,7 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
             claim_out_dir(out, overwrite=True)  # marked as ours: a rerun there needs no --overwrite for its parent
         if overwrite and not resuming[name] and rank == 0 and d.exists():
             clear_our_outputs(d)
-        trainer = Trainer(task, BlockOrder(blocks, train.seed), train, d, device=dev, progress=progress,
+        trainer = Trainer(task, BlockOrder(blocks, train.seed), stage_train, d, device=dev, progress=progress,
                           run_info={"kind": kind, "stage": meta["stage"], "target": meta["target"]})
         result = trainer.fit(resume=resuming[name])
         if rank == 0:

@@ -366,8 +366,8 @@ class Trainer:
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
-        if final is None:  # resumed at the last step: nothing left to train
-            final = self.evaluate()
+        if final is None:  # resumed at (or past) the last step, e.g. with --steps lowered to stop a run early:
+            final = self._eval_and_export()  # nothing left to train, but these weights may be the best: record them
         self._log({"step": self.step, "event": "train_end", "best_step": self.best["step"],
                    "rank_digests": self.rank_digests(), "peak_memory_mb": peak_memory_mb(self.device),
                    "median_seconds_per_step": sorted(step_times)[len(step_times) // 2] if step_times else None})
