@@ -125,19 +125,25 @@ def detail_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _acceptance_lines(rows: list[dict], key: str) -> tuple[int, list[str]]:
+    """Markdown rows of per-position acceptance and MAL for `rows`' `key` entry (acceptance_all or
+    acceptance_whole_block); returns (the longest k, the lines)."""
+    k = max(len(r[key]["acceptance_rate_per_pos"]) for r in rows)
+    head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL (all sets)" if key == "acceptance_all" else "MAL"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        acc = r[key]
+        rates = acc["acceptance_rate_per_pos"]
+        lines.append("| " + " | ".join([f"({r['id']}) {r['name']}"] + [_f(x) for x in rates]
+                                        + ["-"] * (k - len(rates)) + [_f(acc["mean_acceptance_length"])]) + " |")
+    return k, lines
+
+
 def position_table(results: dict) -> str:
     spec = [r for r in ok_rows(results) if r.get("acceptance_all")]
     if not spec:
         return "(no speculative row ran on the content sets)"
-    k = max(len(r["acceptance_all"]["acceptance_rate_per_pos"]) for r in spec)
-    head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL (all sets)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in spec:
-        rates = r["acceptance_all"]["acceptance_rate_per_pos"]
-        lines.append("| " + " | ".join([f"({r['id']}) {r['name']}"] + [_f(x) for x in rates]
-                                        + ["-"] * (k - len(rates))
-                                        + [_f(r["acceptance_all"]["mean_acceptance_length"])]) + " |")
-    return "\n".join(lines)
+    return "\n".join(_acceptance_lines(spec, "acceptance_all")[1])
 
 
 def whole_block_table(results: dict) -> str:
@@ -145,14 +151,7 @@ def whole_block_table(results: dict) -> str:
     rows = [r for r in ok_rows(results) if r.get("acceptance_whole_block")]
     if not rows:
         return ""
-    k = max(len(r["acceptance_whole_block"]["acceptance_rate_per_pos"]) for r in rows)
-    head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        acc = r["acceptance_whole_block"]
-        rates = acc["acceptance_rate_per_pos"]
-        lines.append("| " + " | ".join([f"({r['id']}) {r['name']}"] + [_f(x) for x in rates]
-                                        + ["-"] * (k - len(rates)) + [_f(acc["mean_acceptance_length"])]) + " |")
+    k, lines = _acceptance_lines(rows, "acceptance_whole_block")
     return ("\n\n## Block drafter, whole block verified\n\nThe block rows again on the content sets with k = "
             f"block_size - 1 = {k} (untimed, greedy): acceptance at every block position. The timed rows use "
             f"k = {results['config']['block_draft_len']}.\n\n" + "\n".join(lines))
