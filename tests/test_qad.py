@@ -114,8 +114,9 @@ def test_best_step_is_exported_and_generate_runs_it(pair, tmp_path):
 def test_chunked_kl_equals_full_vocabulary_reference(t, chunk):
     """The chunked, checkpointed KL and its gradient equal the plain one-shot formula."""
     teacher, student = tiny_lm(0), tiny_lm(1)
-    hidden_t = torch.randn(2, t, 64)
-    hidden_s = torch.randn(2, t, 64, requires_grad=True)
+    gen = torch.Generator().manual_seed(t * 100 + chunk)  # seeded: the inputs were unseeded, so the test was flaky
+    hidden_t = torch.randn(2, t, 64, generator=gen)
+    hidden_s = torch.randn(2, t, 64, generator=gen).requires_grad_()
     got = chunked_kl(hidden_s, hidden_t, student.lm_head, teacher.lm_head, chunk)
     (g_got,) = torch.autograd.grad(got, hidden_s)
     tlp = torch.log_softmax(teacher.lm_head(hidden_t).float(), -1)
@@ -123,7 +124,9 @@ def test_chunked_kl_equals_full_vocabulary_reference(t, chunk):
     ref = (tlp.exp() * (tlp - slp)).sum(-1).mean()
     (g_ref,) = torch.autograd.grad(ref, hidden_s)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(g_got, g_ref, rtol=1e-4, atol=1e-8)
+    # absolute tolerance scaled to the gradient: fp32 sums in a different order (chunks, thread count) differ by
+    # ~1e-7 on entries near zero, where a pure relative tolerance fails; a wrong chunking is off by orders more
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-4, atol=1e-5 * float(g_ref.abs().max()))
 
 
 def test_max_start_kl_refuses_before_writing_anything(pair, tmp_path, capsys):

@@ -21,6 +21,7 @@ from torch import nn
 from specquant.model.block_draft import BlockDraftModel, capture_features
 from specquant.quant.config import QuantConfig
 from specquant.quant.gptq import gptq_quantize
+from specquant.quant.grid import dequantize
 from specquant.quant.pipeline import _error_row, _swap, tensor_bytes
 
 
@@ -78,7 +79,8 @@ def gptq_block_drafter(drafter: BlockDraftModel, target, tokens: torch.Tensor, c
     rows = []
     for name, lin in linears.items():
         res = gptq_quantize(lin.weight, hessians[name], cfg, cfg.group_for(name, lin.in_features), scale_dtype, name)
-        rows.append(_error_row(name, res, samples.get(name), cfg.seed))
+        deq = dequantize(res.codes, res.scale.float(), res.zero)
+        rows.append(_error_row(name, res, deq, samples.get(name), cfg.seed))
         _swap(drafter, name, res, lin, cfg.bits)
     drafter.quant_config = cfg
     return {"method": "gptq", "config": cfg.to_json(), "layers": rows, "quantized_linears": len(rows),
