@@ -41,11 +41,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specquant.model.checkpoint import read_config
 from specquant.model.config import ModelConfig
-from specquant.model.decoder import Transformer, attention_mask
+from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
 
@@ -130,14 +129,12 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dic
     hidden = {t: torch.randn(1, t, cfg.hidden_size, generator=gen).to(dtype) for t in rows}
     toks = {t: torch.randint(0, cfg.vocab_size, (1, t), generator=gen) for t in rows}
     attn = [layer.self_attn for layer in model.model.layers]
-    gqa = cfg.num_key_value_heads != cfg.num_attention_heads
 
-    def attention(t):
+    def attention(t):  # the decoder's own choice of path (Attention.plan / attend), mask built once per step
         q = torch.randn(1, cfg.num_attention_heads, t, cfg.head_dim, dtype=dtype)
-        mask = attention_mask(context, t, 0, context + t, None, "cpu")
+        mask, folded = attn[0].plan(context, t, q.device)
         for a in attn:
-            k, v = a.cache.k[:, :, : context + t], a.cache.v[:, :, : context + t]
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            a.attend(q, a.cache.k[:, :, : context + t], a.cache.v[:, :, : context + t], mask, folded)
 
     parts = {"step": lambda t: model(toks[t], context),
              "linears": lambda t: [lin(xs[t][lin.in_features]) for lin in linears],
@@ -206,6 +203,9 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--lm-head", default="dense", choices=HEAD_PRECISIONS,
                     help="W4 models: the head's precision (specquant.quant.head)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "reference"],
+                    help="auto: the decoder's rule (folded few-query attention where it measured faster); "
+                    "reference: SDPA with enable_gqa everywhere (Attention.fold_enabled = False)")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp directory with llama-bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -223,6 +223,8 @@ def main():
         for mode in args.modes.split(","):
             t0 = time.perf_counter()
             model = build(cfg, mode, args.lm_head)
+            for layer in model.model.layers:
+                layer.self_attn.fold_enabled = args.attention == "auto"
             build_s = time.perf_counter() - t0
             res = measure(model, rows, args.context, args.reps)
             floor = {t: step_bytes(model, args.context, t) / (bw * 1e9) * 1e3 for t in rows}
@@ -246,7 +248,7 @@ def main():
     print("columns: tok/s = 1 / one-token step; floor = streamed-bandwidth bound; vT = T-row verify / 1-row step; "
           "lin/attn/head/rest = 1-row ms; v4 = the same parts at 4 rows")
     print(json.dumps({"benchmark": "shapes", "bandwidth_gb_s": bw, "threads": args.threads, "context": args.context,
-                      "reps": args.reps, "load_avg": os.getloadavg()[0], "torch": torch.__version__,
+                      "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0], "torch": torch.__version__,
                       "results": results}))
 
 

@@ -248,15 +248,19 @@ class Attention(nn.Module):
                 keys, values = k, v
             else:
                 keys, values, _ = self.cache.update(start_pos, k, v)
-        if folded:
-            g = self.n_heads // self.n_kv
-            q = q.reshape(b, self.n_kv, g * t, self.head_dim)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(b, self.n_heads, t, -1)
-        elif mask is None and self.cache is None and t > 1:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        out = self.attend(q, keys, values, mask, folded, causal=mask is None and self.cache is None and t > 1)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def attend(self, q, keys, values, mask, folded: bool, causal: bool = False) -> torch.Tensor:
+        """q [b, heads, t, d] over keys/values [b, kv_heads, S, d] -> [b, heads, t, d]; folded: see fold()."""
+        if folded:
+            b, _, t, d = q.shape
+            q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv * t, d)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(b, self.n_heads, t, d)
+        gqa = self.n_kv != self.n_heads
+        if causal:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
