@@ -117,7 +117,19 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dict:
+def set_fold(model: Transformer, on: bool):
+    for layer in model.model.layers:
+        layer.self_attn.fold_enabled = on
+
+
+def reference_step(model: Transformer, tokens: torch.Tensor, context: int):
+    """One step with the reference attention path (--attention ab: timed interleaved with the default step)."""
+    set_fold(model, False)
+    model(tokens, context)
+    set_fold(model, True)
+
+
+def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bool = False) -> dict:
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype
     gen = torch.Generator().manual_seed(1)
@@ -132,7 +144,7 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dic
 
     def attention(t):  # the decoder's own choice of path (Attention.plan / attend), mask built once per step
         q = torch.randn(1, cfg.num_attention_heads, t, cfg.head_dim, dtype=dtype)
-        mask, folded = attn[0].plan(context, t, q.device)
+        mask, folded = attn[0].plan(context, t, q.dtype, q.device)
         for a in attn:
             a.attend(q, a.cache.k[:, :, : context + t], a.cache.v[:, :, : context + t], mask, folded)
 
@@ -140,6 +152,8 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dic
              "linears": lambda t: [lin(xs[t][lin.in_features]) for lin in linears],
              "attention": attention,
              "lm_head": lambda t: model.lm_head(hidden[t])}
+    if ab:
+        parts["reference_step"] = lambda t: reference_step(model, toks[t], context)
     samples = {(p, t): [] for p in parts for t in rows}
     with torch.inference_mode():
         for fn in parts.values():  # warm-up: backend choices, repacks, allocator
@@ -157,6 +171,8 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dic
                   "linears_ms": med["linears"] * 1e3, "attention_ms": med["attention"] * 1e3,
                   "lm_head_ms": med["lm_head"] * 1e3,
                   "rest_ms": (med["step"] - med["linears"] - med["attention"] - med["lm_head"]) * 1e3}
+        if ab:
+            res[t]["reference_ms"] = med["reference_step"] * 1e3
     model.clear_cache()
     return res
 
@@ -203,9 +219,10 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--lm-head", default="dense", choices=HEAD_PRECISIONS,
                     help="W4 models: the head's precision (specquant.quant.head)")
-    ap.add_argument("--attention", default="auto", choices=["auto", "reference"],
+    ap.add_argument("--attention", default="auto", choices=["auto", "reference", "ab"],
                     help="auto: the decoder's rule (folded few-query attention where it measured faster); "
-                    "reference: SDPA with enable_gqa everywhere (Attention.fold_enabled = False)")
+                    "reference: SDPA with enable_gqa everywhere (Attention.fold_enabled = False); ab: auto, plus "
+                    "the reference step timed interleaved with it (a second row, 'reference')")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp directory with llama-bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -223,10 +240,9 @@ def main():
         for mode in args.modes.split(","):
             t0 = time.perf_counter()
             model = build(cfg, mode, args.lm_head)
-            for layer in model.model.layers:
-                layer.self_attn.fold_enabled = args.attention == "auto"
+            set_fold(model, args.attention != "reference")
             build_s = time.perf_counter() - t0
-            res = measure(model, rows, args.context, args.reps)
+            res = measure(model, rows, args.context, args.reps, ab=args.attention == "ab")
             floor = {t: step_bytes(model, args.context, t) / (bw * 1e9) * 1e3 for t in rows}
             one = res[1]
             lc = llama_bench(args.llama_cpp, shape, mode, rows)
@@ -244,11 +260,18 @@ def main():
                   + f" {one['linears_ms']:7.2f} {one['attention_ms']:6.2f} {one['lm_head_ms']:6.2f} "
                   f"{one['rest_ms']:6.2f} {v4['linears_ms']:5.1f}/{v4['attention_ms']:4.1f}/{v4['lm_head_ms']:5.1f} "
                   f"{max(r['spread'] for r in res.values()):6.2f}  {lc_s}", flush=True)
+            if args.attention == "ab":
+                ref = {t: res[t]["reference_ms"] for t in rows}
+                row["reference_decode_tok_s"] = 1e3 / ref[1]
+                row["reference_verify_steps"] = {t: ref[t] / ref[1] for t in rows if t > 1}
+                print(f"{'  reference':<12} {mode:<5} {row['reference_decode_tok_s']:7.1f} {'':>7} "
+                      + " ".join(f"{row['reference_verify_steps'][t]:6.2f}" for t in rows if t > 1), flush=True)
             del model
     print("columns: tok/s = 1 / one-token step; floor = streamed-bandwidth bound; vT = T-row verify / 1-row step; "
           "lin/attn/head/rest = 1-row ms; v4 = the same parts at 4 rows")
     print(json.dumps({"benchmark": "shapes", "bandwidth_gb_s": bw, "threads": args.threads, "context": args.context,
-                      "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0], "torch": torch.__version__,
+                      "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0],
+                      "torch": torch.__version__,
                       "results": results}))
 
 

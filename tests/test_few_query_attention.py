@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import VOCAB, random_model
 
-from specquant.model.decoder import FOLD_MAX_ROWS, Transformer, attention_mask
+from specquant.model.decoder import FOLD_MAX_ROWS, FOLD_MIN_ROWS, Transformer, attention_mask
 
 STEPS = [(1, 1), (2, 1), (4, 3), (8, 2), (16, 16), (5, 0), (3, 3), (1, 1)]  # (queries, of which accepted)
 
@@ -43,9 +43,10 @@ def test_folded_matches_reference(window, heads, dtype):
     attn = model.model.layers[0].self_attn
     model.setup_cache(2, 64, max_block=16, window=window)
     assert attn.n_heads // attn.n_kv == heads // 2
-    assert all(attn.plan(20, t, torch.device("cpu"))[1] for t in range(1, FOLD_MAX_ROWS + 1))  # it does fold
+    cpu, first = torch.device("cpu"), FOLD_MIN_ROWS[dtype]
+    assert all(attn.plan(20, t, dtype, cpu)[1] for t in range(first, FOLD_MAX_ROWS + 1))  # it does fold
     set_fold(model, False)
-    assert not attn.plan(20, 4, torch.device("cpu"))[1]
+    assert not attn.plan(20, 4, dtype, cpu)[1]
     reference = verify_run(model, ids, 11, window, 16)
     set_fold(model, True)
     folded = verify_run(model, ids, 11, window, 16)
@@ -69,10 +70,12 @@ def test_no_fold_outside_its_measured_range():
     model = random_model("qwen3", seed=3)
     attn = model.model.layers[0].self_attn
     cpu = torch.device("cpu")
-    assert not attn.plan(0, 4, cpu)[1]  # no cache: training / scoring keeps SDPA's causal path
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert not attn.plan(0, 4, f32, cpu)[1]  # no cache: training / scoring keeps SDPA's causal path
     model.setup_cache(1, 64)
-    assert attn.plan(0, FOLD_MAX_ROWS, cpu)[1] and not attn.plan(0, FOLD_MAX_ROWS + 1, cpu)[1]
-    assert not attn.fold(4, torch.device("cuda"))
+    assert attn.plan(0, FOLD_MAX_ROWS, f32, cpu)[1] and not attn.plan(0, FOLD_MAX_ROWS + 1, f32, cpu)[1]
+    assert attn.plan(0, 1, f32, cpu)[1] and not attn.plan(0, 1, bf16, cpu)[1] and attn.plan(0, 2, bf16, cpu)[1]
+    assert not attn.fold(4, torch.float16, cpu) and not attn.fold(4, f32, torch.device("cuda"))
     mha = random_model("qwen3", seed=3, num_key_value_heads=4)  # no GQA group to fold
     mha.setup_cache(1, 64)
-    assert not mha.model.layers[0].self_attn.plan(0, 4, cpu)[1]
+    assert not mha.model.layers[0].self_attn.plan(0, 4, f32, cpu)[1]

@@ -152,7 +152,8 @@ class KVCache(nn.Module):
         self.length = min(self.length, length)
 
 
-FOLD_MAX_ROWS = 16  # Attention: cached CPU steps of up to this many queries fold the GQA group into the queries
+FOLD_MAX_ROWS = 16  # Attention: cached CPU steps of up to this many queries fold the GQA group into the queries,
+FOLD_MIN_ROWS = {torch.float32: 1, torch.bfloat16: 2}  # from this many, in these dtypes (others: never)
 
 
 def attention_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None, device,
@@ -195,28 +196,32 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
         self.fold_enabled = True  # False: always the reference path (SDPA with enable_gqa); tests compare the two
 
-    def fold(self, t: int, device: torch.device) -> bool:
+    def fold(self, t: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a cached step of t queries runs folded: one SDPA per KV head whose queries are
         the group's g query heads x t positions ([batch, kv_heads, g*t, d] against [batch, kv_heads, k_len, d]),
         so K and V are read once per KV head instead of once per query head, and the mask is built once per step.
 
-        CPU, GQA, sliced caches, 1..FOLD_MAX_ROWS queries: measured with benchmarks/few_query_attention.py (torch
-        2.13, 1 thread, interleaved, docs/SHAPES.md) at the Qwen3-0.6B and bundled-target shapes over 64-1024
-        keys, folded took 0.74-1.00x of SDPA-with-enable_gqa's time at 2..16 queries and 0.77-1.07x at one (the
-        1.07x: 13.4 vs 12.5 us, tiny-target, 64 keys). Longer blocks (prefill) and other devices were not
-        measured and keep the reference path; so does the static cache (one masked SDPA over the whole buffer,
-        shape-static for compiled steps).
+        CPU, GQA, sliced caches, FOLD_MIN_ROWS..FOLD_MAX_ROWS queries: measured with
+        benchmarks/few_query_attention.py (torch 2.13, 1 thread, interleaved, docs/SHAPES.md) at the Qwen3-0.6B
+        and bundled-target shapes over 64-1024 keys. fp32: folded took 0.74-1.00x of SDPA-with-enable_gqa's time
+        at 2..16 queries and 0.77-1.07x at one (the 1.07x: 13.4 vs 12.5 us, tiny-target, 64 keys). bf16:
+        0.71-0.99x at 2..16 queries (one 1.09x: tiny-target, 256 keys, 8 queries) but 1.09-1.36x at one, so
+        bf16 decode steps keep SDPA. Longer blocks (prefill), other dtypes and devices were not measured and keep
+        the reference path; so does the static cache (one masked SDPA over the whole buffer, shape-static for
+        compiled steps).
         """
-        return self.fold_enabled and self.n_kv < self.n_heads and device.type == "cpu" and t <= FOLD_MAX_ROWS
+        return (self.fold_enabled and self.n_kv < self.n_heads and device.type == "cpu"
+                and FOLD_MIN_ROWS.get(dtype, FOLD_MAX_ROWS + 1) <= t <= FOLD_MAX_ROWS)
 
-    def plan(self, start_pos: int, t: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    def plan(self, start_pos: int, t: int, dtype: torch.dtype, device: torch.device
+             ) -> tuple[torch.Tensor | None, bool]:
         """(mask, folded) for a sliced-cache or cache-free step; the same for every layer of a model (one cache
         layout and window), so Transformer.forward builds it once per step and hands it to each layer."""
         if self.cache is None:
             return attention_mask(start_pos, t, start_pos, t, self.window, device), False
         k_start = self.cache.key_start(start_pos)
         k_len = start_pos + t - k_start
-        folded = self.fold(t, device)
+        folded = self.fold(t, dtype, device)
         groups = self.n_heads // self.n_kv if folded else 1
         return attention_mask(start_pos, t, k_start, k_len, self.window, device, groups), folded
 
@@ -243,7 +248,7 @@ class Attention(nn.Module):
         if self.cache is not None and self.cache.static:
             keys, values, mask = self.cache.update_static(input_pos, k, v)
         else:
-            mask, folded = plan or self.plan(start_pos, t, x.device)
+            mask, folded = plan or self.plan(start_pos, t, x.dtype, x.device)
             if self.cache is None:  # training / cache-free scoring: the whole sequence is in this call
                 keys, values = k, v
             else:
@@ -419,7 +424,7 @@ class Transformer(nn.Module):
             cos = self.rope_cos[start_pos : start_pos + t].to(x.dtype)
             sin = self.rope_sin[start_pos : start_pos + t].to(x.dtype)
         # the sliced path's mask (and whether attention folds) is the same for every layer: built once per step
-        plan = None if self.static_cache else self.model.layers[0].self_attn.plan(start_pos, t, x.device)
+        plan = None if self.static_cache else self.model.layers[0].self_attn.plan(start_pos, t, x.dtype, x.device)
         hidden = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, start_pos, input_pos, plan)
