@@ -59,6 +59,24 @@ def test_folded_matches_reference(window, heads, dtype):
             assert torch.equal(ref.argmax(-1), got.argmax(-1)) or diff.max().item() <= 0.05
 
 
+@torch.no_grad()
+def test_one_layer_switched_off_takes_the_reference_path():
+    """The step's plan comes from layer 0; a layer with fold_enabled = False must still run the reference path."""
+    model = random_model("qwen3", seed=3, num_hidden_layers=3)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
+    set_fold(model, False)
+    reference = verify_run(model, ids, 11, None, 16)
+    set_fold(model, True)
+    model.model.layers[1].self_attn.fold_enabled = False
+    calls = []
+    attend = model.model.layers[1].self_attn.attend
+    model.model.layers[1].self_attn.attend = lambda *a, **k: calls.append(a[4]) or attend(*a, **k)
+    mixed = verify_run(model, ids, 11, None, 16)
+    assert calls and not any(calls)  # layer 1 never folded
+    for ref, got in zip(reference, mixed):
+        assert (ref - got).abs().max().item() <= 1e-5
+
+
 def test_folded_mask_rows_are_group_major():
     plain = attention_mask(10, 4, 3, 11, 6, "cpu")
     folded = attention_mask(10, 4, 3, 11, 6, "cpu", groups=3)

@@ -248,7 +248,9 @@ class Attention(nn.Module):
         if self.cache is not None and self.cache.static:
             keys, values, mask = self.cache.update_static(input_pos, k, v)
         else:
-            mask, folded = plan or self.plan(start_pos, t, x.dtype, x.device)
+            if plan is None or (plan[1] and not self.fold_enabled):  # the step's plan is layer 0's choice
+                plan = self.plan(start_pos, t, x.dtype, x.device)
+            mask, folded = plan
             if self.cache is None:  # training / cache-free scoring: the whole sequence is in this call
                 keys, values = k, v
             else:
