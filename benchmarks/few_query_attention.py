@@ -1,11 +1,17 @@
-"""Few-query attention on CPU: torch's SDPA vs a grouped-matmul formulation, 1..16 queries over a KV cache.
+"""Few-query attention on CPU: the decoder's reference path (SDPA with enable_gqa) vs its folded path, 1..16 queries.
 
-The Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head_dim 128), fp32, contexts --contexts; the T queries
-sit at the end of the context under a causal mask (as in a verify step). Candidate `grouped`: the g = heads /
-kv_heads query heads sharing a KV head and the T queries form one [g·T, d] matrix per KV head, so K and V are read
-once per KV head for all of them (two matmuls and a softmax). Each is checked against SDPA (max abs error printed)
-and timed interleaved, --layers calls per sample (one per layer), median of --reps, CPU time of the process.
-Usage: python benchmarks/few_query_attention.py [--contexts 128,1024] [--threads 1]; a table, then one JSON line.
+A verify step of speculative decoding attends k+1 queries over the KV cache. Per step of --layers layers:
+- `sdpa` (reference, as before): each layer builds the [T, S] causal mask and calls SDPA with enable_gqa, which
+  reads K/V once per query head;
+- `folded` (Attention.fold in model/decoder.py): the mask is built once per step in the folded row order and every
+  layer calls SDPA on q viewed as [batch, kv_heads, g*T, head_dim], so K/V are read once per KV head.
+Shapes: Qwen3-0.6B (16 query heads, 8 KV heads, head_dim 128, 28 layers) and the bundled target (6 / 2 / 64,
+8 layers); the T queries sit at the end of the context, K/V are a slice of a larger static buffer (as in the sliced
+cache), q is non-contiguous (as after RoPE). Each pair is checked (max abs error), timed interleaved, median of
+--reps, CPU time of the process, reported per layer. `vs 1q` = cost / the same path's 1-query cost; `best vs 1q` =
+the faster path at T / the faster path at 1 query (what the decoder's rule gets).
+Usage: taskset -c 0 python benchmarks/few_query_attention.py [--contexts 64,256,1024] [--threads 1]
+Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -18,54 +24,79 @@ import time
 import torch
 import torch.nn.functional as F
 
+from specquant.model.decoder import attention_mask
 
-def grouped(q, k, v, mask):
-    b, h, t, d = q.shape
-    kv, s = k.shape[1], k.shape[2]
-    g = h // kv  # SDPA's enable_gqa: query head i uses KV head i // g
-    scores = torch.matmul(q.reshape(b, kv, g * t, d), k.transpose(-1, -2)).mul_(d**-0.5)
-    if mask is not None:
-        scores = scores.view(b, kv, g, t, s).masked_fill_(~mask, float("-inf")).view(b, kv, g * t, s)
-    p = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(p, v).view(b, h, t, d)
+SHAPES = {"qwen3-0.6b": (16, 8, 128, 28), "tiny-target": (6, 2, 64, 8)}  # heads, kv_heads, head_dim, layers
+
+
+def step_fns(heads, kv, d, layers, s, t, dtype):
+    """The two paths' attention for one step of `layers` layers, T = t queries over s + t keys."""
+    g = heads // kv
+    qs = [torch.randn(1, t, heads, d, dtype=dtype).transpose(1, 2) for _ in range(layers)]
+    bufs = [(torch.randn(1, kv, s + t + 64, d, dtype=dtype), torch.randn(1, kv, s + t + 64, d, dtype=dtype))
+            for _ in range(layers)]
+    kvs = [(k[:, :, : s + t], v[:, :, : s + t]) for k, v in bufs]
+
+    def sdpa():
+        out = []
+        for q, (k, v) in zip(qs, kvs):
+            mask = attention_mask(s, t, 0, s + t, None, "cpu")
+            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+        return out
+
+    def folded():
+        mask, out = attention_mask(s, t, 0, s + t, None, "cpu", g), []
+        for q, (k, v) in zip(qs, kvs):
+            o = F.scaled_dot_product_attention(q.reshape(1, kv, g * t, d), k, v, attn_mask=mask)
+            out.append(o.reshape(1, heads, t, d))
+        return out
+
+    return {"sdpa": sdpa, "folded": folded}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="128,1024")
+    ap.add_argument("--shapes", default="qwen3-0.6b,tiny-target")
+    ap.add_argument("--contexts", default="64,256,1024")
     ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     results = []
-    print(f"{'context':>7} {'T':>3} {'sdpa us':>8} {'grouped us':>10} {'sdpa vs T=1':>11} {'max err':>8}")
+    print(f"{'shape':<12} {'context':>7} {'T':>3} {'sdpa us':>8} {'folded us':>9} {'folded/sdpa':>11} "
+          f"{'sdpa vs 1q':>10} {'folded vs 1q':>12} {'best vs 1q':>10} {'max err':>8}")
     with torch.inference_mode():
-        for s in (int(c) for c in args.contexts.split(",")):
-            base = None
-            for t in (int(r) for r in args.rows.split(",")):
-                q = torch.randn(1, 16, t, 128)
-                k, v = torch.randn(1, 8, s + t, 128), torch.randn(1, 8, s + t, 128)
-                mask = (torch.arange(s + t)[None] <= torch.arange(s, s + t)[:, None]) if t > 1 else None
-                fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-                       "grouped": lambda: grouped(q, k, v, mask)}
-                err = float((fns["sdpa"]() - fns["grouped"]()).abs().max())
-                samples = {n: [] for n in fns}
-                for _ in range(args.reps):
-                    for n, fn in fns.items():
-                        t0 = time.process_time()
-                        for _ in range(args.layers):
+        for shape in args.shapes.split(","):
+            heads, kv, d, layers = SHAPES[shape]
+            for s in (int(c) for c in args.contexts.split(",")):
+                one = None
+                for t in (int(r) for r in args.rows.split(",")):
+                    fns = step_fns(heads, kv, d, layers, s, t, dtype)
+                    err = max(float((a.float() - b.float()).abs().max())
+                              for a, b in zip(fns["sdpa"](), fns["folded"]()))
+                    samples = {n: [] for n in fns}
+                    for _ in range(args.reps):
+                        for n, fn in fns.items():
+                            t0 = time.process_time()
                             fn()
-                        samples[n].append((time.process_time() - t0) / args.layers * 1e6)
-                row = {"context": s, "queries": t, **{f"{n}_us": statistics.median(v) for n, v in samples.items()},
-                       "max_abs_err": err}
-                base = base or row["sdpa_us"]
-                row["sdpa_vs_one_query"] = row["sdpa_us"] / base
-                results.append(row)
-                print(f"{s:>7} {t:>3} {row['sdpa_us']:8.0f} {row['grouped_us']:10.0f} "
-                      f"{row['sdpa_vs_one_query']:10.2f}x {err:8.1e}", flush=True)
-    print(json.dumps({"benchmark": "few_query_attention", "threads": args.threads, "results": results}))
+                            samples[n].append((time.process_time() - t0) / layers * 1e6)
+                    us = {n: statistics.median(v) for n, v in samples.items()}
+                    one = one or dict(us, best=min(us.values()))
+                    row = {"shape": shape, "context": s, "queries": t, "sdpa_us": us["sdpa"],
+                           "folded_us": us["folded"], "folded_vs_sdpa": us["folded"] / us["sdpa"],
+                           "sdpa_vs_one_query": us["sdpa"] / one["sdpa"],
+                           "folded_vs_one_query": us["folded"] / one["folded"],
+                           "best_vs_best_one_query": min(us.values()) / one["best"], "max_abs_err": err}
+                    results.append(row)
+                    print(f"{shape:<12} {s:>7} {t:>3} {us['sdpa']:8.1f} {us['folded']:9.1f} "
+                          f"{row['folded_vs_sdpa']:10.2f}x {row['sdpa_vs_one_query']:9.2f}x "
+                          f"{row['folded_vs_one_query']:11.2f}x {row['best_vs_best_one_query']:9.2f}x {err:8.1e}",
+                          flush=True)
+    print(json.dumps({"benchmark": "few_query_attention", "threads": args.threads, "dtype": args.dtype,
+                      "results": results}))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ DIR/shapes/<shape>-<f32|q4_0>.gguf for tg (decode) and pp2..pp16 (verify-sized p
 
 Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b] [--modes fp32,bf16,w4]
        [--rows 1,2,4,8,16] [--context 128] [--reps 5] [--threads N] [--lm-head dense] [--llama-cpp DIR]
+       [--attention auto|reference|ab]
 A table, then one JSON line.
 """
 
@@ -41,11 +42,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specquant.model.checkpoint import read_config
 from specquant.model.config import ModelConfig
-from specquant.model.decoder import Transformer, attention_mask
+from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
 
@@ -118,7 +118,19 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dict:
+def set_fold(model: Transformer, on: bool):
+    for layer in model.model.layers:
+        layer.self_attn.fold_enabled = on
+
+
+def reference_step(model: Transformer, tokens: torch.Tensor, context: int):
+    """One step with the reference attention path (--attention ab: timed interleaved with the default step)."""
+    set_fold(model, False)
+    model(tokens, context)
+    set_fold(model, True)
+
+
+def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bool = False) -> dict:
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype
     gen = torch.Generator().manual_seed(1)
@@ -130,19 +142,19 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dic
     hidden = {t: torch.randn(1, t, cfg.hidden_size, generator=gen).to(dtype) for t in rows}
     toks = {t: torch.randint(0, cfg.vocab_size, (1, t), generator=gen) for t in rows}
     attn = [layer.self_attn for layer in model.model.layers]
-    gqa = cfg.num_key_value_heads != cfg.num_attention_heads
 
-    def attention(t):
+    def attention(t):  # the decoder's own choice of path (Attention.plan / attend), mask built once per step
         q = torch.randn(1, cfg.num_attention_heads, t, cfg.head_dim, dtype=dtype)
-        mask = attention_mask(context, t, 0, context + t, None, "cpu")
+        mask, folded = attn[0].plan(context, t, q.dtype, q.device)
         for a in attn:
-            k, v = a.cache.k[:, :, : context + t], a.cache.v[:, :, : context + t]
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            a.attend(q, a.cache.k[:, :, : context + t], a.cache.v[:, :, : context + t], mask, folded)
 
     parts = {"step": lambda t: model(toks[t], context),
              "linears": lambda t: [lin(xs[t][lin.in_features]) for lin in linears],
              "attention": attention,
              "lm_head": lambda t: model.lm_head(hidden[t])}
+    if ab:
+        parts["reference_step"] = lambda t: reference_step(model, toks[t], context)
     samples = {(p, t): [] for p in parts for t in rows}
     with torch.inference_mode():
         for fn in parts.values():  # warm-up: backend choices, repacks, allocator
@@ -160,6 +172,8 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dic
                   "linears_ms": med["linears"] * 1e3, "attention_ms": med["attention"] * 1e3,
                   "lm_head_ms": med["lm_head"] * 1e3,
                   "rest_ms": (med["step"] - med["linears"] - med["attention"] - med["lm_head"]) * 1e3}
+        if ab:
+            res[t]["reference_ms"] = med["reference_step"] * 1e3
     model.clear_cache()
     return res
 
@@ -206,6 +220,10 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--lm-head", default="dense", choices=HEAD_PRECISIONS,
                     help="W4 models: the head's precision (specquant.quant.head)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "reference", "ab"],
+                    help="auto: the decoder's rule (folded few-query attention where it measured faster); "
+                    "reference: SDPA with enable_gqa everywhere (Attention.fold_enabled = False); ab: auto, plus "
+                    "the reference step timed interleaved with it (a second row, 'reference')")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp directory with llama-bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -223,8 +241,9 @@ def main():
         for mode in args.modes.split(","):
             t0 = time.perf_counter()
             model = build(cfg, mode, args.lm_head)
+            set_fold(model, args.attention != "reference")
             build_s = time.perf_counter() - t0
-            res = measure(model, rows, args.context, args.reps)
+            res = measure(model, rows, args.context, args.reps, ab=args.attention == "ab")
             floor = {t: step_bytes(model, args.context, t) / (bw * 1e9) * 1e3 for t in rows}
             one = res[1]
             lc = llama_bench(args.llama_cpp, shape, mode, rows)
@@ -242,11 +261,18 @@ def main():
                   + f" {one['linears_ms']:7.2f} {one['attention_ms']:6.2f} {one['lm_head_ms']:6.2f} "
                   f"{one['rest_ms']:6.2f} {v4['linears_ms']:5.1f}/{v4['attention_ms']:4.1f}/{v4['lm_head_ms']:5.1f} "
                   f"{max(r['spread'] for r in res.values()):6.2f}  {lc_s}", flush=True)
+            if args.attention == "ab":
+                ref = {t: res[t]["reference_ms"] for t in rows}
+                row["reference_decode_tok_s"] = 1e3 / ref[1]
+                row["reference_verify_steps"] = {t: ref[t] / ref[1] for t in rows if t > 1}
+                print(f"{'  reference':<12} {mode:<5} {row['reference_decode_tok_s']:7.1f} {'':>7} "
+                      + " ".join(f"{row['reference_verify_steps'][t]:6.2f}" for t in rows if t > 1), flush=True)
             del model
     print("columns: tok/s = 1 / one-token step; floor = streamed-bandwidth bound; vT = T-row verify / 1-row step; "
           "lin/attn/head/rest = 1-row ms; v4 = the same parts at 4 rows")
     print(json.dumps({"benchmark": "shapes", "bandwidth_gb_s": bw, "threads": args.threads, "context": args.context,
-                      "reps": args.reps, "load_avg": os.getloadavg()[0], "torch": torch.__version__,
+                      "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0],
+                      "torch": torch.__version__,
                       "results": results}))
 
 

@@ -118,6 +118,10 @@ class KVCache(nn.Module):
             mask &= kpos > qpos - self.window
         return self.k, self.v, mask
 
+    def key_start(self, start: int) -> int:
+        """Position of the first key `update(start, ...)` returns: 0, or the window's start for a ring."""
+        return 0 if self.window is None else max(0, start - self.window + 1)
+
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store k/v [batch, kv_heads, T, head_dim] at positions start..start+T-1.
 
@@ -139,7 +143,7 @@ class KVCache(nn.Module):
         slots = torch.arange(start, end, device=k.device) % self.capacity
         self.k.index_copy_(2, slots, k)
         self.v.index_copy_(2, slots, v)
-        first = max(0, start - self.window + 1)
+        first = self.key_start(start)
         idx = torch.arange(first, end, device=k.device) % self.capacity
         return self.k.index_select(2, idx), self.v.index_select(2, idx), first
 
@@ -148,11 +152,21 @@ class KVCache(nn.Module):
         self.length = min(self.length, length)
 
 
-def attention_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None, device) -> torch.Tensor | None:
-    """Boolean [t, k_len] mask: query at q_start+i sees key at k_start+j iff causal and inside the window."""
+FOLD_MAX_ROWS = 16  # Attention: cached CPU steps of up to this many queries fold the GQA group into the queries,
+FOLD_MIN_ROWS = {torch.float32: 1, torch.bfloat16: 2}  # from this many, in these dtypes (others: never)
+
+
+def attention_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None, device,
+                   groups: int = 1) -> torch.Tensor | None:
+    """Boolean [groups * t, k_len] mask: query at q_start+i sees key at k_start+j iff causal and inside the window.
+
+    groups > 1: the [t, k_len] mask repeated group-major (row r is query r % t), the row order of folded
+    attention (Attention.fold).
+    """
     if t == 1 and (window is None or k_len <= window):
         return None  # a single query sees every key handed to it
-    qpos = torch.arange(q_start, q_start + t, device=device)[:, None]
+    qpos = torch.arange(q_start, q_start + t, device=device)
+    qpos = (qpos.repeat(groups) if groups > 1 else qpos)[:, None]
     kpos = torch.arange(k_start, k_start + k_len, device=device)[None, :]
     mask = kpos <= qpos
     if window is not None:
@@ -180,8 +194,39 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.window = cfg.sliding_window
         self.cache: KVCache | None = None
+        self.fold_enabled = True  # False: always the reference path (SDPA with enable_gqa); tests compare the two
 
-    def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None):
+    def fold(self, t: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a cached step of t queries runs folded: one SDPA per KV head whose queries are
+        the group's g query heads x t positions ([batch, kv_heads, g*t, d] against [batch, kv_heads, k_len, d]),
+        so K and V are read once per KV head instead of once per query head, and the mask is built once per step.
+
+        CPU, GQA, sliced caches, FOLD_MIN_ROWS..FOLD_MAX_ROWS queries: measured with
+        benchmarks/few_query_attention.py (torch 2.13, 1 thread, interleaved, docs/SHAPES.md) at the Qwen3-0.6B
+        and bundled-target shapes over 64-1024 keys. fp32: folded took 0.74-1.00x of SDPA-with-enable_gqa's time
+        at 2..16 queries and 0.77-1.07x at one (the 1.07x: 13.4 vs 12.5 us, tiny-target, 64 keys). bf16:
+        0.71-0.99x at 2..16 queries (one 1.09x: tiny-target, 256 keys, 8 queries) but 1.09-1.36x at one, so
+        bf16 decode steps keep SDPA. Longer blocks (prefill), other dtypes and devices were not measured and keep
+        the reference path; so does the static cache (one masked SDPA over the whole buffer, shape-static for
+        compiled steps).
+        """
+        return (self.fold_enabled and self.n_kv < self.n_heads and device.type == "cpu"
+                and FOLD_MIN_ROWS.get(dtype, FOLD_MAX_ROWS + 1) <= t <= FOLD_MAX_ROWS)
+
+    def plan(self, start_pos: int, t: int, dtype: torch.dtype, device: torch.device
+             ) -> tuple[torch.Tensor | None, bool]:
+        """(mask, folded) for a sliced-cache or cache-free step; the same for every layer of a model (one cache
+        layout and window), so Transformer.forward builds it once per step and hands it to each layer."""
+        if self.cache is None:
+            return attention_mask(start_pos, t, start_pos, t, self.window, device), False
+        k_start = self.cache.key_start(start_pos)
+        k_len = start_pos + t - k_start
+        folded = self.fold(t, dtype, device)
+        groups = self.n_heads // self.n_kv if folded else 1
+        return attention_mask(start_pos, t, k_start, k_len, self.window, device, groups), folded
+
+    def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None,
+                plan: tuple[torch.Tensor | None, bool] | None = None):
         b, t, _ = x.shape
         if self.qkv_proj is not None:  # fused: q and k are normalized and rotated together, as one tensor
             y, d, nqk = self.qkv_proj(x), self.head_dim, self.n_heads + self.n_kv
@@ -199,19 +244,30 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
             k = apply_rope(k.transpose(1, 2), cos, sin)
+        folded = False
         if self.cache is not None and self.cache.static:
             keys, values, mask = self.cache.update_static(input_pos, k, v)
         else:
+            if plan is None or (plan[1] and not self.fold_enabled):  # the step's plan is layer 0's choice
+                plan = self.plan(start_pos, t, x.dtype, x.device)
+            mask, folded = plan
             if self.cache is None:  # training / cache-free scoring: the whole sequence is in this call
-                keys, values, k_start = k, v, start_pos
+                keys, values = k, v
             else:
-                keys, values, k_start = self.cache.update(start_pos, k, v)
-            mask = attention_mask(start_pos, t, k_start, keys.shape[2], self.window, x.device)
-        if mask is None and self.cache is None and t > 1:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+                keys, values, _ = self.cache.update(start_pos, k, v)
+        out = self.attend(q, keys, values, mask, folded, causal=mask is None and self.cache is None and t > 1)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def attend(self, q, keys, values, mask, folded: bool, causal: bool = False) -> torch.Tensor:
+        """q [b, heads, t, d] over keys/values [b, kv_heads, S, d] -> [b, heads, t, d]; folded: see fold()."""
+        if folded:
+            b, _, t, d = q.shape
+            q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv * t, d)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(b, self.n_heads, t, d)
+        gqa = self.n_kv != self.n_heads
+        if causal:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
@@ -239,8 +295,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, start_pos, input_pos=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, input_pos)
+    def forward(self, x, cos, sin, start_pos, input_pos=None, plan=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, input_pos, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -369,9 +425,11 @@ class Transformer(nn.Module):
         else:
             cos = self.rope_cos[start_pos : start_pos + t].to(x.dtype)
             sin = self.rope_sin[start_pos : start_pos + t].to(x.dtype)
+        # the sliced path's mask (and whether attention folds) is the same for every layer: built once per step
+        plan = None if self.static_cache else self.model.layers[0].self_attn.plan(start_pos, t, x.dtype, x.device)
         hidden = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, start_pos, input_pos)
+            x = layer(x, cos, sin, start_pos, input_pos, plan)
             if i in hidden_layers:
                 hidden[i] = x
         if last_only:
