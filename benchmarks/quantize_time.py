@@ -33,10 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/shapes.py: the shapes' configs
-from shapes import SHAPES  # noqa: E402
+from shapes import SHAPES, random_model  # noqa: E402
 
 from specquant.model.checkpoint import BUNDLED_DIR, load_dense, load_tokenizer, save_model  # noqa: E402
-from specquant.model.decoder import Transformer  # noqa: E402
 from specquant.quant import QuantConfig, quantize  # noqa: E402
 from specquant.quant.config import BUNDLED_CALIB  # noqa: E402
 from specquant.quant.quality import compare, heldout_tokens, logprobs  # noqa: E402
@@ -47,19 +46,7 @@ def random_checkpoint(shape: str, root: Path) -> Path:
     path = root / f"{shape}-random"
     if (path / "model.safetensors").exists():
         return path
-    cfg = SHAPES[shape]()
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name.split(".")[-2]:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = random_model(SHAPES[shape]())
     save_model(model.to(torch.bfloat16), path, tokenizer_from=BUNDLED_DIR / "tiny-target")
     return path
 

@@ -72,8 +72,9 @@ def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
     return buf.numel() * 4 / statistics.median(samples) / 1e9
 
 
-def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
-    """Random-init model in the mode's dtype (W4: RTN g32 of the fp32 weights), fused like the engine's loads."""
+def random_model(cfg: ModelConfig) -> Transformer:
+    """fp32 random-init model of the shape (N(0, 0.02) matrices, unit norms, seed 0; speed does not depend on the
+    values). benchmarks/quantize_time.py and shapes_gguf.py build the same model."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device="cpu")
@@ -87,6 +88,12 @@ def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model._set_rope(cfg.max_position_embeddings)
+    return model
+
+
+def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
+    """Random-init model in the mode's dtype (W4: RTN g32 of the fp32 weights), fused like the engine's loads."""
+    model = random_model(cfg)
     model = model.to(MODES[mode]).eval()
     if mode == "w4":
         from specquant.quant.config import QuantConfig

@@ -16,14 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import SHAPES  # noqa: E402
+from shapes import SHAPES, random_model  # noqa: E402
 
 from specquant.bench.llama_cpp import llama_quantize  # noqa: E402
 from specquant.export.gguf import source_from_model, write_gguf  # noqa: E402
-from specquant.model.decoder import Transformer  # noqa: E402
 
 
 def make(root: Path, shape: str) -> list[str]:
@@ -31,12 +29,7 @@ def make(root: Path, shape: str) -> list[str]:
     out.mkdir(exist_ok=True)
     f32 = out / f"{shape}-f32.gguf"
     if not f32.exists():
-        torch.manual_seed(0)
-        cfg = SHAPES[shape]()
-        model = Transformer(cfg).eval()
-        for p in model.parameters():
-            if p.dim() == 2:
-                torch.nn.init.normal_(p, std=cfg.hidden_size**-0.5)
+        model = random_model(SHAPES[shape]()).eval()  # the same weights shapes.py times
         tmp = out / f".{f32.name}.tmp"
         write_gguf(source_from_model(model, "tiny-target", name=shape), tmp)
         tmp.rename(f32)  # complete files only: shapes.py treats a present file as usable
