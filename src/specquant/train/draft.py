@@ -182,7 +182,7 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
     from specquant.util.dtypes import DTYPES
     from specquant.quant.config import BUNDLED_CALIB
     from specquant.quant.quality import heldout_tokens
-    from specquant.train.cli import check_stages_parent, clear_our_outputs, prepare_out
+    from specquant.train.outdir import check_stages_parent, clear_our_outputs, prepare_out
     from specquant.util.files import claim_out_dir
     from specquant.train.data import BlockOrder, load_blocks
     from specquant.train.qad import BUNDLED_HELDOUT

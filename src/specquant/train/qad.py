@@ -281,7 +281,7 @@ def run_qad(teacher: str, student: str, out, train, qad: QADConfig, data: str | 
     from specquant.model.checkpoint import load_tokenizer
     from specquant.quant.config import BUNDLED_CALIB
     from specquant.quant.quality import heldout_tokens
-    from specquant.train.cli import clear_our_outputs, prepare_out
+    from specquant.train.outdir import clear_our_outputs, prepare_out
     from specquant.train.data import BlockOrder, load_blocks
     from specquant.train.trainer import Trainer, setup_distributed
 
