@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from specquant.util.flags import add_config_flags, config_from_args
-from specquant.errors import SpecquantError
 from specquant.train.config import QADConfig, TrainConfig
 from specquant.train.outdir import OUR_OUTPUTS
 
