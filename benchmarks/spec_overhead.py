@@ -121,7 +121,7 @@ def breakdown(engine: SpecEngine, clocks: Clocks, prompt: torch.Tensor, new_toke
     result = engine.generate(prompt, new_tokens, SamplingConfig(), stop_on_eos=False)
     clocks.active = False
     s, stats = dict(clocks.s), result.stats
-    # the prefill's target forward and draft prefill ran under the same clocks: they are not decode time
+    # the prefill ran with the clocks paused (patch_loop): every clocked second is decode time
     steps = stats["target_forwards"] - 1
     parts = {
         "draft fwd": s.get("draft fwd", 0.0),

@@ -8,7 +8,7 @@ import torch
 from conftest import VOCAB, random_model
 
 from specquant.decode.generate import generate
-from specquant.decode.sampling import SamplingConfig, logits_to_probs, next_token, sample
+from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, next_token, sample
 from specquant.errors import SpecquantError
 
 # A distribution in shuffled order, so a wrong scatter back from sorted order shows up.
@@ -68,6 +68,21 @@ def test_greedy_is_argmax_and_draws_no_randomness():
     state = gen.get_state()
     assert torch.equal(next_token(logits, SamplingConfig(), gen), logits.argmax(-1))
     assert torch.equal(gen.get_state(), state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_argmax_is_torch_argmax_on_ties(dtype):
+    """decode.sampling.argmax (max(dim).indices, the loops' fast path) vs torch.argmax (the reference): the same
+    first maximal index, in rows full of ties (few distinct values), 1-D and 2-D, keepdim, and with NaN."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        x = torch.randint(0, 4, (6, 8192), generator=gen).to(dtype)
+        assert torch.equal(argmax(x), x.argmax(-1))
+        assert torch.equal(argmax(x[2], keepdim=True), x[2].argmax(-1, keepdim=True))
+    x = torch.zeros(3, 64, dtype=dtype)
+    x[1, 5] = x[1, 9] = 1.0
+    x[2, 7] = float("nan")
+    assert torch.equal(argmax(x), x.argmax(-1)) and argmax(x).tolist() == [0, 5, 7]
 
 
 @pytest.mark.parametrize("bad,match", [({"temperature": -1.0}, "temperature -1.0"), ({"top_k": -2}, "top_k -2"),

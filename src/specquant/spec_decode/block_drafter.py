@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specquant.decode.sampling import SamplingConfig, logits_to_probs, sample
+from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from specquant.errors import SpecquantError
 from specquant.model.block_draft import BlockDraftModel
 from specquant.spec_decode.config import SpecConfig
@@ -54,7 +54,7 @@ class BlockDrafter:
         k = min(k, self.max_tokens)
         logits = self.model.propose(tokens[0, n - 1], k)  # [k, vocab]
         if sampling.greedy:
-            return Draft(logits.argmax(-1)[None])
+            return Draft(argmax(logits)[None])
         probs = logits_to_probs(logits, sampling)  # [k, vocab]
         return Draft(sample(probs, generator)[None], probs[None])
 

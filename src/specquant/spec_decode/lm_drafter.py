@@ -11,7 +11,7 @@ import torch
 
 from specquant.decode.compiled import Stepper
 from specquant.decode.graphs import GraphStepper
-from specquant.decode.sampling import SamplingConfig, logits_to_probs, sample
+from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft
@@ -62,7 +62,7 @@ class LMDrafter:
         drafted, probs = [], []
         for i in range(k):
             if sampling.greedy:
-                x = int(logits.argmax())
+                x = int(argmax(logits))
                 if self.confidence and i > 0 and torch.softmax(logits.float(), -1)[x] < self.confidence:
                     break
             else:
@@ -83,7 +83,7 @@ class LMDrafter:
         drafting waits for no host sync (what lets CUDA-graph steps run back to back)."""
         drafted = []
         for i in range(k):
-            x = logits.argmax(-1, keepdim=True)  # [1]
+            x = argmax(logits, keepdim=True)  # [1]
             drafted.append(x)
             if i < k - 1:
                 logits = self._forward(x.view(1, 1), n + i)

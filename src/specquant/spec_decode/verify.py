@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specquant.decode.sampling import SamplingConfig, logits_to_probs, next_token
+from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, next_token
 
 
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
@@ -43,7 +43,7 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
 def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """draft_tokens [k], target_logits [k+1, vocab] -> (accepted count, recovered-or-bonus token)."""
     k = draft_tokens.shape[0]
-    target_tokens = target_logits.argmax(dim=-1)  # [k+1]
+    target_tokens = argmax(target_logits)  # [k+1]
     matches = (target_tokens[:k] == draft_tokens).int()
     accepted = matches.cumprod(0).sum()
     accepted, token = torch.stack([accepted, target_tokens[accepted]]).tolist()  # the step's one host sync
@@ -70,7 +70,7 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targ
     total = residual.sum()
     # p == q up to rounding cannot reject in exact arithmetic; if it did, p itself is the right law
     dist = torch.where((accepted == k) | (total <= 0), target_row, residual / total.clamp_min(1e-30))
-    accepted, token = torch.stack([accepted, (dist / noise).argmax()]).tolist()  # the step's one host sync
+    accepted, token = torch.stack([accepted, argmax(dist / noise)]).tolist()  # the step's one host sync
     return accepted, token
 
 
