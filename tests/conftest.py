@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specquant.model.checkpoint import BUNDLED_DIR, load_dense_into
+from specquant.model.checkpoint import BUNDLED_DIR, load_dense_into, save_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 
@@ -90,3 +90,11 @@ def bundled_available(name: str) -> bool:
 
 def needs_bundled(name: str):
     return pytest.mark.skipif(not bundled_available(name), reason=f"bundled {name} not built yet (no config/weights)")
+
+
+def save_tiny_checkpoint(path):
+    """A 2-layer random Qwen3 with the bundled tokenizer's 8192-token vocabulary, saved with its tokenizer files at
+    `path` (quantizes and generates in well under a second): the CLI tests' model."""
+    cfg = ModelConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    return save_model(randomize_(Transformer(cfg), seed=0), path, tokenizer_from=BUNDLED_DIR / "tiny-target")

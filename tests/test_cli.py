@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_bundled, randomize_
+from conftest import needs_bundled, save_tiny_checkpoint
 
 from specquant.cli import main
 from specquant.decode.generate import generate
-from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer, save_model
+from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer
 from specquant.loader import load_model
-from specquant.model.config import ModelConfig
-from specquant.model.decoder import Transformer
 
 NEW_TOKENS = 8
 GENERATE_JSON = ["--json", "--draft", "none", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos"]
@@ -32,10 +30,7 @@ GENERATE_JSON = ["--json", "--draft", "none", "--max-new-tokens", str(NEW_TOKENS
 @pytest.fixture(scope="module")
 def random_checkpoint(tmp_path_factory) -> Path:
     """A tiny random Qwen3 with the bundled tokenizer's 8192-token vocabulary, saved with its tokenizer files."""
-    cfg = ModelConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    model = randomize_(Transformer(cfg), seed=0)
-    return save_model(model, tmp_path_factory.mktemp("cli") / "random", tokenizer_from=BUNDLED_DIR / "tiny-target")
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("cli") / "random")
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

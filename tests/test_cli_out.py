@@ -15,14 +15,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import randomize_
+from conftest import save_tiny_checkpoint
 
 from specquant.cli import build_parser, main
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import BUNDLED_DIR, save_model
-from specquant.model.config import ModelConfig
-from specquant.model.decoder import Transformer
 from specquant.util.files import MARKER, atomic_dir, atomic_write, check_out_dir, check_out_file, claim_out_dir
 
 # command -> (argv without --out, the first expensive step "module:attribute" that must not run when --out is bad)
@@ -237,10 +233,7 @@ def test_atomic_dir_leaves_nothing_on_error_and_replaces_only_with_overwrite(tmp
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer random Qwen3 with the bundled tokenizer (quantizes and generates in well under a second)."""
-    cfg = ModelConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    model = randomize_(Transformer(cfg), seed=0)
-    return save_model(model, tmp_path_factory.mktemp("out") / "tiny", tokenizer_from=BUNDLED_DIR / "tiny-target")
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("out") / "tiny")
 
 
 def test_quantize_overwrite_replaces_a_user_folder_and_reruns_need_no_flag(tiny_model, tmp_path, capsys):
