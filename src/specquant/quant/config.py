@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Union
 
-from specquant.errors import SpecquantError
+from specquant.errors import SpecquantError, require_positive
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, -1)  # -1: one scale per output channel (compressed-tensors strategy "channel")
@@ -47,9 +47,7 @@ class AWQConfig:
                                                           "flag": "--awq-clip-max-shrink"})
 
     def validate(self) -> "AWQConfig":
-        for name in ("grid", "block_samples", "clip_grid"):
-            if getattr(self, name) < 1:
-                raise SpecquantError(f"awq {name}={getattr(self, name)} must be a positive integer")
+        require_positive(self, ("grid", "block_samples", "clip_grid"), prefix="awq ")
         if not 0.0 <= self.clip_max_shrink < 1.0:
             raise SpecquantError(f"awq clip_max_shrink={self.clip_max_shrink} must be in [0, 1)")
         return self
@@ -139,9 +137,7 @@ class QuantConfig:
             raise SpecquantError(f"lm_head={self.lm_head!r} is not supported; use one of {', '.join(HEAD_PRECISIONS)}")
         if self.report_samples < 0:
             raise SpecquantError(f"report_samples={self.report_samples} must be >= 0 (0 skips the output-error report)")
-        for name in ("calib_samples", "seq_len"):
-            if getattr(self, name) < 1:
-                raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
+        require_positive(self, ("calib_samples", "seq_len"))
         self.method.validate()
         if not isinstance(self.method, RTNConfig) or self.calib:
             self.calib_path()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from specquant.errors import SpecquantError
+from specquant.errors import SpecquantError, require_positive
 
 OPTIMIZERS = ("auto", "adamw", "adamw8bit")
 STRATEGIES = ("ddp", "fsdp")
@@ -45,9 +45,8 @@ class TrainConfig:
         "choices": STRATEGIES})
 
     def validate(self) -> "TrainConfig":
-        for name in ("steps", "batch", "grad_accum", "seq_len", "save_every", "keep_checkpoints", "log_every"):
-            if getattr(self, name) < 1:
-                raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
+        require_positive(self, ("steps", "batch", "grad_accum", "seq_len", "save_every", "keep_checkpoints",
+                                "log_every"))
         for name in ("warmup", "eval_every"):
             if getattr(self, name) < 0:
                 raise SpecquantError(f"{name}={getattr(self, name)} must be >= 0")
@@ -95,9 +94,7 @@ class QADConfig:
     def validate(self) -> "QADConfig":
         if not self.max_start_kl > 0:
             raise SpecquantError(f"max_start_kl={self.max_start_kl} must be > 0")
-        for name in ("kl_chunk", "eval_samples", "eval_seq_len"):
-            if getattr(self, name) < 1:
-                raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
+        require_positive(self, ("kl_chunk", "eval_samples", "eval_seq_len"))
         return self
 
     def to_json(self) -> dict:
@@ -118,9 +115,7 @@ class RegenConfig:
     limit: int = field(default=0, metadata={"help": "use only the first N prompts (0 = all)"})
 
     def validate(self) -> "RegenConfig":
-        for name in ("max_new_tokens", "batch", "prompt_tokens"):
-            if getattr(self, name) < 1:
-                raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
+        require_positive(self, ("max_new_tokens", "batch", "prompt_tokens"))
         if self.limit < 0:
             raise SpecquantError(f"limit={self.limit} must be >= 0 (0 = all prompts)")
         return self

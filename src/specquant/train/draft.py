@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specquant.errors import SpecquantError
+from specquant.errors import SpecquantError, require_positive
 
 KINDS = ("block", "lm")
 BLOCK_INITS = ("random", "target")
@@ -50,9 +50,7 @@ class DraftConfig:
     kl_chunk: int = field(default=256, metadata={"help": "lm: positions per KL chunk"})
 
     def validate(self) -> "DraftConfig":
-        for name in ("layers", "eval_seq_len", "kl_chunk"):
-            if getattr(self, name) < 1:
-                raise SpecquantError(f"{name}={getattr(self, name)} must be a positive integer")
+        require_positive(self, ("layers", "eval_seq_len", "kl_chunk"))
         if self.block_size < 2:
             raise SpecquantError(f"block_size={self.block_size} must be at least 2")
         if self.stage2_steps < 0:
