@@ -55,6 +55,12 @@ def write_student(teacher: Path, path: Path, group_size: int = 32) -> Path:
     return path
 
 
+def write_pair(root: Path, **overrides) -> tuple[Path, Path]:
+    """root/teacher (a tiny trained-shape LM) and root/student (its RTN W4): the distillation tests' pair."""
+    teacher = write_teacher(root / "teacher", **overrides)
+    return teacher, write_student(teacher, root / "student")
+
+
 def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
     """`python -m specquant.cli ARGS` in a subprocess with one thread (the tests are timing-insensitive)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

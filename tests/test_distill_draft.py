@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from _qad_models import write_student, write_teacher
+from _qad_models import write_pair, write_teacher
 
 from specquant.cli import main
 from specquant.errors import SpecquantError
@@ -20,9 +20,7 @@ FAST = ["--steps", "3", "--seq-len", "48", "--batch", "2", "--eval-samples", "2"
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("draft")
-    teacher = write_teacher(root / "teacher", num_hidden_layers=4)
-    return teacher, write_student(teacher, root / "student")
+    return write_pair(tmp_path_factory.mktemp("draft"), num_hidden_layers=4)
 
 
 def test_block_two_stages_then_resume_is_a_no_op(pair, tmp_path, capsys):

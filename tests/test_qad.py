@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from _qad_models import tiny_lm, write_student, write_teacher
+from _qad_models import tiny_lm, write_pair, write_student, write_teacher
 from safetensors.torch import load_file
 
 from specquant.cli import main
@@ -25,9 +25,7 @@ FAST = ["--steps", "3", "--seq-len", "32", "--batch", "2", "--eval-samples", "2"
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qad")
-    teacher = write_teacher(root / "teacher")
-    return teacher, write_student(teacher, root / "student")
+    return write_pair(tmp_path_factory.mktemp("qad"))
 
 
 def _task(pair, cfg: QADConfig | None = None):

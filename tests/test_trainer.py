@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from _qad_models import ROOT, run_cli, write_student, write_teacher
+from _qad_models import ROOT, run_cli, write_pair
 from safetensors.torch import load_file
 
 from specquant.cli import main
@@ -21,9 +21,7 @@ RUN = ["--seq-len", "32", "--batch", "2", "--eval-samples", "2", "--eval-seq-len
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trainer")
-    teacher = write_teacher(root / "teacher")
-    return teacher, write_student(teacher, root / "student")
+    return write_pair(tmp_path_factory.mktemp("trainer"))
 
 
 def _args(pair, out, *extra):
