@@ -16,15 +16,16 @@ called on T rows in layer order; `attention` = scaled_dot_product_attention per 
 the model's mask; `lm_head` = the head on T rows; `rest` = step minus the three (norms, RoPE, cache writes,
 embedding, Python).
 
-W4 = RTN, 4 bits, group 32, symmetric (GGUF Q4_0's grid), activations in the model dtype (float32); the head's
-precision is --lm-head (dense: the model's fp32 matrix, tied to the embedding; bf16 / w8 / w4: see
+W4 = RTN, 4 bits, group 32, symmetric (GGUF Q4_0's grid), activations in the model dtype (float32); w4a8 = the same
+weights with int8 activations (set_w4_activations: the native VNNI kernel, GGUF's Q4_0 x Q8_0, which is also what
+llama.cpp's Q4_0 column runs); the head's precision is --lm-head (dense: the model's fp32 matrix, tied to the embedding; bf16 / w8 / w4: see
 specquant.quant.head).
 
 With --llama-cpp DIR, llama-bench (DIR/build/bin/llama-bench or DIR/bin/llama-bench) is run on the GGUF files
 DIR/shapes/<shape>-<f32|q4_0>.gguf for tg (decode) and pp2..pp16 (verify-sized prompt batches); the column says
 "not built" when the binary is absent and "no gguf" when a file is (benchmarks/shapes_gguf.py DIR makes them).
 
-Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b] [--modes fp32,bf16,w4]
+Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b] [--modes fp32,bf16,w4,w4a8]
        [--rows 1,2,4,8,16] [--context 128] [--reps 5] [--threads N] [--lm-head dense] [--llama-cpp DIR]
        [--attention auto|reference|ab]
 A table, then one JSON line.
@@ -57,7 +58,7 @@ SHAPES = {
     "qwen3-0.6b": lambda: ModelConfig(hidden_size=1024, intermediate_size=3072, **QWEN3),
     "qwen3-1.7b": lambda: ModelConfig(hidden_size=2048, intermediate_size=6144, **QWEN3),
 }
-MODES = {"fp32": torch.float32, "bf16": torch.bfloat16, "w4": torch.float32}
+MODES = {"fp32": torch.float32, "bf16": torch.bfloat16, "w4": torch.float32, "w4a8": torch.float32}
 
 
 def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
@@ -95,12 +96,14 @@ def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
     """Random-init model in the mode's dtype (W4: RTN g32 of the fp32 weights), fused like the engine's loads."""
     model = random_model(cfg)
     model = model.to(MODES[mode]).eval()
-    if mode == "w4":
+    if mode in ("w4", "w4a8"):
         from specquant.quant.config import QuantConfig
+        from specquant.quant.linear import set_w4_activations
         from specquant.quant.pipeline import quantize
 
         quantize(model, QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True))
         set_lm_head(model, lm_head)
+        set_w4_activations(model, "int8" if mode == "w4a8" else "float")
     fuse_projections(model)
     return model
 
@@ -200,7 +203,7 @@ def llama_bench(root: Path | None, shape: str, mode: str, rows: list[int]) -> di
                None) or shutil.which("llama-bench", path=str(root))
     if exe is None:
         return "not built"
-    kind = {"fp32": "f32", "bf16": "bf16", "w4": "q4_0"}[mode]
+    kind = {"fp32": "f32", "bf16": "bf16", "w4": "q4_0", "w4a8": "q4_0"}[mode]
     gguf = root / "shapes" / f"{shape}-{kind}.gguf"
     if not gguf.is_file():
         return "no gguf"
@@ -254,7 +257,7 @@ def main():
             floor = {t: step_bytes(model, args.context, t) / (bw * 1e9) * 1e3 for t in rows}
             one = res[1]
             lc = llama_bench(args.llama_cpp, shape, mode, rows)
-            row = {"shape": shape, "mode": mode, "lm_head": args.lm_head if mode == "w4" else "dense",
+            row = {"shape": shape, "mode": mode, "lm_head": args.lm_head if mode.startswith("w4") else "dense",
                    "decode_tok_s": 1e3 / one["ms"], "floor_tok_s": 1e3 / floor[1],
                    "verify_steps": {t: res[t]["ms"] / one["ms"] for t in rows if t > 1},
                    "floor_verify_steps": {t: floor[t] / floor[1] for t in rows if t > 1},

@@ -133,7 +133,7 @@ def test_disabled_or_missing_compiler_falls_back_with_a_reason(monkeypatch, tmp_
     monkeypatch.setenv("SPECQUANT_NATIVE", "1")
     monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
-    monkeypatch.setattr(native, "_cpu_problem", lambda: None)
+    monkeypatch.setattr(native, "_cpu_problem", lambda needed: None)
     path, why = native.build()
     assert path is None and "build failed" in why
     monkeypatch.delenv("CXX")

@@ -15,6 +15,7 @@ from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, is_bl
 from specquant.model.checkpoint import load_tensors, read_hf_config, resolve
 from specquant.util.dtypes import parse_dtype
 from specquant.quant.checkpoint import load_quantized_into
+from specquant.quant.linear import set_w4_activations
 
 
 def drafter_kind(name_or_dir: str | os.PathLike) -> str:
@@ -23,8 +24,9 @@ def drafter_kind(name_or_dir: str | os.PathLike) -> str:
 
 
 def load_block_draft(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
-                     device: str | torch.device = "cpu") -> BlockDraftModel:
-    """A block drafter ready to attach to its target (`model.attach_target(target)`)."""
+                     device: str | torch.device = "cpu", w4_activations: str = "float") -> BlockDraftModel:
+    """A block drafter ready to attach to its target (`model.attach_target(target)`); w4_activations as
+    loader.load_model's."""
     dtype = parse_dtype(dtype)
     path = resolve(name_or_dir)
     hf = read_hf_config(path)
@@ -40,4 +42,5 @@ def load_block_draft(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = 
     model._set_rope(model.config.max_position_embeddings)
     model.quantization = quantization
     model.source_path = path
+    set_w4_activations(model, w4_activations)
     return model.eval()

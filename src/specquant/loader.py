@@ -17,14 +17,16 @@ from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
 from specquant.quant.checkpoint import load_quantized_into
+from specquant.quant.linear import set_w4_activations
 
 
 def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
-               device: str | torch.device = "cpu", fuse: bool = False) -> Transformer:
+               device: str | torch.device = "cpu", fuse: bool = False, w4_activations: str = "float") -> Transformer:
     """Build the decoder for a checkpoint (directory or bundled name) and load its weights, dense or INT4/INT8.
 
     fuse: fuse q/k/v and gate/up projections for decoding (model.fuse; the model can then not be saved or
-    quantized)."""
+    quantized). w4_activations: "float" (W4A16, the checkpoint's arithmetic) or "int8" (W4A8 on the native VNNI
+    kernel; quant/w4a8.py), for a quantized checkpoint's 4-bit layers."""
     dtype = parse_dtype(dtype)
     path = resolve(name_or_dir)
     hf = read_hf_config(path)
@@ -37,6 +39,7 @@ def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.
         load_quantized_into(model, load_tensors(path), quantization, dtype, device)
         model.quantization = quantization
         model.init_non_persistent(device)
+        set_w4_activations(model, w4_activations)
     if fuse:
         fuse_projections(model)
     return model.eval()

@@ -97,13 +97,13 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     tokenizer = load_tokenizer(paths["target"])
     draft_tokenizer = load_tokenizer(paths["draft"]) if (paths["draft"] / "tokenizer.json").exists() else None
     # every row decodes with fused q/k/v and gate/up projections (model/fuse.py), the baseline included
-    models = {(role, kind): load_model(paths[key], dtype, device, fuse=True)
+    models = {(role, kind): load_model(paths[key], dtype, device, fuse=True, w4_activations=cfg.w4_activations)
               for role, kind, key in (("target", "hp", "target"), ("target", "w4", "quantized_target"),
                                       ("draft", "hp", "draft"), ("draft", "w4", "quantized_draft"),
                                       ("target", "qad", "qad_target")) if key in paths}
     for kind, key in (("hp", "block_draft"), ("w4", "quantized_block_draft")):
         if key in paths:
-            models[("block", kind)] = load_block_draft(paths[key], dtype, device)
+            models[("block", kind)] = load_block_draft(paths[key], dtype, device, cfg.w4_activations)
     table = rows_for("qad_target" in paths, ("block", "hp") in models)
     context = min(models[("target", "hp")].config.max_position_embeddings,
                   models[("draft", "hp")].config.max_position_embeddings)

@@ -224,7 +224,7 @@ def markdown(results: dict) -> str:
                        if isinstance(q, dict) else f"- {role}: `{q}` (given)" for role, q in quant.items())
     return f"""# specquant bench
 
-Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['dtype']} activations;
+Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['dtype']} activations{'' if cfg.get('w4_activations', 'float') == 'float' else ' (int8 into the W4 layers: W4A8)'};
 {'greedy' if cfg['sampling']['temperature'] == 0 else f"temperature {cfg['sampling']['temperature']}"}; {cfg['max_new_tokens']} new tokens
 per prompt with EOS ignored; {cfg['warmup']} warm-up + {cfg['runs']} timed runs per prompt and row, interleaved;
 k = {cfg['spec']['draft_len']} draft tokens per step (block drafter rows: k = {cfg.get('block_draft_len')}, one drafter

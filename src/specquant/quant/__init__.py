@@ -6,7 +6,8 @@
 
 from specquant.quant.checkpoint import load_quantized_into, save_quantized
 from specquant.quant.config import AWQConfig, GPTQConfig, QuantConfig, RTNConfig
-from specquant.quant.linear import QuantLinear, set_backend
+from specquant.quant.linear import QuantLinear, set_backend, set_w4_activations
 from specquant.quant.pipeline import quantize
 
-__all__ = ["AWQConfig", "GPTQConfig", "QuantConfig", "QuantLinear", "RTNConfig", "load_quantized_into", "quantize", "save_quantized", "set_backend"]
+__all__ = ["AWQConfig", "GPTQConfig", "QuantConfig", "QuantLinear", "RTNConfig", "load_quantized_into", "quantize", "save_quantized", "set_backend",
+           "set_w4_activations"]

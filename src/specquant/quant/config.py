@@ -18,6 +18,9 @@ from specquant.errors import SpecquantError, require_positive
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, -1)  # -1: one scale per output channel (compressed-tensors strategy "channel")
 HEAD_PRECISIONS = ("dense", "bf16", "w8", "w4")  # specquant.quant.head
+# Activations of the 4-bit layers at run time (not a checkpoint property): float = W4A16, the checkpoint's
+# arithmetic; int8 = W4A8 on the native VNNI kernel (quant/w4a8.py; quality and speed in docs/SHAPES.md)
+W4_ACTIVATIONS = ("float", "int8")
 BUNDLED_CALIB = Path(__file__).resolve().parent.parent / "data" / "calib.txt"
 
 

@@ -5,8 +5,9 @@ Buffers (names = checkpoint names, so `state_dict()` is the pack-quantized check
   weight_scale       [out, in/group] model dtype
   weight_zero_point  int32 [ceil(out·bits/32), in/group]  asymmetric only, packed along dim 0
   weight_shape       int64 [2] = (out, in)
-Once the native kernel runs a layer, `weight_packed` holds the same bytes permuted into the kernel's layout
-(native.pack_codes; `native_layout` is then True) instead of a second copy: one copy of the codes in memory.
+Once a native kernel runs a layer, `weight_packed` holds the same bytes permuted into that kernel's layout
+(native.pack_codes or w4a8.pack_codes; `native_layout` then names the kernel) instead of a second copy: one copy of
+the codes in memory.
 `codes()` reads either layout, and `state_dict()` / `.to()` restore the compressed-tensors layout first, so
 saving, exporting and moving see the checkpoint tensors as they are.
 
@@ -29,6 +30,10 @@ against `reference` (tests/test_quant_linear.py):
   native_w4_bf16  specquant.quant.native's AVX-512 BF16 kernel (kernels/w4_bf16.cpp, built by scripts/setup.sh
                   or on first use with g++): same numerics contract as int4pack_cpu_bf16 (bf16 activations, exact
                   int4 weights, fp32 sums), symmetric 4-bit only, out % 16 == 0; rows are batch-invariant.
+  native_w4a8     quant/w4a8.py's AVX-512 VNNI kernel (kernels/w4a8_vnni.cpp): activations rounded to int8 per
+                  block of 32 (GGUF's Q4_0 x Q8_0), exact integer dots, fp32 scales and sums; batch-invariant. Not
+                  W4A16, so `auto` takes it only for layers whose `activations` is "int8" (set_w4_activations), and
+                  then for every row count, prefill included, so a model runs one arithmetic throughout.
   triton_w4       quant/triton_w4.py: a Triton W4A16/W8A16 GEMM reading these buffers as they are (CUDA; tested on
                   CPU under TRITON_INTERPRET=1). Imported only when triton is installed and the input is on CUDA.
 
@@ -48,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specquant.errors import SpecquantError
+from specquant.quant.config import W4_ACTIVATIONS
 from specquant.quant.grid import dequantize
 from specquant.quant.pack import pack_codes, packed_cols, unpack_codes
 
@@ -76,7 +82,8 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         self.backend = "auto"  # or a key of BACKENDS
         self._cache: dict = {}
-        self.native_layout = False  # weight_packed permuted in place for the native kernel (see the docstring)
+        self.native_layout: str | None = None  # the native kernel whose layout weight_packed holds (docstring)
+        self.activations = "float"  # or "int8": run on the W4A8 kernel (set_w4_activations)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
@@ -106,38 +113,34 @@ class QuantLinear(nn.Module):
         bias = None if first.bias is None else torch.cat([m.bias.detach() for m in mods])
         fused = cls.from_codes(torch.cat([m.codes() for m in mods]), torch.cat([m.weight_scale for m in mods]),
                                zero, first.bits, bias)
-        fused.backend = first.backend
+        fused.backend, fused.activations = first.backend, first.activations
         return fused
 
     def codes(self) -> torch.Tensor:
         if self.native_layout:
-            from specquant.quant import native
-
-            return native.unpack_codes(self._native_view())
+            return _native_packing(self.native_layout)[1](self._native_view())
         return unpack_codes(self.weight_packed, self.bits, self.in_features)  # int8 [out, in]
 
     def _native_view(self) -> torch.Tensor:
-        """weight_packed's bytes as the native kernel's uint8 [out/16, in/8, 64] (no copy)."""
+        """weight_packed's bytes as a native kernel's uint8 [out/16, in/8, 64] (no copy; both kernels' shape)."""
         from specquant.quant import native
 
         return self.weight_packed.view(torch.uint8).view(self.out_features // native.TILE, self.in_features // 8, 64)
 
-    def to_native_layout(self) -> None:
-        """Permute weight_packed in place into the native kernel's layout (a no-op when it already is)."""
-        if self.native_layout:
+    def to_native_layout(self, kernel: str = "w4_bf16") -> None:
+        """Permute weight_packed in place into a native kernel's layout (a no-op when it already is)."""
+        if self.native_layout == kernel:
             return
-        from specquant.quant import native
-
-        permuted = native.pack_codes(self.codes())
+        permuted = _native_packing(kernel)[0](self.codes())
         self._native_view().copy_(permuted)
-        self.native_layout = True
+        self.native_layout = kernel
 
     def to_standard_layout(self) -> None:
         """Back to the compressed-tensors layout (a no-op when it already is)."""
         if not self.native_layout:
             return
         codes = self.codes()
-        self.native_layout = False
+        self.native_layout = None
         self.weight_packed.copy_(pack_codes(codes, self.bits))
 
     def zero_point(self) -> torch.Tensor | None:
@@ -160,7 +163,7 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._cache.clear()
-        self.native_layout = False  # the buffer is overwritten with checkpoint (compressed-tensors) bytes
+        self.native_layout = None  # the buffer is overwritten with checkpoint (compressed-tensors) bytes
         return super()._load_from_state_dict(*args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -169,7 +172,8 @@ class QuantLinear(nn.Module):
             destination[prefix + "weight_packed"] = pack_codes(self.codes(), self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
-        key = ("backend", self.backend, x.dtype, x.device.type, x.numel() >= LARGE_ROWS * self.in_features)
+        key = ("backend", self.backend, self.activations, x.dtype, x.device.type,
+               x.numel() >= LARGE_ROWS * self.in_features)
         name = self._cache.get(key)
         if name is None:
             name = self._cache[key] = resolve_backend(self, x)
@@ -177,7 +181,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, symmetric={self.symmetric}, backend={self.backend}")
+                f"group_size={self.group_size}, symmetric={self.symmetric}, backend={self.backend}"
+                + (", activations=int8" if self.activations == "int8" else ""))
 
 
 # --- backends -------------------------------------------------------------------------------------------------
@@ -252,14 +257,46 @@ def _native_w4_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     int4 weights, fp32 sums and scales; the result in x's dtype."""
     from specquant.quant import native
 
+    return _native_forward(m, x, "w4_bf16", native.gemm)
+
+
+def _native_forward(m: QuantLinear, x: torch.Tensor, kernel: str, gemm) -> torch.Tensor:
+    """Run a native kernel's gemm on weight_packed permuted (once, in place) into that kernel's layout."""
+    from specquant.quant import native
+
+    m.to_native_layout(kernel)
     scales = m._cache.get("native_scales")
     if scales is None:
-        m.to_native_layout()
         scales = m._cache["native_scales"] = native.pack_scales(m.weight_scale)
-    y = native.gemm(x.reshape(-1, m.in_features), m._native_view(), scales, m.group_size).to(x.dtype)
+    y = gemm(x.reshape(-1, m.in_features), m._native_view(), scales, m.group_size).to(x.dtype)
     if m.bias is not None:
         y = y + m.bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], m.out_features)
+
+
+def _native_packing(kernel: str):
+    """(pack_codes, unpack_codes) of a native kernel's weight layout."""
+    from specquant.quant import native, w4a8
+
+    packings = {"w4_bf16": (native.pack_codes, native.unpack_codes),
+                "w4a8_vnni": (w4a8.pack_codes, w4a8.unpack_codes)}
+    return packings[kernel]
+
+
+def _w4a8_supports(m: QuantLinear, x: torch.Tensor) -> bool:
+    from specquant.quant import w4a8
+
+    return (x.device.type == "cpu" and x.dtype in INT4PACK_DTYPES
+            and w4a8.supports(m.bits, m.group_size, m.symmetric, m.in_features, m.out_features)
+            and w4a8.library() is not None)
+
+
+def _native_w4a8(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """quant/w4a8.py's AVX-512 VNNI kernel: activations rounded to int8 per block of 32, exact int4 weights and
+    integer dots, fp32 scales and sums; the result in x's dtype."""
+    from specquant.quant import w4a8
+
+    return _native_forward(m, x, "w4a8_vnni", w4a8.gemm)
 
 
 def _int8pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:
@@ -306,6 +343,7 @@ BACKENDS: dict[str, Backend] = {
     "int4pack_cpu": Backend(_int4pack_cpu, _int4pack_supports),
     "int4pack_cpu_bf16": Backend(_int4pack_cpu_bf16, _int4pack_supports),
     "native_w4_bf16": Backend(_native_w4_bf16, _native_supports),
+    "native_w4a8": Backend(_native_w4a8, _w4a8_supports),
     "int8pack_cpu": Backend(_int8pack_cpu, _int8pack_supports),
     "triton_w4": Backend(_triton_forward, _triton_supports),
 }
@@ -337,7 +375,9 @@ def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
     12.8 ms), 4 rows 1.05x, 8-16 rows 1.1-1.2x.
     """
     rows = x.numel() // m.in_features
-    if rows >= LARGE_ROWS:
+    if m.activations == "int8" and _w4a8_supports(m, x):
+        choice, why = "native_w4a8", "int8 activations asked for: the native W4A8 kernel at every row count"
+    elif rows >= LARGE_ROWS:
         choice, why = "reference", f"{rows} rows (>= {LARGE_ROWS}): dequantize per call, then one dense GEMM"
     elif _triton_supports(m, x):
         choice, why = "triton_w4", f"{x.dtype} activations on CUDA: the Triton W4A16 kernel on the packed weight"
@@ -376,4 +416,27 @@ def set_backend(model: nn.Module, name: str) -> int:
             mod.backend = name
             mod.invalidate()
             n += 1
+    return n
+
+
+
+def set_w4_activations(model: nn.Module, mode: str) -> int:
+    """Run the model's symmetric 4-bit layers on float (W4A16: the checkpoint's arithmetic, default) or int8
+    activations (W4A8, GGUF's Q4_0 x Q8_0: the native VNNI kernel, at every row count, so decode, verify and
+    prefill share one arithmetic). Layers the W4A8 kernel cannot take (8 bits, zero points, odd shapes) keep float
+    activations. Returns how many layers run int8; raises when int8 is asked for and the kernel is unavailable."""
+    if mode not in W4_ACTIVATIONS:
+        raise SpecquantError(f"w4 activations {mode!r} is not supported; use one of {', '.join(W4_ACTIVATIONS)}")
+    from specquant.quant import native, w4a8
+
+    if mode == "int8" and w4a8.library() is None:
+        raise SpecquantError(f"int8 W4 activations need the native W4A8 kernel, which is unavailable here "
+                             f"({native.build('w4a8_vnni')[1]}); use float activations")
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.activations = mode
+            mod.invalidate()
+            n += mode == "int8" and w4a8.supports(mod.bits, mod.group_size, mod.symmetric, mod.in_features,
+                                                  mod.out_features)
     return n

@@ -1,15 +1,20 @@
-"""The native W4 kernel (kernels/w4_bf16.cpp): build once with the system C++ compiler, load with ctypes.
+"""The native W4 kernels (kernels/*.cpp): build once with the system C++ compiler, load with ctypes.
 
-Why ctypes and not a torch C++ extension: the kernel needs no torch headers, so it compiles in about a second with
-plain `g++` (a torch extension takes a minute and pins the build to one torch ABI), and CI builds it in
-scripts/setup.sh with no network. The shared library links `libgomp.so.1`, the OpenMP runtime torch's CPU wheel
+Two kernels, one per activation format, each built into its own shared library because each needs its own CPU
+extension (a CPU may have one and not the other):
+  w4_bf16    kernels/w4_bf16.cpp, AVX-512 BF16: bf16 activations (this module's pack/gemm);
+  w4a8_vnni  kernels/w4a8_vnni.cpp, AVX-512 VNNI: int8 activations, GGUF's Q4_0 x Q8_0 (quant/w4a8.py).
+
+Why ctypes and not a torch C++ extension: the kernels need no torch headers, so each compiles in about a second
+with plain `g++` (a torch extension takes a minute and pins the build to one torch ABI), and CI builds them in
+scripts/setup.sh with no network. The shared libraries link `libgomp.so.1`, the OpenMP runtime torch's CPU wheel
 already loaded, so both share one thread pool.
 
-`library()` returns the loaded library or None; a missing compiler, a CPU without AVX-512 BF16, or a failed build
-is logged once with its reason, and QuantLinear then keeps its other backends. The build lands in
-`${SPECQUANT_CACHE:-~/.cache/specquant}/kernels/w4_bf16-<hash of source and flags>.so`, written to a temporary
+`library(kernel)` returns the loaded library or None; a missing compiler, a CPU without the kernel's extension, or
+a failed build is logged once with its reason, and QuantLinear then keeps its other backends. A build lands in
+`${SPECQUANT_CACHE:-~/.cache/specquant}/kernels/<kernel>-<hash of source and flags>.so`, written to a temporary
 name and renamed, so concurrent processes never load a half-written file. `python -m specquant.quant.native`
-builds it and prints where (or why not).
+builds both and prints where (or why not).
 """
 
 from __future__ import annotations
@@ -23,52 +28,71 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "w4_bf16.cpp"
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-mfma"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-TILE = 16  # output rows per tile (one zmm of fp32 results)
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    source: str  # file name under kernels/
+    flags: tuple[str, ...]  # compiler flags beyond BASE_FLAGS
+    cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags the kernel needs
+    functions: dict  # exported C function -> ctypes argtypes (all return int: 0 = ok)
+
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+KERNELS = {
+    "w4_bf16": Kernel("w4_bf16.cpp", ("-mavx512bf16",), ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+                      {"specquant_w4_bf16_gemm": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int]}),
+    "w4a8_vnni": Kernel("w4a8_vnni.cpp", ("-mavx512vnni",), ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                        {"specquant_w4a8_gemm": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int],
+                         "specquant_q8_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR]}),
+}
+TILE = 16  # output rows per tile (one zmm of fp32 results), in both kernels
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECQUANT_CACHE") or Path.home() / ".cache" / "specquant") / "kernels"
 
 
-def _cpu_problem() -> str | None:
+def _cpu_problem(needed: tuple[str, ...]) -> str | None:
     try:
         flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags")), [])
     except OSError:
         return "cannot read /proc/cpuinfo (not Linux?)"
-    missing = [f for f in CPU_FLAGS if f not in flags]
+    missing = [f for f in needed if f not in flags]
     return f"CPU lacks {', '.join(missing)}" if missing else None
 
 
-def build(quiet: bool = False) -> tuple[Path | None, str]:
-    """Compile the kernel if its cached build is missing; returns (path or None, reason)."""
+def build(kernel: str = "w4_bf16") -> tuple[Path | None, str]:
+    """Compile a kernel of KERNELS if its cached build is missing; returns (path or None, reason)."""
     if os.environ.get("SPECQUANT_NATIVE", "1") == "0":
         return None, "disabled by SPECQUANT_NATIVE=0"
-    problem = _cpu_problem()
+    spec = KERNELS[kernel]
+    problem = _cpu_problem(spec.cpu_flags)
     if problem:
         return None, problem
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         return None, "no C++ compiler (g++/c++) on PATH; install g++ or set CXX"
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / f"w4_bf16-{digest}.so"
+    source, flags = KERNEL_DIR / spec.source, [*BASE_FLAGS, *spec.flags]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{kernel}-{digest}.so"
     if out.is_file():
         return out, "cached"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
         os.close(fd)
-        res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([cxx, *flags, str(source), "-o", tmp], capture_output=True, text=True, timeout=300)
         if res.returncode:
             os.unlink(tmp)
             first = (res.stderr.strip().splitlines() or ["?"])[0]
@@ -80,21 +104,20 @@ def build(quiet: bool = False) -> tuple[Path | None, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def library() -> ctypes.CDLL | None:
+def library(kernel: str = "w4_bf16") -> ctypes.CDLL | None:
     """The loaded kernel, or None (the reason is logged once)."""
-    path, why = build()
+    path, why = build(kernel)
     if path is None:
-        log.info("native W4 kernel unavailable: %s; QuantLinear uses its torch backends", why)
+        log.info("native %s kernel unavailable: %s; QuantLinear uses its other backends", kernel, why)
         return None
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        log.info("native W4 kernel unavailable: cannot load %s (%s)", path, e)
+        log.info("native %s kernel unavailable: cannot load %s (%s)", kernel, path, e)
         return None
-    fn = lib.specquant_w4_bf16_gemm
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    for name, argtypes in KERNELS[kernel].functions.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
 
 
@@ -153,6 +176,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int
 
 
 if __name__ == "__main__":
-    path, why = build()
-    print(f"native W4 kernel: {path} ({why})" if path else f"native W4 kernel not built: {why}")
+    for name in KERNELS:
+        path, why = build(name)
+        print(f"native {name} kernel: {path} ({why})" if path else f"native {name} kernel not built: {why}")
     sys.exit(0)

@@ -9,6 +9,7 @@ from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer, resolve
+from specquant.quant.config import W4_ACTIVATIONS
 from specquant.spec_decode.config import SpecConfig
 from specquant.util.device import DEVICES, check_device
 from specquant.util.dtypes import DTYPES
@@ -28,6 +29,9 @@ def add_parser(sub):
     add_config_flags(p, SpecConfig)
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--device", choices=DEVICES, default="cpu")
+    p.add_argument("--w4-activations", choices=W4_ACTIVATIONS, default="float",
+                   help="a W4 checkpoint's activations: float (W4A16, as the checkpoint) or int8 (W4A8, GGUF's "
+                        "Q4_0 x Q8_0 on the native VNNI kernel: cheaper verify steps, slightly lower quality)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode / verify steps (graphs cached on disk under "
@@ -52,7 +56,7 @@ def run(args):
     tokenizer = load_tokenizer(args.target)
     ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     prompt = torch.tensor([ids], device=args.device)
-    target = load_model(args.target, args.dtype, args.device, fuse=True)
+    target = load_model(args.target, args.dtype, args.device, fuse=True, w4_activations=args.w4_activations)
     if draft_name is None:
         result = generate(Stepper(target, compile=args.compile), prompt, args.max_new_tokens, sampling,
                           stop_on_eos=not args.ignore_eos)
@@ -65,10 +69,11 @@ def run(args):
         if drafter_kind(draft_name) == "block":  # read from its config.json (DFlashDraftModel), not its name
             from specquant.spec_decode.block_drafter import BlockDrafter
 
-            drafter = BlockDrafter(load_block_draft(draft_name, args.dtype, args.device), target, spec)
+            drafter = BlockDrafter(load_block_draft(draft_name, args.dtype, args.device, args.w4_activations),
+                                   target, spec)
             engine = SpecEngine(target, drafter, spec, compile=args.compile)
         else:
-            draft = load_model(draft_name, args.dtype, args.device, fuse=True)
+            draft = load_model(draft_name, args.dtype, args.device, fuse=True, w4_activations=args.w4_activations)
             engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name), compile=args.compile)
         result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     new = result.token_ids[0]

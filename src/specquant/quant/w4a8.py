@@ -1,0 +1,100 @@
+"""W4A8 on CPU: symmetric int4 weights against int8-quantized activations (GGUF's Q4_0 x Q8_0), for decode and
+verify steps. The kernel is kernels/w4a8_vnni.cpp (AVX-512 VNNI), built and loaded by quant/native.py.
+
+What it computes (the kernel's numerics comment has the detail): each activation row is cut into blocks of 32 and
+rounded to int8 with one fp32 scale per block (`quantize_activations`), the weight codes stay exact, the dot of
+every block is exact integer arithmetic, and the blocks are scaled and summed in fp32 in k order. So it is *not*
+W4A16: activations lose precision (at most half a step of max|x|/127 per element, against bf16's relative 2^-9),
+which is why QuantLinear only runs it when asked (`QuantRuntime.activations = "int8"`); benchmarks/w4a8.py
+measures the cost in KL and top-1 agreement against the W4A16 model, beside the speed it buys.
+
+`reference_gemm` is the plain torch version of the same arithmetic (blockwise integer dots in float64, exact),
+which tests/test_native_w4a8.py compares the kernel with; `quantize_activations` must match the kernel's
+quantization bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specquant.quant import native
+
+BLOCK = 32  # activations: one scale per 32 inputs (Q8_0's block)
+TILE = native.TILE
+
+
+def supports(bits: int, group_size: int, symmetric: bool, in_features: int, out_features: int) -> bool:
+    return (bits == 4 and symmetric and out_features % TILE == 0 and group_size % BLOCK == 0
+            and in_features % group_size == 0)
+
+
+def library():
+    return native.library("w4a8_vnni")
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes int8 [N, K] in [-8, 7] -> uint8 [N/16, K/8, 64]: byte 4j + t of a (tile, k8) chunk holds
+    u[o_j, 8·k8 + t] | u[o_j, 8·k8 + 4 + t] << 4 with u = c + 8 (the layout comment in kernels/w4a8_vnni.cpp)."""
+    n, k = codes.shape
+    u = (codes.to(torch.int16) + 8).to(torch.uint8).view(n // TILE, TILE, k // 8, 2, 4)  # [tile, j, k8, half, t]
+    b = u[..., 0, :] | (u[..., 1, :] << 4)  # [tile, j, k8, t]
+    return b.permute(0, 2, 1, 3).reshape(n // TILE, k // 8, 64).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_codes: uint8 [N/16, K/8, 64] -> codes int8 [N, K]."""
+    tiles, k8 = packed.shape[0], packed.shape[1]
+    b = packed.reshape(tiles, k8, TILE, 4).permute(0, 2, 1, 3)  # [tile, j, k8, t]
+    u = torch.stack([b & 15, b >> 4], dim=3)  # [tile, j, k8, half, t]
+    return (u.to(torch.int16) - 8).to(torch.int8).reshape(tiles * TILE, k8 * 8)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 [M, K] -> (q int8 [M, K], d fp32 [M, K/32]) with x ≈ d·q per block of 32: d = max|x| / 127,
+    q = round-half-even(x · (1/d)) (0 where d = 0). The kernel's arithmetic, written in torch."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int8)
+    return q.reshape(m, k), d
+
+
+def reference_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The kernel's result, computed plainly: x [M, K], codes int8 [N, K], scale [N, K/group] -> fp32 [M, N].
+    Per (row, output, block) the integer dot in float64 (exact), times weight scale · activation scale, summed over
+    blocks in float64: it differs from the kernel only by the kernel's fp32 rounding of those products and sums."""
+    q, d = quantize_activations(x)
+    m, k = q.shape
+    n, blocks = codes.shape[0], k // BLOCK
+    dots = torch.einsum("mbk,nbk->mnb", q.double().reshape(m, blocks, BLOCK),
+                        codes.double().reshape(n, blocks, BLOCK))
+    sw = scale.float().repeat_interleave(k // scale.shape[1] // BLOCK, dim=1)  # [N, blocks]
+    factor = (sw.unsqueeze(0) * d.unsqueeze(1)).double()  # [M, N, blocks], fp32 products as the kernel forms them
+    return (dots * factor).sum(-1).float()
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] (any float dtype; used as fp32) -> fp32 [M, N] with the packed weight and native.pack_scales'
+    scales."""
+    xf = x.float().contiguous()
+    m, k = xf.shape
+    n = packed.shape[0] * TILE
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = library().specquant_w4a8_gemm(xf.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, group,
+                                       y.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"native W4A8 kernel rejected shape M={m} K={k} N={n} group={group}")
+    return y
+
+
+def kernel_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's own activation quantization (q, d, integer block sums), for the tests."""
+    xf = x.float().contiguous()
+    m, k = xf.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // BLOCK, dtype=torch.float32)
+    qsum = torch.empty(m, k // BLOCK, dtype=torch.int32)
+    if library().specquant_q8_quantize(xf.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), qsum.data_ptr()):
+        raise ValueError(f"native W4A8 quantization rejected K={k} (needs a multiple of {BLOCK})")
+    return q, d, qsum

@@ -1,0 +1,165 @@
+"""The native W4A8 kernel (quant/w4a8.py, kernels/w4a8_vnni.cpp): int8 activations against exact int4 weights.
+
+Three references, from the tightest: the kernel's activation quantization equals the torch one bit for bit; its GEMM
+equals `w4a8.reference_gemm` (the same blockwise arithmetic with exact integer dots, summed in float64) to fp32
+rounding; and it stays within the int8 rounding of activations of the dequantize-then-matmul W4A16 result. Rows are
+batch- and thread-invariant bit for bit, which is what lets speculative decoding stay exact on it. Kernel tests skip
+on CPUs without AVX-512 VNNI or without g++.
+"""
+
+import pytest
+import torch
+
+from _quant_models import HAS_TINY_TARGET
+from specquant.decode.generate import generate
+from specquant.errors import SpecquantError
+from specquant.loader import load_model
+from specquant.model.checkpoint import load_tokenizer
+from specquant.model.fuse import fuse_projections
+from specquant.quant import native, quantize, w4a8
+from specquant.quant.config import QuantConfig
+from specquant.quant.grid import dequantize, quantize_weight
+from specquant.quant.linear import QuantLinear, auto_backend, set_w4_activations
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.engine import SpecEngine
+
+KERNEL_TOL = 1e-6  # kernel vs reference_gemm: fp32 rounding of the block products and sums (observed <= 3e-7)
+needs_kernel = pytest.mark.skipif(w4a8.library() is None,
+                                  reason=f"W4A8 kernel unavailable: {native.build('w4a8_vnni')[1]}")
+
+
+def weights(out, inp, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g) * inp**-0.5
+    codes, scale, _ = quantize_weight(w, QuantConfig(method="rtn", bits=4, group_size=group),
+                                      scale_dtype=torch.float32)
+    return codes, scale, g
+
+
+def test_pack_layout_puts_each_code_where_the_kernel_reads_it():
+    codes, _, _ = weights(32, 64, 32)
+    packed = w4a8.pack_codes(codes)
+    assert packed.shape == (2, 8, 64)
+    u = codes.to(torch.int16) + 8
+    for tile, k8, j, t in [(0, 0, 0, 0), (1, 7, 15, 3), (0, 3, 9, 2)]:
+        byte = int(packed[tile, k8, 4 * j + t])
+        o, k = 16 * tile + j, 8 * k8 + t  # low nibble: k, high nibble: k + 4
+        assert byte & 15 == u[o, k] and byte >> 4 == u[o, k + 4]
+    assert torch.equal(w4a8.unpack_codes(packed), codes)
+
+
+def test_activation_quantization_rounds_half_to_even_and_keeps_zero_blocks():
+    x = torch.zeros(1, 64)
+    x[0, :32] = torch.tensor([127.0, 0.5, 1.5, -2.5, -127.0] + [0.0] * 27)  # d = 1: ties go to the even integer
+    q, d = w4a8.quantize_activations(x)
+    assert d.tolist() == [[1.0, 0.0]] and q[0, :5].tolist() == [127, 0, 2, -2, -127]
+    assert not q[0, 32:].any()  # an all-zero block: d = 0, q = 0, no division by zero
+
+
+@needs_kernel
+def test_kernel_quantizes_activations_exactly_like_the_reference():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 256, generator=g) * torch.logspace(-3, 3, 256)  # blocks of very different ranges
+    x[2, 64:96] = 0.0
+    q, d = w4a8.quantize_activations(x)
+    kq, kd, ksum = w4a8.kernel_quantize(x)
+    assert torch.equal(q, kq) and torch.equal(d, kd)
+    assert torch.equal(ksum, q.reshape(5, -1, 32).int().sum(-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("out,inp,group", [(16, 64, 32), (128, 384, 32), (1024, 384, 128), (48, 1024, 64),
+                                           (64, 256, 256), (32, 96, 96)])
+def test_kernel_matches_reference(out, inp, group):
+    codes, scale, g = weights(out, inp, group)
+    packed, scales = w4a8.pack_codes(codes), native.pack_scales(scale)
+    w16 = dequantize(codes, scale, None)
+    for rows in (1, 2, 3, 7, 8, 9, 16, 20):
+        x = torch.randn(rows, inp, generator=g) * 3
+        got = w4a8.gemm(x, packed, scales, group)
+        ref = w4a8.reference_gemm(x, codes, scale)
+        err = (got - ref).abs().max() / ref.abs().max()
+        assert err <= KERNEL_TOL, f"{out}x{inp} g{group} rows={rows}: rel err {err:.2e} against reference_gemm"
+        # against W4A16: each activation moves by at most d/2 = max|x_block| / 254
+        w16_err = (got - x @ w16.t()).abs()
+        bound = (x.reshape(rows, -1, 32).abs().amax(-1) / 254).repeat_interleave(32, 1) @ w16.abs().t()
+        assert (w16_err <= bound * 1.001 + 1e-6).all()
+
+
+@needs_kernel
+def test_rows_are_batch_and_thread_invariant():
+    """Each output sums in one order whatever M or the thread count: a verify step's row i equals the one-row
+    decode step bit for bit, the property that keeps speculative decoding exact on this kernel."""
+    codes, scale, g = weights(256, 512, 32)
+    packed, scales = w4a8.pack_codes(codes), native.pack_scales(scale)
+    x = torch.randn(13, 512, generator=g)
+    batch = w4a8.gemm(x, packed, scales, 32)
+    for i in range(13):
+        assert torch.equal(w4a8.gemm(x[i : i + 1], packed, scales, 32), batch[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(w4a8.gemm(x, packed, scales, 32), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_quant_linear_runs_int8_activations_only_when_asked_and_at_every_row_count():
+    codes, scale, g = weights(64, 256, 32)
+    m = QuantLinear.from_codes(codes, scale, None, 4, torch.randn(64, generator=g))
+    x = torch.randn(2, 3, 256, generator=g)
+    assert auto_backend(m, x) != "native_w4a8"  # float activations by default
+    model = torch.nn.Sequential(m)
+    assert set_w4_activations(model, "int8") == 1
+    assert auto_backend(m, x) == "native_w4a8" and auto_backend(m, torch.randn(300, 256)) == "native_w4a8"
+    y = m(x)
+    ref = w4a8.reference_gemm(x.reshape(6, 256), codes, scale).reshape(2, 3, 64) + m.bias
+    assert (y - ref).abs().max() <= KERNEL_TOL * ref.abs().max()
+    assert m.native_layout == "w4a8_vnni" and torch.equal(m.codes(), codes)
+    set_w4_activations(model, "float")  # back: the layout follows the kernel, the codes never change
+    m(x)
+    assert m.native_layout in (None, "w4_bf16") and torch.equal(m.codes(), codes)
+    assert torch.equal(m.state_dict()["weight_packed"], QuantLinear.from_codes(codes, scale, None, 4).weight_packed)
+
+
+@needs_kernel
+def test_fused_projections_keep_int8_activations():
+    codes, scale, _ = weights(32, 64, 32)
+    parts = [QuantLinear.from_codes(codes, scale, None, 4) for _ in range(2)]
+    set_w4_activations(torch.nn.ModuleList(parts), "int8")
+    assert QuantLinear.concat(parts).activations == "int8"
+
+
+def test_unknown_mode_and_unavailable_kernel_are_one_line_errors(monkeypatch):
+    with pytest.raises(SpecquantError, match="use one of float, int8"):
+        set_w4_activations(torch.nn.Sequential(), "int4")
+    monkeypatch.setenv("SPECQUANT_NATIVE", "0")
+    monkeypatch.setattr(w4a8, "library", lambda: None)
+    with pytest.raises(SpecquantError, match=r"unavailable here \(disabled by SPECQUANT_NATIVE=0\); use float activations"):
+        set_w4_activations(torch.nn.Sequential(), "int8")
+
+
+def test_unsupported_layers_are_declined():
+    assert not w4a8.supports(8, 32, True, 256, 64)  # 8 bits
+    assert not w4a8.supports(4, 32, False, 256, 64)  # zero points
+    assert not w4a8.supports(4, 32, True, 256, 40)  # out not a multiple of 16
+    assert not w4a8.supports(4, 16, True, 256, 64)  # groups finer than the activation block
+    assert w4a8.supports(4, 128, True, 256, 64)
+
+
+@needs_kernel
+@pytest.mark.skipif(not HAS_TINY_TARGET, reason="bundled tiny-target missing")
+def test_speculative_decoding_on_a_w4a8_target_equals_its_greedy_decoding():
+    """Decode steps (1 row), verify steps (k+1 rows) and the prefill all run the W4A8 kernel, whose rows are
+    batch-invariant, so the speculative output is exactly the W4A8 target's own greedy output."""
+    target = load_model("tiny-target")
+    quantize(target, QuantConfig(method="rtn", bits=4, group_size=32))
+    assert set_w4_activations(target, "int8") == 8 * 7  # q, k, v, o, gate, up, down per layer; the head dense
+    fuse_projections(target)
+    engine = SpecEngine(target, load_model("tiny-draft", fuse=True), SpecConfig(draft_len=4))
+    prompt = torch.tensor([load_tokenizer("tiny-target").encode("The meaning of the word")])
+    ref = generate(target, prompt, 48, stop_on_eos=False).token_ids[0]
+    out = engine.generate(prompt, 48, stop_on_eos=False)
+    assert out.token_ids[0] == ref
+    assert out.stats["num_accepted_tokens"] > 0
