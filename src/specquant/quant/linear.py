@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specquant.errors import SpecquantError
+from specquant.quant import native, w4a8
 from specquant.quant.config import W4_ACTIVATIONS
 from specquant.quant.grid import dequantize
 from specquant.quant.pack import pack_codes, packed_cols, unpack_codes
@@ -123,8 +124,6 @@ class QuantLinear(nn.Module):
 
     def _native_view(self) -> torch.Tensor:
         """weight_packed's bytes as a native kernel's uint8 [out/16, in/8, 64] (no copy; both kernels' shape)."""
-        from specquant.quant import native
-
         return self.weight_packed.view(torch.uint8).view(self.out_features // native.TILE, self.in_features // 8, 64)
 
     def to_native_layout(self, kernel: str = "w4_bf16") -> None:
@@ -245,8 +244,6 @@ def _int4pack_cpu_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_supports(m: QuantLinear, x: torch.Tensor) -> bool:
-    from specquant.quant import native
-
     return (x.device.type == "cpu" and x.dtype in INT4PACK_DTYPES
             and native.supports(m.bits, m.group_size, m.symmetric, m.in_features, m.out_features)
             and native.library() is not None)
@@ -255,37 +252,34 @@ def _native_supports(m: QuantLinear, x: torch.Tensor) -> bool:
 def _native_w4_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """specquant.quant.native's AVX-512 BF16 kernel: activations rounded to bf16 (as int4pack_cpu_bf16), exact
     int4 weights, fp32 sums and scales; the result in x's dtype."""
-    from specquant.quant import native
-
     return _native_forward(m, x, "w4_bf16", native.gemm)
 
 
 def _native_forward(m: QuantLinear, x: torch.Tensor, kernel: str, gemm) -> torch.Tensor:
-    """Run a native kernel's gemm on weight_packed permuted (once, in place) into that kernel's layout."""
-    from specquant.quant import native
-
-    m.to_native_layout(kernel)
-    scales = m._cache.get("native_scales")
-    if scales is None:
-        scales = m._cache["native_scales"] = native.pack_scales(m.weight_scale)
-    y = gemm(x.reshape(-1, m.in_features), m._native_view(), scales, m.group_size).to(x.dtype)
+    """Run a native kernel's gemm on weight_packed permuted (once, in place) into that kernel's layout. The
+    kernel's view of the codes and its scales are prepared once (a decode step makes ~100 of these calls, so
+    per-call Python work counts), and re-prepared whenever the layout was changed for the other kernel."""
+    prepared = m._cache.get(("native", kernel))
+    if prepared is None or m.native_layout != kernel:
+        m.to_native_layout(kernel)
+        prepared = m._cache[("native", kernel)] = (m._native_view(), native.pack_scales(m.weight_scale))
+    view, scales = prepared
+    y = gemm(x, view, scales, m.group_size)  # fp32 [..., out]
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     if m.bias is not None:
         y = y + m.bias.to(x.dtype)
-    return y.reshape(*x.shape[:-1], m.out_features)
+    return y
 
 
 def _native_packing(kernel: str):
     """(pack_codes, unpack_codes) of a native kernel's weight layout."""
-    from specquant.quant import native, w4a8
-
     packings = {"w4_bf16": (native.pack_codes, native.unpack_codes),
                 "w4a8_vnni": (w4a8.pack_codes, w4a8.unpack_codes)}
     return packings[kernel]
 
 
 def _w4a8_supports(m: QuantLinear, x: torch.Tensor) -> bool:
-    from specquant.quant import w4a8
-
     return (x.device.type == "cpu" and x.dtype in INT4PACK_DTYPES
             and w4a8.supports(m.bits, m.group_size, m.symmetric, m.in_features, m.out_features)
             and w4a8.library() is not None)
@@ -294,8 +288,6 @@ def _w4a8_supports(m: QuantLinear, x: torch.Tensor) -> bool:
 def _native_w4a8(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """quant/w4a8.py's AVX-512 VNNI kernel: activations rounded to int8 per block of 32, exact int4 weights and
     integer dots, fp32 scales and sums; the result in x's dtype."""
-    from specquant.quant import w4a8
-
     return _native_forward(m, x, "w4a8_vnni", w4a8.gemm)
 
 
@@ -427,8 +419,6 @@ def set_w4_activations(model: nn.Module, mode: str) -> int:
     activations. Returns how many layers run int8; raises when int8 is asked for and the kernel is unavailable."""
     if mode not in W4_ACTIVATIONS:
         raise SpecquantError(f"w4 activations {mode!r} is not supported; use one of {', '.join(W4_ACTIVATIONS)}")
-    from specquant.quant import native, w4a8
-
     if mode == "int8" and w4a8.library() is None:
         raise SpecquantError(f"int8 W4 activations need the native W4A8 kernel, which is unavailable here "
                              f"({native.build('w4a8_vnni')[1]}); use float activations")

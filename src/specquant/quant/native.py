@@ -162,12 +162,14 @@ def pack_scales(scale: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] (any float dtype; rounded to bf16) -> fp32 [M, N] with the packed weight."""
+    """x [..., K] (any float dtype; rounded to bf16) -> fp32 [..., N] with the packed weight (leading dims passed
+    through without reshapes, as w4a8.gemm)."""
     lib = library()
     xb = x.to(torch.bfloat16).contiguous()
-    m, k = xb.shape
+    k = xb.shape[-1]
+    m = xb.numel() // k
     n = packed.shape[0] * TILE
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = torch.empty(*xb.shape[:-1], n, dtype=torch.float32)
     rc = lib.specquant_w4_bf16_gemm(xb.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, group,
                                     y.data_ptr(), torch.get_num_threads())
     if rc:
