@@ -163,3 +163,17 @@ def test_speculative_decoding_on_a_w4a8_target_equals_its_greedy_decoding():
     out = engine.generate(prompt, 48, stop_on_eos=False)
     assert out.token_ids[0] == ref
     assert out.stats["num_accepted_tokens"] > 0
+
+
+@needs_kernel
+@pytest.mark.skipif(native.library() is None, reason="native BF16 kernel unavailable")
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_torch_compile_keeps_the_native_kernels_in_one_graph(activations):
+    """Under torch.compile the kernels run as torch operators (specquant::w4_bf16_gemm / w4a8_gemm): fullgraph
+    compiles (a ctypes call would break the graph) and gives the eager result bit for bit."""
+    codes, scale, g = weights(64, 256, 32)
+    m = QuantLinear.from_codes(codes, scale, None, 4, torch.randn(64, generator=g))
+    set_w4_activations(torch.nn.Sequential(m), activations)
+    x = torch.randn(3, 256, generator=g)
+    eager = m(x)
+    assert torch.equal(torch.compile(m, fullgraph=True)(x), eager)

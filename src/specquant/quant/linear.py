@@ -252,24 +252,31 @@ def _native_supports(m: QuantLinear, x: torch.Tensor) -> bool:
 def _native_w4_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """specquant.quant.native's AVX-512 BF16 kernel: activations rounded to bf16 (as int4pack_cpu_bf16), exact
     int4 weights, fp32 sums and scales; the result in x's dtype."""
-    return _native_forward(m, x, "w4_bf16", native.gemm)
+    return _native_forward(m, x, "w4_bf16", native.gemm, native.gemm_op)
 
 
-def _native_forward(m: QuantLinear, x: torch.Tensor, kernel: str, gemm) -> torch.Tensor:
+def _native_forward(m: QuantLinear, x: torch.Tensor, kernel: str, gemm, op) -> torch.Tensor:
     """Run a native kernel's gemm on weight_packed permuted (once, in place) into that kernel's layout. The
     kernel's view of the codes and its scales are prepared once (a decode step makes ~100 of these calls, so
-    per-call Python work counts), and re-prepared whenever the layout was changed for the other kernel."""
+    per-call Python work counts), and re-prepared whenever the layout was changed for the other kernel. Under
+    torch.compile the kernel runs as its torch operator `op` (no graph break)."""
     prepared = m._cache.get(("native", kernel))
     if prepared is None or m.native_layout != kernel:
-        m.to_native_layout(kernel)
-        prepared = m._cache[("native", kernel)] = (m._native_view(), native.pack_scales(m.weight_scale))
+        prepared = _prepare_native(m, kernel)
     view, scales = prepared
-    y = gemm(x, view, scales, m.group_size)  # fp32 [..., out]
+    y = (op if torch.compiler.is_compiling() else gemm)(x, view, scales, m.group_size)  # fp32 [..., out]
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     if m.bias is not None:
         y = y + m.bias.to(x.dtype)
     return y
+
+
+@torch.compiler.disable  # permutes a buffer in place: never traced into a graph
+def _prepare_native(m: QuantLinear, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    m.to_native_layout(kernel)
+    prepared = m._cache[("native", kernel)] = (m._native_view(), native.pack_scales(m.weight_scale))
+    return prepared
 
 
 def _native_packing(kernel: str):
@@ -288,7 +295,7 @@ def _w4a8_supports(m: QuantLinear, x: torch.Tensor) -> bool:
 def _native_w4a8(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """quant/w4a8.py's AVX-512 VNNI kernel: activations rounded to int8 per block of 32, exact int4 weights and
     integer dots, fp32 scales and sums; the result in x's dtype."""
-    return _native_forward(m, x, "w4a8_vnni", w4a8.gemm)
+    return _native_forward(m, x, "w4a8_vnni", w4a8.gemm, w4a8.gemm_op)
 
 
 def _int8pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:

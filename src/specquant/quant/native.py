@@ -177,6 +177,18 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int
     return y
 
 
+@torch.library.custom_op("specquant::w4_bf16_gemm", mutates_args=())
+def gemm_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """`gemm` as a torch operator, so torch.compile keeps it in the graph as one opaque call (a ctypes call is a
+    graph break); QuantLinear uses it only while compiling, since the dispatcher costs a few us per call."""
+    return gemm(x, packed, scales, group)
+
+
+@gemm_op.register_fake
+def _(x, packed, scales, group):
+    return x.new_empty(*x.shape[:-1], packed.shape[0] * TILE, dtype=torch.float32)
+
+
 if __name__ == "__main__":
     for name in KERNELS:
         path, why = build(name)

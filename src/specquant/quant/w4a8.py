@@ -90,6 +90,17 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int
     return y
 
 
+@torch.library.custom_op("specquant::w4a8_gemm", mutates_args=())
+def gemm_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """`gemm` as a torch operator for torch.compile (as native.gemm_op)."""
+    return gemm(x, packed, scales, group)
+
+
+@gemm_op.register_fake
+def _(x, packed, scales, group):
+    return x.new_empty(*x.shape[:-1], packed.shape[0] * TILE, dtype=torch.float32)
+
+
 def kernel_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's own activation quantization (q, d, integer block sums), for the tests."""
     xf = x.float().contiguous()
