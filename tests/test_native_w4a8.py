@@ -177,3 +177,19 @@ def test_torch_compile_keeps_the_native_kernels_in_one_graph(activations):
     x = torch.randn(3, 256, generator=g)
     eager = m(x)
     assert torch.equal(torch.compile(m, fullgraph=True)(x), eager)
+
+
+@needs_kernel
+def test_checkpoints_load_with_int8_activations_for_generate_and_the_gates(tmp_path):
+    """load_model(w4_activations="int8") (generate/bench/gate --w4-activations int8) reaches every 4-bit layer,
+    fused ones included, and the lm-eval backend passes it through its model_args."""
+    from _qad_models import write_pair
+    from specquant.gate.backend import SpecquantLM
+
+    _, student = write_pair(tmp_path)
+    model = load_model(student, fuse=True, w4_activations="int8")
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.activations == "int8" for m in layers)
+    assert all(m.activations == "float" for m in load_model(student).modules() if isinstance(m, QuantLinear))
+    lm = SpecquantLM(target=str(student), w4_activations="int8", device="cpu")
+    assert all(m.activations == "int8" for m in lm.engine.target.modules() if isinstance(m, QuantLinear))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specquant.quant.config import W4_ACTIVATIONS
+
 # gate name -> the lm-eval task or group it runs and the metric it gates on ("metric,filter" as lm-eval reports it).
 # The metrics follow the seed's quality protocol (docs/GATES.md): MMLU-Pro as the unweighted mean over the subject
 # subtasks, IFEval instruction-level strict accuracy, GPQA-Diamond 0-shot CoT with the flexible extraction.
@@ -67,6 +69,9 @@ class BackendConfig:
     dtype: str = field(default="float32", metadata={"help": "dtype of local checkpoints",
                                                      "choices": ("float32", "bfloat16", "float16")})
     device: str = field(default="cpu", metadata={"help": "device of local checkpoints (cpu, cuda)"})
+    w4_activations: str = field(default="float", metadata={
+        "help": "activations of W4 checkpoints' 4-bit layers (model and baseline): float (W4A16) or int8 (W4A8 on "
+                "the native VNNI kernel), to gate the arithmetic that will be served", "choices": W4_ACTIVATIONS})
     draft_len: int = field(default=3, metadata={"help": "draft tokens per verify step (k)"})  # SpecConfig's others
     max_length: int | None = None  # context; None = the target's max_position_embeddings
     # stop strings are checked between chunks of generation (the engine has no stop-string hook): the first chunk is

@@ -20,19 +20,19 @@ class EvalEngine:
     """A target (plus an optional draft for speculative decoding) and its tokenizer."""
 
     def __init__(self, target: str, draft: str | None = None, dtype: str = "float32", device: str = "cpu",
-                 draft_len: int = 3):
+                 draft_len: int = 3, w4_activations: str = "float"):
         resolve(target)
         if draft is not None:
             resolve(draft)
         self.tokenizer = load_tokenizer(target)
-        self.target = load_model(target, dtype, device, fuse=True)
+        self.target = load_model(target, dtype, device, fuse=True, w4_activations=w4_activations)
         self.device = torch.device(device)
         self.spec = None
         if draft is not None:
             from specquant.spec_decode.config import SpecConfig
             from specquant.spec_decode.engine import SpecEngine
 
-            draft_model = load_model(draft, dtype, device, fuse=True)
+            draft_model = load_model(draft, dtype, device, fuse=True, w4_activations=w4_activations)
             self.spec = SpecEngine(self.target, draft_model, SpecConfig(draft_len=draft_len),
                                    self.tokenizer, load_tokenizer(draft))
 

@@ -11,7 +11,8 @@ from specquant.gate.config import GateConfig
 HELDOUT = Path(__file__).resolve().parent.parent / "data" / "heldout.txt"
 
 
-def kl_stats(model: str, baseline: str, cfg: GateConfig, text: str | None = None, dtype: str = "float32") -> dict:
+def kl_stats(model: str, baseline: str, cfg: GateConfig, text: str | None = None, dtype: str = "float32",
+             w4_activations: str = "float") -> dict:
     """KL(baseline || model) nats/token, perplexities and their ratio, top-1 agreement on held-out blocks."""
     from specquant.loader import load_model
     from specquant.model.checkpoint import load_tokenizer, read_config
@@ -25,8 +26,8 @@ def kl_stats(model: str, baseline: str, cfg: GateConfig, text: str | None = None
     if not path.is_file():
         raise SpecquantError(f"held-out text {str(path)!r} does not exist; pass --kl-text FILE (plain text)")
     tokens = heldout_tokens(load_tokenizer(baseline), path, cfg.kl_samples, cfg.kl_seq_len)
-    reference = load_model(baseline, dtype)
-    stats = compare(reference, load_model(model, dtype), tokens, cfg.kl_batch_size)
+    reference = load_model(baseline, dtype, w4_activations=w4_activations)
+    stats = compare(reference, load_model(model, dtype, w4_activations=w4_activations), tokens, cfg.kl_batch_size)
     nll = stats.pop("nll_tokens")  # per token, model minus baseline
     stats["ppl_ratio"] = stats["ppl"] / stats["ppl_ref"]
     stats["nll_diff_stderr"] = float(nll.std() / nll.numel() ** 0.5)
@@ -36,13 +37,13 @@ def kl_stats(model: str, baseline: str, cfg: GateConfig, text: str | None = None
 
 
 def kl_gate(model: str, baseline: str, cfg: GateConfig | None = None, rules: dict | None = None,
-            text: str | None = None, dtype: str = "float32"):
+            text: str | None = None, dtype: str = "float32", w4_activations: str = "float"):
     """(stats, rows) of the kl gate with the default (or given) bounds: what `specquant demo` prints."""
     from specquant.gate.config import KL_GATE
     from specquant.gate.thresholds import decide_kl
 
     cfg = cfg or GateConfig()
-    stats = kl_stats(model, baseline, cfg, text, dtype)
+    stats = kl_stats(model, baseline, cfg, text, dtype, w4_activations)
     return stats, decide_kl(rules or cfg.default_thresholds[KL_GATE], stats)
 
 

@@ -179,7 +179,8 @@ def run_gates(cfg: GateConfig, backend: BackendConfig, model: Subject, baseline:
                 rows.append(decide_score(g, rules[g], value, base))
         if KL_GATE in cfg.tasks:
             log(f"  kl: {model.model} against {baseline.model}")
-            stats, kl_rows = kl_gate(model.model, baseline.model, cfg, rules[KL_GATE], kl_text, backend.dtype)
+            stats, kl_rows = kl_gate(model.model, baseline.model, cfg, rules[KL_GATE], kl_text, backend.dtype,
+                                    backend.w4_activations)
             summary["kl"] = stats
             rows.extend(kl_rows)
         summary["gates"] = [r.to_dict() for r in rows]
