@@ -119,7 +119,7 @@ class QuantLinear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         if self.native_layout:
-            return _native_packing(self.native_layout)[1](self._native_view())
+            return NATIVE_KERNELS[self.native_layout].unpack_codes(self._native_view())
         return unpack_codes(self.weight_packed, self.bits, self.in_features)  # int8 [out, in]
 
     def _native_view(self) -> torch.Tensor:
@@ -130,7 +130,7 @@ class QuantLinear(nn.Module):
         """Permute weight_packed in place into a native kernel's layout (a no-op when it already is)."""
         if self.native_layout == kernel:
             return
-        permuted = _native_packing(kernel)[0](self.codes())
+        permuted = NATIVE_KERNELS[kernel].pack_codes(self.codes())
         self._native_view().copy_(permuted)
         self.native_layout = kernel
 
@@ -243,33 +243,42 @@ def _int4pack_cpu_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return _int4pack_cpu(m, x, torch.bfloat16)
 
 
-def _native_supports(m: QuantLinear, x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in INT4PACK_DTYPES
-            and native.supports(m.bits, m.group_size, m.symmetric, m.in_features, m.out_features)
-            and native.library() is not None)
+# The native CPU kernels by layout name: each module has supports(), library(), pack_codes/unpack_codes (its
+# weight layout), gemm (ctypes) and gemm_op (the same as a torch operator, for torch.compile).
+NATIVE_KERNELS = {"w4_bf16": native, "w4a8_vnni": w4a8}
 
 
-def _native_w4_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """specquant.quant.native's AVX-512 BF16 kernel: activations rounded to bf16 (as int4pack_cpu_bf16), exact
-    int4 weights, fp32 sums and scales; the result in x's dtype."""
-    return _native_forward(m, x, "w4_bf16", native.gemm, native.gemm_op)
+def _native_supports(kernel: str) -> Callable[[QuantLinear, torch.Tensor], bool]:
+    mod = NATIVE_KERNELS[kernel]
+
+    def supports(m: QuantLinear, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype in INT4PACK_DTYPES
+                and mod.supports(m.bits, m.group_size, m.symmetric, m.in_features, m.out_features)
+                and mod.library() is not None)
+
+    return supports
 
 
-def _native_forward(m: QuantLinear, x: torch.Tensor, kernel: str, gemm, op) -> torch.Tensor:
+def _native_forward(kernel: str) -> Callable[[QuantLinear, torch.Tensor], torch.Tensor]:
     """Run a native kernel's gemm on weight_packed permuted (once, in place) into that kernel's layout. The
     kernel's view of the codes and its scales are prepared once (a decode step makes ~100 of these calls, so
     per-call Python work counts), and re-prepared whenever the layout was changed for the other kernel. Under
-    torch.compile the kernel runs as its torch operator `op` (no graph break)."""
-    prepared = m._cache.get(("native", kernel))
-    if prepared is None or m.native_layout != kernel:
-        prepared = _prepare_native(m, kernel)
-    view, scales = prepared
-    y = (op if torch.compiler.is_compiling() else gemm)(x, view, scales, m.group_size)  # fp32 [..., out]
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
-    if m.bias is not None:
-        y = y + m.bias.to(x.dtype)
-    return y
+    torch.compile the kernel runs as its torch operator (no graph break). The result comes back in x's dtype."""
+    mod = NATIVE_KERNELS[kernel]
+
+    def forward(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        prepared = m._cache.get(("native", kernel))
+        if prepared is None or m.native_layout != kernel:
+            prepared = _prepare_native(m, kernel)
+        view, scales = prepared
+        y = (mod.gemm_op if torch.compiler.is_compiling() else mod.gemm)(x, view, scales, m.group_size)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if m.bias is not None:
+            y = y + m.bias.to(x.dtype)
+        return y
+
+    return forward
 
 
 @torch.compiler.disable  # permutes a buffer in place: never traced into a graph
@@ -277,25 +286,6 @@ def _prepare_native(m: QuantLinear, kernel: str) -> tuple[torch.Tensor, torch.Te
     m.to_native_layout(kernel)
     prepared = m._cache[("native", kernel)] = (m._native_view(), native.pack_scales(m.weight_scale))
     return prepared
-
-
-def _native_packing(kernel: str):
-    """(pack_codes, unpack_codes) of a native kernel's weight layout."""
-    packings = {"w4_bf16": (native.pack_codes, native.unpack_codes),
-                "w4a8_vnni": (w4a8.pack_codes, w4a8.unpack_codes)}
-    return packings[kernel]
-
-
-def _w4a8_supports(m: QuantLinear, x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in INT4PACK_DTYPES
-            and w4a8.supports(m.bits, m.group_size, m.symmetric, m.in_features, m.out_features)
-            and w4a8.library() is not None)
-
-
-def _native_w4a8(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """quant/w4a8.py's AVX-512 VNNI kernel: activations rounded to int8 per block of 32, exact int4 weights and
-    integer dots, fp32 scales and sums; the result in x's dtype."""
-    return _native_forward(m, x, "w4a8_vnni", w4a8.gemm, w4a8.gemm_op)
 
 
 def _int8pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:
@@ -341,8 +331,10 @@ BACKENDS: dict[str, Backend] = {
     "dequant_cached": Backend(_dequant_cached, lambda m, x: True),
     "int4pack_cpu": Backend(_int4pack_cpu, _int4pack_supports),
     "int4pack_cpu_bf16": Backend(_int4pack_cpu_bf16, _int4pack_supports),
-    "native_w4_bf16": Backend(_native_w4_bf16, _native_supports),
-    "native_w4a8": Backend(_native_w4a8, _w4a8_supports),
+    # bf16 activations (as int4pack_cpu_bf16), exact int4 weights, fp32 sums and scales (kernels/w4_bf16.cpp)
+    "native_w4_bf16": Backend(_native_forward("w4_bf16"), _native_supports("w4_bf16")),
+    # int8 activations per block of 32, exact integer dots, fp32 scales and sums (quant/w4a8.py)
+    "native_w4a8": Backend(_native_forward("w4a8_vnni"), _native_supports("w4a8_vnni")),
     "int8pack_cpu": Backend(_int8pack_cpu, _int8pack_supports),
     "triton_w4": Backend(_triton_forward, _triton_supports),
 }
@@ -374,7 +366,7 @@ def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
     12.8 ms), 4 rows 1.05x, 8-16 rows 1.1-1.2x.
     """
     rows = x.numel() // m.in_features
-    if m.activations == "int8" and _w4a8_supports(m, x):
+    if m.activations == "int8" and BACKENDS["native_w4a8"].supports(m, x):
         choice, why = "native_w4a8", "int8 activations asked for: the native W4A8 kernel at every row count"
     elif rows >= LARGE_ROWS:
         choice, why = "reference", f"{rows} rows (>= {LARGE_ROWS}): dequantize per call, then one dense GEMM"
@@ -382,7 +374,7 @@ def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
         choice, why = "triton_w4", f"{x.dtype} activations on CUDA: the Triton W4A16 kernel on the packed weight"
     elif _int8pack_supports(m, x):  # W8 per channel (the W8 lm_head): torch's int8 kernel, no dense copy
         choice, why = "int8pack_cpu", f"{x.dtype} activations on CPU, 8-bit per-channel: the int8 kernel"
-    elif x.dtype in (torch.float32, torch.bfloat16) and _native_supports(m, x):
+    elif x.dtype in (torch.float32, torch.bfloat16) and BACKENDS["native_w4_bf16"].supports(m, x):
         choice, why = "native_w4_bf16", f"{x.dtype} activations on CPU: the native AVX-512 BF16 W4 kernel"
     elif x.dtype in (torch.float32, torch.bfloat16) and _int4pack_supports(m, x):
         choice, why = "int4pack_cpu_bf16", f"{x.dtype} activations on CPU: the int4 kernel on bf16 activations"
