@@ -1,9 +1,9 @@
 """Where a speculative decode step's time goes: draft forwards, the verify forward, and everything else.
 
-The bench's predicted decode speedup (specquant.bench.predict) counts only timed forwards (draft cost c, verify
-ratio); whatever the engine spends per step outside them (Python bookkeeping, host syncs, argmax over the vocab,
-cache rollback, the block drafter's feature appends, metrics) is what separates measured from predicted. This
-script runs SpecEngine as `specquant bench` configures rows (e) (LM draft + window) and (h) (block draft + window),
+The bench's predicted decode speedup (specquant.bench.predict) counts timed forwards (draft cost c, verify
+ratio) and the block drafter's accept; whatever the engine spends per step outside them (Python bookkeeping, host
+syncs, argmax over the vocab, cache rollback, metrics) is what separates measured from predicted. This script
+runs SpecEngine as `specquant bench` configures rows (e) (LM draft + window) and (h) (block draft + window),
 greedy, EOS ignored, on one prompt of --prompt-tokens, and wraps every component of the loop in a clock:
 
   draft fwd     the drafter's model forwards inside propose (LM: every one-token / catch-up step; block: its one
@@ -38,7 +38,8 @@ import torch
 import specquant.spec_decode.engine as engine_module
 import specquant.spec_decode.loop as loop_module
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import BlockForward, Probe, forward_times
+from specquant.bench.measure import WARM_BURST, BlockAccept, BlockForward, Probe, forward_times
+from specquant.bench.predict import mean_accept_s
 from specquant.bench.prompts import load_prompts
 from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig
@@ -133,19 +134,25 @@ def breakdown(engine: SpecEngine, clocks: Clocks, prompt: torch.Tensor, new_toke
     }
     parts["loop rest"] = stats["decode_s"] - sum(parts.values())
     return {"steps": steps, "decode_s": stats["decode_s"], "prefill_s": stats["prefill_s"],
-            "mal": stats["mean_acceptance_length"], "tokens": result.token_ids[0], **parts}
+            "mal": stats["mean_acceptance_length"], "histogram": list(result.spec.histogram),
+            "tokens": result.token_ids[0], **parts}
 
 
 def probe_costs(target, engines: dict, cfg: BenchConfig, context: int, reps: int) -> dict[str, float]:
     """The forward costs `specquant bench` predicts from (bench.measure.forward_times: every probe timed in turn,
-    so each runs after another model's forward), for the rows in `engines`."""
+    so each runs after another model's forward; the target alone also right after its own step, as the bench
+    times its baseline), for the rows in `engines`."""
     k = cfg.spec.draft_len
-    probes = {"target": Probe(target), "verify": Probe(target, k + 1)}
+    probes = {"target": Probe(target), "target_alone": Probe(target, burst=WARM_BURST), "verify": Probe(target, k + 1)}
     if "e" in engines:
         probes["draft_e"] = Probe(engines["e"].drafter.model, window=cfg.spec.draft_window)
     if "h" in engines:
-        probes["draft_h"] = Probe(BlockForward(engines["h"].drafter.model, cfg.block_draft_len),
-                                  window=cfg.spec.draft_window)
+        kb, block = cfg.block_draft_len, engines["h"].drafter.model
+        probes["verify_h"] = Probe(target, kb + 1)
+        probes["draft_h"] = Probe(BlockForward(block, kb), window=cfg.spec.draft_window)
+        accept = BlockAccept(block)
+        for rows in range(1, kb + 2):
+            probes[f"accept_h_{rows}"] = Probe(accept, rows, window=cfg.spec.draft_window)
     costs = forward_times(probes, context, reps)
     if "draft_e" in costs:
         costs["draft_e"] *= k  # k one-token forwards per step
@@ -210,14 +217,21 @@ def main():
         step = statistics.median(r["decode_s"] / r["steps"] * 1e3 for r in runs)
         tok_s = statistics.median(len(r["tokens"]) / (r["decode_s"] + r["prefill_s"]) for r in runs)
         decode_tok_s = statistics.median((len(r["tokens"]) - 1) / r["decode_s"] for r in runs)
-        overhead = step - med["draft fwd"] - med["verify fwd"]
-        forwards = med["draft fwd"] + med["verify fwd"]
+        # the forwards a step runs, the block drafter's accept (the projections of the accepted features) included
+        forwards = med["draft fwd"] + med["verify fwd"] + (med["accept"] if row == "h" else 0.0)
+        overhead = step - forwards
         measured = t_token * 1e3 / (step / runs[0]["mal"])  # decode speedup vs this target alone
         in_loop = t_token * 1e3 * runs[0]["mal"] / forwards  # ... if the step were its forwards only
-        probed = costs["target"] * runs[0]["mal"] / (costs[f"draft_{row}"] + costs["verify"])  # the bench's way
+        # the bench's way (bench/predict.py): E · T_target alone / (draft + verify + accept per step), all probed
+        probed_step = costs[f"draft_{row}"] + costs["verify_h" if row == "h" else "verify"]
+        if row == "h":
+            hist = [sum(h) for h in zip(*(r["histogram"] for r in runs))]
+            probed_step += mean_accept_s(hist, [costs[f"accept_h_{n}"] for n in range(1, cfg.block_draft_len + 2)])
+        probed = costs["target_alone"] * runs[0]["mal"] / probed_step
         prediction[row] = (measured, in_loop, probed)
         out[row] = {"decode_speedup": measured, "predicted_in_loop_forwards": in_loop,
-                    "predicted_probed": probed, "steps": runs[0]["steps"], "mal": runs[0]["mal"], "step_ms": step, "tok_s": tok_s,
+                    "predicted_probed": probed, "steps": runs[0]["steps"], "mal": runs[0]["mal"], "step_ms": step,
+                    "tok_s": tok_s,
                     "decode_tok_s": decode_tok_s, "overhead_ms": overhead,
                     **{n.replace(" ", "_") + "_ms": v for n, v in med.items()}}
         print(f"{row:4} {runs[0]['steps']:5d} {runs[0]['mal']:5.2f} " + " ".join(f"{med[n]:12.3f}" for n in PARTS)

@@ -19,8 +19,8 @@ from conftest import randomize_
 from specquant.bench.ablation import rows_for
 from specquant.bench.prepare import quantized_checkpoint
 from specquant.bench.config import BenchConfig
-from specquant.bench.predict import (alpha_from_mal, expected_tokens, leviathan_speedup, mean_tokens_per_step,
-                                     predicted_speedup)
+from specquant.bench.predict import (alpha_from_mal, expected_tokens, leviathan_speedup, mean_accept_s,
+                                     mean_tokens_per_step, predict_row, predicted_speedup)
 from specquant.bench.prompts import DEFAULT_PROMPTS, fit_lengths, load_prompts, read_jsonl
 from specquant.bench.report import FILES, consistency_problems
 from specquant.cli import main
@@ -123,6 +123,40 @@ def test_histogram_prediction_equals_closed_form_for_geometric_acceptance():
     # with a verify forward as cheap as one decode step, the histogram form is Leviathan's formula
     assert predicted_speedup(histogram, k, c, 1.0) == pytest.approx(leviathan_speedup(alpha, k, c), rel=1e-6)
     assert predicted_speedup(histogram, k, c, 1.5) < predicted_speedup(histogram, k, c, 1.0)
+
+
+def test_block_accept_cost_is_weighted_by_the_histogram_and_slows_the_prediction():
+    # 10 steps: 4 accepted nothing (1 row projected), 6 accepted all 3 drafts (4 rows); 1 ms/row + 0.5 ms fixed
+    histogram, accept_s = [4, 0, 0, 6], [1.5e-3, 2.5e-3, 3.5e-3, 4.5e-3]
+    assert mean_accept_s(histogram, accept_s) == pytest.approx((4 * 1.5e-3 + 6 * 4.5e-3) / 10)
+    costs = {"target_step_s": 10e-3, "verify_s": 13e-3, "draft_step_s": 8e-3, "baseline_step_s": 10e-3,
+             "draft_forwards_per_step": 1}
+    without = predict_row(histogram, 30, 10, costs)
+    with_accept = predict_row(histogram, 30, 10, {**costs, "accept_s": accept_s})
+    e = mean_tokens_per_step(histogram)  # 2.8
+    assert without["accept_ratio"] == 0 and without["speedup"] == pytest.approx(e / (0.8 + 1.3))
+    assert with_accept["accept_ratio"] == pytest.approx(0.33)
+    assert with_accept["speedup"] == pytest.approx(e / (0.8 + 1.3 + 0.33))
+    with pytest.raises(ValueError, match="accept times for 2"):  # a probe per accepted count, or no prediction
+        mean_accept_s(histogram, accept_s[:2])
+
+
+def test_block_accept_probe_times_accept_on_its_own_copy(pair):
+    from specquant.bench.measure import BlockAccept, BlockForward, Probe, forward_times
+    from specquant.drafter_loader import load_block_draft
+
+    target = load_model(pair["target"])
+    block = load_block_draft(pair["block"]).attach_target(target)
+    accept = BlockAccept(block)
+    # its own context cache (forward_times sets up one per probed object), the target's modules shared
+    assert accept.drafter is not block and accept.drafter.embed_tokens is block.embed_tokens
+    # beside a BlockForward of the same drafter, with full attention: each probe needs context + its rows
+    times = forward_times({"propose": Probe(BlockForward(block, 3)), "accept": Probe(accept, 4)}, 40, 2)
+    assert set(times) == {"propose", "accept"} and all(t > 0 for t in times.values())
+    accept.drafter.setup_cache(64, window=None)
+    accept(torch.zeros(1, 40, dtype=torch.long), 0)
+    accept(torch.zeros(1, 3, dtype=torch.long), 40)  # one timed call: the accept of 3 rows after 40 positions
+    assert accept.drafter.context_len == 43
 
 
 # --- prompts --------------------------------------------------------------------------------------------------
@@ -262,6 +296,20 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
         assert 3 < len(r["acceptance_whole_block"]["acceptance_rate_per_pos"]) <= 7
         assert r["acceptance_all"]["mean_acceptance_length"] >= 1
     assert rows["h"]["draft_window"] == 16 and rows["f"]["draft_window"] is None
+    # the prediction counts the block drafter's accept (weighted by the row's own histogram) and rescales by the
+    # baseline's step timed alone (row (a) decodes with nothing between its steps)
+    for rid, drafter, window in (("f", "hp", ""), ("g", "w4", ""), ("h", "w4", "_window")):
+        for cat, e in rows[rid]["categories"].items():
+            p, c, hist = e["predicted"], results["costs"][cat], e["acceptance"]["histogram"]
+            accept = [c[f"block_{drafter}_accept{n}_s{window}"] for n in range(1, 5)]
+            assert p["accept_ratio"] > 0
+            assert p["accept_ratio"] == pytest.approx(
+                sum(n * t for n, t in zip(hist, accept)) / sum(hist) / c["target_qad_step_s"], rel=1e-9)
+            assert p["speedup"] == pytest.approx(
+                p["speedup_vs_own_target"] * c["target_hp_step_s_alone"] / c["target_qad_step_s"], rel=1e-9)
+    for cat, e in rows["q"]["categories"].items():
+        c = results["costs"][cat]
+        assert e["predicted"]["speedup"] == pytest.approx(c["target_hp_step_s_alone"] / c["target_qad_step_s_alone"])
     assert results["quantized"]["quantized_block_draft"]["produced"]
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "## Which drafter wins" in report and "## Block drafter, whole block verified" in report

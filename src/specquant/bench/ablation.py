@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import (BlockForward, Probe, environment, forward_times, hf_assisted, interleaved,
-                                     ours_speculative,
-                                     ours_target_only, summarize)
+from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, Probe, environment, forward_times,
+                                     hf_assisted, interleaved, ours_speculative, ours_target_only, summarize)
 from specquant.bench.predict import predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
 from specquant.drafter_loader import load_block_draft
@@ -190,14 +189,16 @@ def _engine(cfg: BenchConfig, row: Row, models: dict, tokenizer, draft_tokenizer
 
 def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> dict:
     """Per length category, forward times at the mean decode context (prompt + max_new_tokens / 2), all timed
-    interleaved: each target's one-token step and (k+1)-token verify, each draft's one-token step (the W4 draft
-    also with the window); with block rows, each block drafter's forward (its whole per-step cost) and each
-    target's verify of block_draft_len + 1 tokens."""
+    interleaved: each target's one-token step (between other probes, and alone: after its own step) and (k+1)-token
+    verify, each draft's one-token step (the W4 draft also with the window); with block rows, each block drafter's
+    forward and its accept of 1 .. block_draft_len + 1 rows (together its per-step cost), and each target's verify
+    of block_draft_len + 1 tokens."""
     k1 = cfg.spec.draft_len + 1
     targets = [t for t in ("hp", "w4", "qad") if ("target", t) in models]
     probes = {}
     for t in targets:
         probes[f"target_{t}_step_s"] = Probe(models[("target", t)])
+        probes[f"target_{t}_step_s_alone"] = Probe(models[("target", t)], burst=WARM_BURST)
         probes[f"target_{t}_verify_s"] = Probe(models[("target", t)], k1)
     probes.update({"draft_hp_step_s": Probe(models[("draft", "hp")]),
                    "draft_w4_step_s": Probe(models[("draft", "w4")]),
@@ -206,11 +207,15 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> di
         kb = cfg.block_draft_len
         for t in targets:
             probes[f"target_{t}_verify_block_s"] = Probe(models[("target", t)], kb + 1)
-        fwd = {kind: BlockForward(models[("block", kind)], kb) for kind in ("hp", "w4") if ("block", kind) in models}
-        for kind, bf in fwd.items():
-            probes[f"block_{kind}_step_s"] = Probe(bf)
-        if "w4" in fwd:
-            probes["block_w4_step_s_window"] = Probe(fwd["w4"], window=cfg.spec.draft_window)
+        for kind in ("hp", "w4"):
+            if ("block", kind) not in models:
+                continue
+            fwd, acc = BlockForward(models[("block", kind)], kb), BlockAccept(models[("block", kind)])
+            windows = {"": None, "_window": cfg.spec.draft_window} if kind == "w4" else {"": None}
+            for suffix, window in windows.items():
+                probes[f"block_{kind}_step_s{suffix}"] = Probe(fwd, window=window)
+                for rows in range(1, kb + 2):  # accept after 0 .. kb accepted drafts: 1 .. kb + 1 rows
+                    probes[f"block_{kind}_accept{rows}_s{suffix}"] = Probe(acc, rows, window=window)
     out = {}
     with _bar(len(lengths), "forward costs") as bar:
         for cat, n in lengths.items():
@@ -234,14 +239,19 @@ def drafter_curve(cfg: BenchConfig, draft, context: int) -> dict:
     return {"contexts": contexts, "full_s": full, "window_s": windowed, "window": cfg.spec.draft_window}
 
 
-def _costs_for(row: Row, c: dict) -> dict:
+def _costs_for(row: Row, c: dict, block_draft_len: int) -> dict:
+    """predict_row's costs for a speculative row: its forwards and the block drafter's accept timed between other
+    models' forwards (a speculative step alternates models), the baseline's step timed alone (row (a) decodes
+    with the baseline target only)."""
     window = "_window" if row.window else ""
+    own = {"target_step_s": c[f"target_{row.target}_step_s"], "baseline_step_s": c["target_hp_step_s_alone"]}
     if row.drafter == "block":  # one drafter forward per step, whatever k
-        return {"target_step_s": c[f"target_{row.target}_step_s"], "verify_s": c[f"target_{row.target}_verify_block_s"],
-                "draft_step_s": c[f"block_{row.draft}_step_s{window}"], "baseline_step_s": c["target_hp_step_s"],
-                "draft_forwards_per_step": 1}
-    return {"target_step_s": c[f"target_{row.target}_step_s"], "verify_s": c[f"target_{row.target}_verify_s"],
-            "draft_step_s": c[f"draft_{row.draft}_step_s{window}"], "baseline_step_s": c["target_hp_step_s"]}
+        accept = [c[f"block_{row.draft}_accept{rows}_s{window}"] for rows in range(1, block_draft_len + 2)]
+        return {**own, "verify_s": c[f"target_{row.target}_verify_block_s"],
+                "draft_step_s": c[f"block_{row.draft}_step_s{window}"], "draft_forwards_per_step": 1,
+                "accept_s": accept}
+    return {**own, "verify_s": c[f"target_{row.target}_verify_s"],
+            "draft_step_s": c[f"draft_{row.draft}_step_s{window}"]}
 
 
 def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped, prompts: list[Prompt],
@@ -267,10 +277,10 @@ def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped
             merged = SpecMetrics.total(s["spec"] for ss in per_prompt.values() for s in ss)
             entry["acceptance"] = merged.to_dict()
             entry["predicted"] = predict_row(merged.histogram, merged.num_draft_tokens, merged.num_drafts,
-                                             _costs_for(row, costs[cat]))
+                                             _costs_for(row, costs[cat], cfg.block_draft_len))
         elif row.draft is None:
             c = costs[cat]
-            entry["predicted"] = {"speedup": c["target_hp_step_s"] / c[f"target_{row.target}_step_s"]}
+            entry["predicted"] = {"speedup": c["target_hp_step_s_alone"] / c[f"target_{row.target}_step_s_alone"]}
         cats[cat] = entry
     res["categories"] = cats
     if row.id in acceptance_samples:

@@ -194,14 +194,48 @@ class BlockForward:
         self.drafter.clear_cache()
 
 
+class BlockAccept(BlockForward):
+    """A block drafter's `accept` behind the same interface: every timed call appends n_tokens positions of target
+    features after `context` (the fc and K/V projections of the accepted rows; spec_decode/block_drafter.py), which a
+    block drafter pays every step on top of its forward.
+
+    It works on its own copy of the drafter (the attached target's modules shared, not copied): forward_times sets
+    up one context cache per probed object, and a BlockForward of the same drafter needs its own."""
+
+    def __init__(self, drafter):
+        shared = {id(m): m for m in drafter._target_modules or ()}
+        super().__init__(copy.deepcopy(drafter, shared), 0)
+        self._rows: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, start: int, last_only: bool = False):
+        if start == 0:
+            return super().__call__(ids, start, last_only)
+        d, t = self.drafter, ids.shape[1]
+        if t not in self._rows:  # made on the first call (an untimed round), reused after
+            width = len(d.config.target_layer_ids) * d.config.hidden_size
+            self._rows[t] = torch.randn(1, t, width, generator=self._gen).to(d.norm.weight)
+        d.rollback(start)
+        d.append_context(self._rows[t])
+
+
+# Probe.burst of a model's step as a loop that runs only that model sees it (a target decoding alone): timed after
+# two untimed calls of the same model. Timed between other probes instead, the fp32 target's step read 1.4x its
+# measured TPOT at 2 threads (docs/BENCH.md).
+WARM_BURST = 3
+
+
 @dataclass(frozen=True)
 class Probe:
     """One forward to time: `model` taking n_tokens new tokens after the context; window = a sliding window for
-    the draft (None = the checkpoint's own attention, as SpecEngine sets it up)."""
+    the draft (None = the checkpoint's own attention, as SpecEngine sets it up); burst = calls in a row per
+    repetition, the last one timed (1: the forward right after other probes' forwards, as in a loop that alternates
+    models; more: right after its own, as in a loop that runs this model alone)."""
 
     model: torch.nn.Module
     n_tokens: int = 1
     window: int | None = None
+    burst: int = 1
 
 
 @torch.no_grad()
@@ -233,6 +267,8 @@ def forward_times(probes: dict[str, Probe], context: int, reps: int) -> dict[str
     samples: dict[str, list[float]] = {name: [] for name in probes}
     for rep in range(2 + reps):  # two untimed rounds first
         for name, (model, x) in calls.items():
+            for _ in range(probes[name].burst - 1):
+                model(x, context, last_only=x.shape[1] == 1)
             sync(x.device)
             t0 = time.perf_counter()
             model(x, context, last_only=x.shape[1] == 1)  # verify forwards return every position's logits

@@ -108,7 +108,7 @@ def summary_table(results: dict) -> str:
 
 def detail_table(results: dict) -> str:
     head = ["row", "category", "prompt tokens", "latency ms", "TTFT ms", "TPOT ms", "speedup", "decode speedup",
-            "predicted", "Leviathan", "MAL", "alpha", "k", "c", "verify ratio", "same tokens as"]
+            "predicted", "Leviathan", "MAL", "alpha", "k", "c", "verify ratio", "accept ratio", "same tokens as"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in ok_rows(results):
         for cat, e in r["categories"].items():
@@ -120,7 +120,7 @@ def detail_table(results: dict) -> str:
                 _ms(e["tpot_s"]), _x(e["speedup"]), _x(e["decode_speedup"]), _x(p.get("speedup")),
                 _x(p.get("leviathan_speedup")), _f(acc["mean_acceptance_length"]) if acc else "-",
                 _f(p.get("alpha")), _f(p.get("k"), 1),
-                _f(p.get("c"), 3), _f(p.get("verify_ratio")),
+                _f(p.get("c"), 3), _f(p.get("verify_ratio")), _f(p.get("accept_ratio")),
                 f"({same['row']}): {'yes' if same['match'] else 'no'}" if same else "-"]) + " |")
     return "\n".join(lines)
 
@@ -159,14 +159,16 @@ def whole_block_table(results: dict) -> str:
 
 def step_costs(row: dict, cat: str) -> dict | None:
     """A speculative row's cost per verify step in units of its target's one-token step, from the predicted
-    entry: draft (forwards x c per forward) + verify, and per emitted token (step / MAL)."""
+    entry: draft (forwards x c per forward) + verify + the block drafter's accept, and per emitted token
+    (step / MAL)."""
     p = row["categories"].get(cat, {}).get("predicted")
     if not p or "verify_ratio" not in p:
         return None
     draft = p["draft_forwards_per_step"] * p["c_forward"]
-    step = draft + p["verify_ratio"]
+    accept = p.get("accept_ratio", 0.0)
+    step = draft + p["verify_ratio"] + accept
     return {"k": p["k"], "forwards": p["draft_forwards_per_step"], "c_forward": p["c_forward"], "draft": draft,
-            "verify": p["verify_ratio"], "step": step, "mal": p["expected_tokens"],
+            "verify": p["verify_ratio"], "accept": accept, "step": step, "mal": p["expected_tokens"],
             "per_token": step / p["expected_tokens"]}
 
 
@@ -192,7 +194,9 @@ def drafter_verdict(results: dict) -> str:
         if c:
             line += (f"; per step at the {cat} context, in target one-token steps: {c['forwards']:.0f} draft "
                      f"forward{'s' if c['forwards'] != 1 else ''} x {c['c_forward']:.2f} = {c['draft']:.2f} + verify "
-                     f"of {c['k']:.0f}+1 tokens {c['verify']:.2f} = {c['step']:.2f}, for MAL {c['mal']:.2f} tokens: "
+                     f"of {c['k']:.0f}+1 tokens {c['verify']:.2f}"
+                     + (f" + accept {c['accept']:.2f}" if c["accept"] else "")
+                     + f" = {c['step']:.2f}, for MAL {c['mal']:.2f} tokens: "
                      f"{c['per_token']:.2f} per token")
         lines.append(line)
     lm, blk = best["lm"], best["block"]
@@ -238,8 +242,8 @@ Prompt lengths (target tokens): {lengths}.
 Latency is end to end (prefill + decode) per request, the median over runs per prompt, then the mean over a
 category's prompts; TTFT / TPOT / latency / tok/s columns are means over the length categories. speedup = baseline
 (a) latency / row latency per length category; "avg" is the mean of the per-category speedups. "predicted" is the
-decode-phase speedup from measured acceptance and forward costs (see predict.py): S = E / (k·c + verify_ratio),
-rescaled to the baseline's step time. MAL = mean acceptance length = 1 + num_accepted_tokens / num_drafts, per content set.
+decode-phase speedup from measured acceptance and forward costs (see predict.py): S = E / (k·c + verify_ratio +
+accept_ratio), rescaled to the baseline's step time (timed alone, as row (a) decodes). MAL = mean acceptance length = 1 + num_accepted_tokens / num_drafts, per content set.
 
 {summary_table(results)}
 
@@ -248,7 +252,8 @@ rescaled to the baseline's step time. MAL = mean acceptance length = 1 + num_acc
 "decode speedup" compares TPOT; "predicted" and "Leviathan" predict it (Leviathan: α from the MAL, verify
 forward = one decode step). c = draft cost per drafted token / target step (a block drafter's one forward per
 step counts as k·c); verify ratio = (k+1)-token target forward / 1-token
-forward; both timed at prompt + max_new_tokens/2 context. "same tokens as": greedy output identical to the target's
+forward; accept ratio = the block drafter's accept (projecting the accepted target features) per step / 1-token
+forward; all timed at prompt + max_new_tokens/2 context. "same tokens as": greedy output identical to the target's
 own output (row a for the high-precision target, b for the W4 one).
 
 {detail_table(results)}
