@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from specquant.bench.prompts import load_prompts
 from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.drafter_loader import load_block_draft
+from specquant.errors import SpecquantError
 from specquant.loader import load_model
 from specquant.model.block_draft import save_block_drafter
 from specquant.model.checkpoint import load_tokenizer, resolve
@@ -37,6 +39,7 @@ from specquant.spec_decode.block_drafter import BlockDrafter
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics
+from specquant.util.files import claim_out_dir
 
 
 def w4_block_drafter(src: str, target, target_name: str, cache: Path, tokenizer) -> Path:
@@ -70,12 +73,17 @@ def main():
     ap.add_argument("--prompts-per-set", type=int, default=1)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--cache", default="runs/bench-block")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into --cache even when it is a non-empty folder specquant did not create")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cache = Path(args.cache)
-    cache.mkdir(parents=True, exist_ok=True)
+    try:  # the --out policy of every command (util/files.py), before any work
+        cache = claim_out_dir(args.cache, args.overwrite, "--cache")
+    except SpecquantError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tok = load_tokenizer(args.target)
     prompts = [p for p in load_prompts(tok, {"short": 64}, ("prose", "code", "qa"), 1, args.prompts_per_set, 256)
                if p.kind == "content"]
@@ -168,4 +176,4 @@ def _target_step(target, prompts, new_tokens) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -39,7 +39,8 @@ Projected for an A10G (the competition's GPU), from bytes, not measured there:
   at its k = 15 (a histogram with that mean; predict_row backs α out of it for Leviathan's closed form).
   The block drafter (issue 12) is not on main: its cost ratio is reported as not measured.
 
-Usage: python benchmarks/gpu.py [--device cuda] [--out DIR (default $OUT or runs/gpu)] [--compile] [--tiny]
+Usage: python benchmarks/gpu.py [--device cuda] [--out DIR (default $OUT or runs/gpu)] [--overwrite] [--compile]
+       [--tiny]
        python benchmarks/gpu.py --device cpu --tiny      # seconds; exercises every code path (CI)
 The last stdout line is one JSON object (the summary); DIR/gpu.json holds every number, rewritten after each
 section so a run cut short keeps what it measured.
@@ -53,7 +54,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -66,6 +66,7 @@ from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
 from specquant.quant import QuantConfig, quantize
 from specquant.util.device import sync
+from specquant.util.files import atomic_write, claim_out_dir
 
 A10G_GBPS = 600.0
 SEED_MAL, SEED_K = 5.03, 15  # the reference system's mean acceptance length at num_speculative_tokens = 15
@@ -341,16 +342,14 @@ def run(args) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SpecquantError("--device cuda but torch sees no CUDA device; use --device cpu --tiny on a CPU machine")
     started = time.perf_counter()
-    out_dir = Path(args.out or os.environ.get("OUT") or "runs/gpu")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # the --out policy of every command (util/files.py), before any work: a user's non-empty folder is refused
+    out_dir = claim_out_dir(args.out or os.environ.get("OUT") or "runs/gpu", args.overwrite)
     shapes = TINY_SHAPES if args.tiny else SHAPES
     res = {"benchmark": "gpu", "tiny": args.tiny, "env": environment(device), "compile": args.compile}
 
     def save():
         res["seconds"] = time.perf_counter() - started
-        tmp = out_dir / "gpu.json.tmp"
-        tmp.write_text(json.dumps(res, indent=1))
-        tmp.replace(out_dir / "gpu.json")
+        atomic_write(out_dir / "gpu.json", json.dumps(res, indent=1))
 
     res["copy_gbps"] = copy_bandwidth(device, (16 << 20) if args.tiny else (2 << 30))
     save()
@@ -475,6 +474,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="output folder (default: $OUT, else runs/gpu)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into --out even when it is a non-empty folder specquant did not create")
     p.add_argument("--tiny", action="store_true", help="tiny shapes instead of Qwen3-4B / 0.6B (CPU smoke run)")
     p.add_argument("--compile", action="store_true", help="torch.compile the target's one-token step before capture")
     p.add_argument("--context", type=int, default=None, help="prompt tokens before the timed steps (256; tiny 32)")

@@ -6,7 +6,7 @@ text our AWQ/GPTQ calibrate on), and with imatrix + F32 embeddings (the same den
 Text: the package's held-out text (src/specquant/data/heldout.txt), --ctx tokens per chunk, --chunks chunks.
 Missing W4 checkpoints are quantized into --out/cache (AWQ / GPTQ, --group-size, reused when unchanged).
 Usage: python benchmarks/llama_cpp_quality.py [--target tiny-target] [--awq DIR] [--gptq DIR] [--group-size 32]
-       [--ctx 512] [--chunks 100] [--threads 2] [--llama-cpp BIN_DIR] [--out runs/llama_cpp_quality]
+       [--ctx 512] [--chunks 100] [--threads 2] [--llama-cpp BIN_DIR] [--out runs/llama_cpp_quality] [--overwrite]
 Prints a table, then one JSON line.
 """
 
@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from specquant.bench.llama_cpp_quality import (CALIB, HELDOUT, base_logits, format_table, kl_divergence,
                                                llama_cpp_variants)
+from specquant.errors import SpecquantError
 from specquant.export.gguf import source_from_checkpoint, write_gguf
 from specquant.model.checkpoint import resolve
+from specquant.util.files import claim_out_dir
 
 
 def our_w4(args, method: str, given: str | None, cache: Path) -> Path:
@@ -32,7 +35,7 @@ def our_w4(args, method: str, given: str | None, cache: Path) -> Path:
     return path
 
 
-def main():
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="tiny-target", help="high-precision target (directory or bundled name)")
     ap.add_argument("--awq", default=None, help="our AWQ W4 checkpoint of --target (default: produce it)")
@@ -42,11 +45,24 @@ def main():
     ap.add_argument("--chunks", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-cpp", default=None, help="directory of the llama.cpp binaries (default: the build cache)")
-    ap.add_argument("--out", default="runs/llama_cpp_quality")
-    args = ap.parse_args()
-    out = Path(args.out)
+    ap.add_argument("--out", default="runs/llama_cpp_quality",
+                    help="output folder: gguf/ and cache/, reused by a rerun (default: runs/llama_cpp_quality)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into --out even when it is a non-empty folder specquant did not create")
+    args = ap.parse_args(argv)
+    try:
+        run(args)
+    except SpecquantError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(args):
+    # the --out policy of every command (util/files.py), before any work: a user's non-empty folder is refused
+    out = claim_out_dir(args.out, args.overwrite)
     work = out / "gguf"
-    work.mkdir(parents=True, exist_ok=True)
+    work.mkdir(exist_ok=True)
     bins = args.llama_cpp
     f32 = work / "target-f32.gguf"
     if not f32.exists():
@@ -76,4 +92,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,11 +23,13 @@ from pathlib import Path
 
 import torch
 
+from specquant.errors import SpecquantError
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
 from specquant.quant.quality import compare, heldout_tokens, logprobs
 from specquant.train.config import QADConfig, TrainConfig
 from specquant.train.qad import BUNDLED_HELDOUT, run_qad
+from specquant.util.files import claim_out_dir
 from specquant.train.trainer import checkpoints
 from specquant.util.flags import finite_float
 
@@ -88,9 +90,14 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     p.add_argument("--cost-steps", type=int, default=10, help="steps of the separate s/step + memory run")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into --run-dir even when it is a non-empty folder specquant did not create")
     args = p.parse_args()
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:  # the --out policy of every command (util/files.py), before any work
+        run_dir = claim_out_dir(args.run_dir, args.overwrite, "--run-dir")
+    except SpecquantError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     train = TrainConfig(steps=args.steps, lr=args.lr, batch=args.batch, seq_len=args.seq_len,
                         eval_every=args.eval_every, save_every=25)
     qad = QADConfig(eval_samples=16)  # the run's own best-step choice; the table below uses --eval-samples
