@@ -243,7 +243,8 @@ Latency is end to end (prefill + decode) per request, the median over runs per p
 category's prompts; TTFT / TPOT / latency / tok/s columns are means over the length categories. speedup = baseline
 (a) latency / row latency per length category; "avg" is the mean of the per-category speedups. "predicted" is the
 decode-phase speedup from measured acceptance and forward costs (see predict.py): S = E / (k·c + verify_ratio +
-accept_ratio), rescaled to the baseline's step time (timed alone, as row (a) decodes). MAL = mean acceptance length = 1 + num_accepted_tokens / num_drafts, per content set.
+accept_ratio), rescaled to the baseline's step time (timed alone, as row (a) decodes). MAL = mean acceptance
+length = 1 + num_accepted_tokens / num_drafts, per content set.
 
 {summary_table(results)}
 
