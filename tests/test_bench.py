@@ -398,3 +398,14 @@ def test_cli_flag_defaults_come_from_bench_config():
     args = parser.parse_args(["bench", "--target", "x", "--draft", "y", "--draft-len", "5", "--temperature", "0.5"])
     cfg = config_from_args(BenchConfig, args)
     assert (cfg.spec.draft_len, cfg.spec.draft_window, cfg.sampling.temperature) == (5, 128, 0.5)
+
+
+def test_w4_activations_flag_reaches_the_config_and_bad_values_are_refused():
+    from specquant.cli import build_parser
+    from specquant.util.flags import config_from_args
+
+    parser, _ = build_parser()
+    args = parser.parse_args(["bench", "--target", "x", "--draft", "y", "--w4-activations", "int8"])
+    assert config_from_args(BenchConfig, args).validate().w4_activations == "int8"
+    with pytest.raises(SpecquantError, match="w4-activations 'int4' is not supported; use one of float, int8"):
+        BenchConfig(w4_activations="int4").validate()
