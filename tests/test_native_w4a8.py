@@ -132,7 +132,7 @@ def test_fused_projections_keep_int8_activations():
 
 
 def test_unknown_mode_and_unavailable_kernel_are_one_line_errors(monkeypatch):
-    with pytest.raises(SpecquantError, match="use one of float, int8"):
+    with pytest.raises(SpecquantError, match="use one of auto, float, int8"):
         set_w4_activations(torch.nn.Sequential(), "int4")
     monkeypatch.setenv("SPECQUANT_NATIVE", "0")
     monkeypatch.setattr(w4a8, "library", lambda: None)
@@ -193,3 +193,17 @@ def test_checkpoints_load_with_int8_activations_for_generate_and_the_gates(tmp_p
     assert all(m.activations == "float" for m in load_model(student).modules() if isinstance(m, QuantLinear))
     lm = SpecquantLM(target=str(student), w4_activations="int8", device="cpu")
     assert all(m.activations == "int8" for m in lm.engine.target.modules() if isinstance(m, QuantLinear))
+
+
+def test_drafters_default_to_int8_where_the_kernel_runs(monkeypatch):
+    """"auto" (the drafters' default in generate, bench and the gates) is int8 with the kernel and float without:
+    a drafter only proposes, so its arithmetic moves acceptance, never the output."""
+    from specquant.bench.config import BenchConfig
+    from specquant.quant.linear import resolve_w4_activations
+
+    assert BenchConfig().draft_w4_activations == "auto" and BenchConfig().w4_activations == "float"
+    assert resolve_w4_activations("auto") == ("int8" if w4a8.library() is not None else "float")
+    assert resolve_w4_activations("float") == "float"
+    monkeypatch.setattr(w4a8, "library", lambda: None)
+    assert resolve_w4_activations("auto") == "float"
+    assert set_w4_activations(torch.nn.Sequential(), "auto") == 0  # no kernel: no error, float activations

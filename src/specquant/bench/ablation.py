@@ -25,6 +25,7 @@ from specquant.bench.predict import predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
 from specquant.drafter_loader import load_block_draft
 from specquant.loader import load_model
+from specquant.quant.linear import resolve_w4_activations
 from specquant.model.checkpoint import load_tokenizer
 from specquant.spec_decode.block_drafter import BlockDrafter
 from specquant.spec_decode.engine import SpecEngine
@@ -96,13 +97,14 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     tokenizer = load_tokenizer(paths["target"])
     draft_tokenizer = load_tokenizer(paths["draft"]) if (paths["draft"] / "tokenizer.json").exists() else None
     # every row decodes with fused q/k/v and gate/up projections (model/fuse.py), the baseline included
-    models = {(role, kind): load_model(paths[key], dtype, device, fuse=True, w4_activations=cfg.w4_activations)
+    activations = {"target": cfg.w4_activations, "draft": cfg.draft_w4_activations}
+    models = {(role, kind): load_model(paths[key], dtype, device, fuse=True, w4_activations=activations[role])
               for role, kind, key in (("target", "hp", "target"), ("target", "w4", "quantized_target"),
                                       ("draft", "hp", "draft"), ("draft", "w4", "quantized_draft"),
                                       ("target", "qad", "qad_target")) if key in paths}
     for kind, key in (("hp", "block_draft"), ("w4", "quantized_block_draft")):
         if key in paths:
-            models[("block", kind)] = load_block_draft(paths[key], dtype, device, cfg.w4_activations)
+            models[("block", kind)] = load_block_draft(paths[key], dtype, device, cfg.draft_w4_activations)
     table = rows_for("qad_target" in paths, ("block", "hp") in models)
     context = min(models[("target", "hp")].config.max_position_embeddings,
                   models[("draft", "hp")].config.max_position_embeddings)
@@ -167,6 +169,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
         "config": cfg.to_json(),
         "environment": env,
         "models": {role: str(p) for role, p in paths.items()},
+        "w4_activations": {"target": cfg.w4_activations, "draft": resolve_w4_activations(cfg.draft_w4_activations)},
         "context": context,
         "lengths": lengths,
         "prompts": [p.to_json() for p in prompts],

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
-from specquant.quant.config import METHODS, W4_ACTIVATIONS
+from specquant.quant.config import DRAFT_W4_ACTIVATIONS, METHODS, W4_ACTIVATIONS
 from specquant.spec_decode.config import SpecConfig
 
 DTYPES = ("float32", "bfloat16")  # the names of util.dtypes.DTYPES whose rows the bench supports
@@ -44,8 +44,12 @@ class BenchConfig:
         "help": "write into --out even when it is a non-empty directory specquant did not create"})
     dtype: str = field(default="float32", metadata={"help": "activation dtype of every row", "choices": DTYPES})
     w4_activations: str = field(default="float", metadata={
-        "help": "activations of every W4 row's 4-bit layers (targets and drafters): float (W4A16) or int8 (W4A8, "
-                "the native VNNI kernel; docs/SHAPES.md)", "choices": W4_ACTIVATIONS})
+        "help": "activations of the W4 targets' 4-bit layers: float (W4A16, the checkpoint's arithmetic) or int8 "
+                "(W4A8 on the native VNNI kernel; docs/SHAPES.md)", "choices": W4_ACTIVATIONS})
+    draft_w4_activations: str = field(default="auto", metadata={
+        "help": "activations of the W4 drafters' 4-bit layers (LM and block): auto = int8 where the W4A8 kernel "
+                "runs (a drafter only proposes: acceptance may move, the output cannot), float or int8",
+        "choices": DRAFT_W4_ACTIVATIONS})
     threads: int = field(default=0, metadata={"help": "torch threads; 0 = torch's default (OMP_NUM_THREADS)"})
     hf_compare: bool = field(default=True, metadata={
         "help": "the transformers generate(assistant_model=...) comparison row"})
@@ -89,9 +93,10 @@ class BenchConfig:
             raise SpecquantError("row (e) needs a drafter window; pass --draft-window W")
         if self.dtype not in DTYPES:
             raise SpecquantError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-        if self.w4_activations not in W4_ACTIVATIONS:
-            raise SpecquantError(f"w4-activations {self.w4_activations!r} is not supported; use one of "
-                                 f"{', '.join(W4_ACTIVATIONS)}")
+        for name, allowed in (("w4_activations", W4_ACTIVATIONS), ("draft_w4_activations", DRAFT_W4_ACTIVATIONS)):
+            if getattr(self, name) not in allowed:
+                raise SpecquantError(f"{name.replace('_', '-')} {getattr(self, name)!r} is not supported; use one of "
+                                     f"{', '.join(allowed)}")
         if self.threads < 0:
             raise SpecquantError(f"threads {self.threads} must be 0 (torch's default) or a positive count")
         if not self.lengths or any(not isinstance(v, int) or v < 1 for v in self.lengths.values()):

@@ -219,6 +219,13 @@ def drafter_verdict(results: dict) -> str:
               f"({loser['id']}) {loser['tokens_per_s_avg']:.1f} tok/s.{why}")
 
 
+def _w4_activations(results: dict) -> str:
+    """What the W4 rows' 4-bit layers ran on, when it is not float throughout (W4A8: docs/SHAPES.md)."""
+    act = results.get("w4_activations", {})
+    parts = [f"W4 {role}s on int8" for role in ("target", "draft") if act.get(role) == "int8"]
+    return f" ({', '.join(parts)} activations: W4A8)" if parts else ""
+
+
 def markdown(results: dict) -> str:
     cfg, env = results["config"], results["environment"]
     lengths = ", ".join(f"{c} {n}" for c, n in results["lengths"].items())
@@ -228,7 +235,7 @@ def markdown(results: dict) -> str:
                        if isinstance(q, dict) else f"- {role}: `{q}` (given)" for role, q in quant.items())
     return f"""# specquant bench
 
-Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['dtype']} activations{'' if cfg.get('w4_activations', 'float') == 'float' else ' (int8 into the W4 layers: W4A8)'};
+Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['dtype']} activations{_w4_activations(results)};
 {'greedy' if cfg['sampling']['temperature'] == 0 else f"temperature {cfg['sampling']['temperature']}"}; {cfg['max_new_tokens']} new tokens
 per prompt with EOS ignored; {cfg['warmup']} warm-up + {cfg['runs']} timed runs per prompt and row, interleaved;
 k = {cfg['spec']['draft_len']} draft tokens per step (block drafter rows: k = {cfg.get('block_draft_len')}, one drafter

@@ -65,7 +65,8 @@ class SpecquantLM(TemplateLM):
             log.warning("device %s requested but CUDA is not available; using cpu", cfg.device)
             cfg.device = "cpu"
         self.cfg = cfg
-        self.engine = EvalEngine(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_len, cfg.w4_activations)
+        self.engine = EvalEngine(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_len, cfg.w4_activations,
+                                 cfg.draft_w4_activations)
         self.tokenizer = self.engine.tokenizer
         self._device = self.engine.device
         self._max_length = cfg.max_length or self.engine.max_length

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specquant.quant.config import W4_ACTIVATIONS
+from specquant.quant.config import DRAFT_W4_ACTIVATIONS, W4_ACTIVATIONS
 
 # gate name -> the lm-eval task or group it runs and the metric it gates on ("metric,filter" as lm-eval reports it).
 # The metrics follow the seed's quality protocol (docs/GATES.md): MMLU-Pro as the unweighted mean over the subject
@@ -72,6 +72,9 @@ class BackendConfig:
     w4_activations: str = field(default="float", metadata={
         "help": "activations of W4 checkpoints' 4-bit layers (model and baseline): float (W4A16) or int8 (W4A8 on "
                 "the native VNNI kernel), to gate the arithmetic that will be served", "choices": W4_ACTIVATIONS})
+    draft_w4_activations: str = field(default="auto", metadata={
+        "help": "a W4 drafter's activations: auto (int8 where the W4A8 kernel runs), float or int8; speculative "
+                "decoding is exact, so this moves speed only", "choices": DRAFT_W4_ACTIVATIONS})
     draft_len: int = field(default=3, metadata={"help": "draft tokens per verify step (k)"})  # SpecConfig's others
     max_length: int | None = None  # context; None = the target's max_position_embeddings
     # stop strings are checked between chunks of generation (the engine has no stop-string hook): the first chunk is

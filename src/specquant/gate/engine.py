@@ -20,7 +20,7 @@ class EvalEngine:
     """A target (plus an optional draft for speculative decoding) and its tokenizer."""
 
     def __init__(self, target: str, draft: str | None = None, dtype: str = "float32", device: str = "cpu",
-                 draft_len: int = 3, w4_activations: str = "float"):
+                 draft_len: int = 3, w4_activations: str = "float", draft_w4_activations: str = "auto"):
         resolve(target)
         if draft is not None:
             resolve(draft)
@@ -32,7 +32,7 @@ class EvalEngine:
             from specquant.spec_decode.config import SpecConfig
             from specquant.spec_decode.engine import SpecEngine
 
-            draft_model = load_model(draft, dtype, device, fuse=True, w4_activations=w4_activations)
+            draft_model = load_model(draft, dtype, device, fuse=True, w4_activations=draft_w4_activations)
             self.spec = SpecEngine(self.target, draft_model, SpecConfig(draft_len=draft_len),
                                    self.tokenizer, load_tokenizer(draft))
 

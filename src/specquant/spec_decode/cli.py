@@ -9,7 +9,7 @@ from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer, resolve
-from specquant.quant.config import W4_ACTIVATIONS
+from specquant.quant.config import DRAFT_W4_ACTIVATIONS, W4_ACTIVATIONS
 from specquant.spec_decode.config import SpecConfig
 from specquant.util.device import DEVICES, check_device
 from specquant.util.dtypes import DTYPES
@@ -30,8 +30,11 @@ def add_parser(sub):
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--w4-activations", choices=W4_ACTIVATIONS, default="float",
-                   help="a W4 checkpoint's activations: float (W4A16, as the checkpoint) or int8 (W4A8, GGUF's "
+                   help="a W4 target's activations: float (W4A16, as the checkpoint) or int8 (W4A8, GGUF's "
                         "Q4_0 x Q8_0 on the native VNNI kernel: cheaper verify steps, slightly lower quality)")
+    p.add_argument("--draft-w4-activations", choices=DRAFT_W4_ACTIVATIONS, default="auto",
+                   help="a W4 drafter's activations: auto (int8 where the W4A8 kernel runs: a drafter only "
+                        "proposes, so only acceptance can change), float or int8")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode / verify steps (graphs cached on disk under "
@@ -69,11 +72,12 @@ def run(args):
         if drafter_kind(draft_name) == "block":  # read from its config.json (DFlashDraftModel), not its name
             from specquant.spec_decode.block_drafter import BlockDrafter
 
-            drafter = BlockDrafter(load_block_draft(draft_name, args.dtype, args.device, args.w4_activations),
-                                   target, spec)
+            drafter = BlockDrafter(load_block_draft(draft_name, args.dtype, args.device,
+                                                    args.draft_w4_activations), target, spec)
             engine = SpecEngine(target, drafter, spec, compile=args.compile)
         else:
-            draft = load_model(draft_name, args.dtype, args.device, fuse=True, w4_activations=args.w4_activations)
+            draft = load_model(draft_name, args.dtype, args.device, fuse=True,
+                               w4_activations=args.draft_w4_activations)
             engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name), compile=args.compile)
         result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     new = result.token_ids[0]
