@@ -16,9 +16,10 @@ called on T rows in layer order; `attention` = scaled_dot_product_attention per 
 the model's mask; `lm_head` = the head on T rows; `rest` = step minus the three (norms, RoPE, cache writes,
 embedding, Python).
 
-W4 = RTN, 4 bits, group 32, symmetric (GGUF Q4_0's grid), activations in the model dtype (float32); w4a8 = the same
-weights with int8 activations (set_w4_activations: the native VNNI kernel, GGUF's Q4_0 x Q8_0, which is also what
-llama.cpp's Q4_0 column runs); the head's precision is --lm-head (dense: the model's fp32 matrix, tied to the embedding; bf16 / w8 / w4: see
+W4 = RTN, 4 bits, group 32, symmetric (GGUF Q4_0's grid), bf16 scales (as `specquant quantize` writes them for a
+Qwen3 checkpoint), activations in the model dtype (float32); w4a8 = the same weights with int8 activations
+(set_w4_activations: the native VNNI kernel, GGUF's Q4_0 x Q8_0, which is also what llama.cpp's Q4_0 column runs);
+the head's precision is --lm-head (dense: the model's fp32 matrix, tied to the embedding; bf16 / w8 / w4: see
 specquant.quant.head).
 
 With --llama-cpp DIR, llama-bench (DIR/build/bin/llama-bench or DIR/bin/llama-bench) is run on the GGUF files
@@ -101,8 +102,9 @@ def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
         from specquant.quant.linear import set_w4_activations
         from specquant.quant.pipeline import quantize
 
-        quantize(model, QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True))
-        set_lm_head(model, lm_head)
+        # bf16 scales: what `specquant quantize` writes for a Qwen3 checkpoint (its torch_dtype is bfloat16)
+        quantize(model, QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True), scale_dtype=torch.bfloat16)
+        set_lm_head(model, lm_head, torch.bfloat16)
         set_w4_activations(model, "int8" if mode == "w4a8" else "float")
     fuse_projections(model)
     return model

@@ -8,8 +8,9 @@ int8 activations (the W4A8 kernel, set_w4_activations). Reported: KL(fp32 || mod
 agreement with fp32 and perplexity. For a W4 checkpoint dir, --reference names its unquantized model.
 
 Speed: the decoder linears of one Qwen3-0.6B-shaped layer stack (28 layers of q/k/v fused 1024->4096, o 2048->1024,
-gate/up fused 1024->6144, down 3072->1024; random codes, group 32), each kernel run over all of them on 1, 2, 4, 8
-and 16 rows, interleaved per repetition; the weights (275 MB) are streamed from memory as in a decode step. The
+gate/up fused 1024->6144, down 3072->1024; random codes, group 32, bf16 scales as checkpoints store them), each
+kernel run over all of them on 1, 2, 4, 8 and 16 rows, interleaved per repetition; the weights (248 MB) are
+streamed from memory as in a decode step. The
 ratio column is each row count's time over the same kernel's one-row time: the verify cost in decode steps.
 
 Usage: python benchmarks/w4a8.py [--models tiny-target,tiny-draft] [--reference M] [--group 32] [--samples 16]
@@ -75,9 +76,10 @@ def speed(layers: int, reps: int) -> dict:
     stack = []
     for _ in range(layers):
         for n, k in LAYER:
-            codes, scale = torch.randint(-8, 8, (n, k), dtype=torch.int8), torch.rand(n, k // 32) * 0.01
+            codes = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+            scale = (torch.rand(n, k // 32) * 0.01).to(torch.bfloat16)  # as checkpoints store them
             stack.append((k, native.pack_codes(codes), w4a8.pack_codes(codes), native.pack_scales(scale)))
-    nbytes = sum(p.numel() + s.numel() * 4 for _, p, _, s in stack)
+    nbytes = sum(p.numel() + s.numel() * s.element_size() for _, p, _, s in stack)
     kernels = {"bf16": lambda x, pb, pv, s: native.gemm(x, pb, s, 32),
                "int8": lambda x, pb, pv, s: w4a8.gemm(x, pv, s, 32)}
     samples = {(kern, r): [] for kern in kernels for r in ROWS}

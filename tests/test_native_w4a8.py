@@ -207,3 +207,20 @@ def test_drafters_default_to_int8_where_the_kernel_runs(monkeypatch):
     monkeypatch.setattr(w4a8, "library", lambda: None)
     assert resolve_w4_activations("auto") == "float"
     assert set_w4_activations(torch.nn.Sequential(), "auto") == 0  # no kernel: no error, float activations
+
+
+@needs_kernel
+@pytest.mark.skipif(native.library() is None, reason="native BF16 kernel unavailable")
+@pytest.mark.parametrize("kernel", ["w4a8_vnni", "w4_bf16"])
+def test_bf16_scales_stream_as_bf16_and_give_the_fp32_result_bit_for_bit(kernel):
+    """Checkpoint scales in bf16 stay bf16 in the kernels' layout (half the scale bytes a step streams); both
+    kernels widen them exactly, so the result equals the one from the same scales stored as fp32."""
+    mod = {"w4a8_vnni": w4a8, "w4_bf16": native}[kernel]
+    codes, scale, g = weights(64, 256, 32)
+    scale = scale.to(torch.bfloat16)
+    as_bf16, as_fp32 = native.pack_scales(scale), native.pack_scales(scale.float())
+    assert as_bf16.dtype == torch.bfloat16 and as_fp32.dtype == torch.float32
+    assert torch.equal(as_bf16.float(), as_fp32)
+    packed = mod.pack_codes(codes)
+    x = torch.randn(5, 256, generator=g)
+    assert torch.equal(mod.gemm(x, packed, as_bf16, 32), mod.gemm(x, packed, as_fp32, 32))

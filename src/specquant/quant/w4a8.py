@@ -84,7 +84,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int
     n = packed.shape[0] * TILE
     y = torch.empty(*xf.shape[:-1], n, dtype=torch.float32)
     rc = library().specquant_w4a8_gemm(xf.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, group,
-                                       y.data_ptr(), torch.get_num_threads())
+                                       scales.dtype == torch.bfloat16, y.data_ptr(), torch.get_num_threads())
     if rc:
         raise ValueError(f"native W4A8 kernel rejected shape M={m} K={k} N={n} group={group}")
     return y

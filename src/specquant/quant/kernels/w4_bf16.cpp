@@ -18,7 +18,7 @@
 // makes, in dword j, the bf16 pair (128 + u[o_j, ka], 128 + u[o_j, kb]) that vdpbf16ps multiplies with the
 // broadcast activation pair (x[ka], x[kb]): two ops per 32 weights instead of a widening plus a table lookup.
 // The offset comes back out per group: sum (128 + u) x = sum c x + 136 sum x, with sum x over the same bf16 x.
-// Scales: fp32 [N/16][K/group][16].
+// Scales: [N/16][K/group][16], fp32 or bf16 (load_scales widens bf16 exactly).
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -30,9 +30,17 @@ namespace {
 // fetching ahead of the hardware prefetcher kept the streamed one-row case at the int4pack kernel's speed or better.
 constexpr int64_t PREFETCH = 4096;
 
-template <int MR>
+// Scales of 16 outputs as fp32: stored fp32, or bf16 (the checkpoints' usual dtype; widening is exact, and half the
+// bytes: at group 32 the scales are a fifth of what one step streams).
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <int MR, typename S>
 inline void tile(const uint16_t* __restrict x, int64_t ldx, int64_t K, const uint8_t* __restrict wt,
-                 const float* __restrict st, const float* __restrict xsum, int64_t group, float* __restrict y,
+                 const S* __restrict st, const float* __restrict xsum, int64_t group, float* __restrict y,
                  int64_t ldy) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), magic = _mm512_set1_epi8(0x43);
   __m512 acc[MR];
@@ -57,7 +65,7 @@ inline void tile(const uint16_t* __restrict x, int64_t ldx, int64_t K, const uin
         dot[r][1] = _mm512_dpbf16_ps(dot[r][1], w67, (__m512bh)_mm512_set1_epi32(xr[3]));
       }
     }
-    const __m512 sc = _mm512_loadu_ps(st + g * 16);
+    const __m512 sc = load_scales(st + g * 16);
     for (int r = 0; r < MR; ++r) {
       const __m512 sum = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), _mm512_set1_ps(xsum[r * groups + g]),
                                           _mm512_add_ps(dot[r][0], dot[r][1]));
@@ -67,21 +75,40 @@ inline void tile(const uint16_t* __restrict x, int64_t ldx, int64_t K, const uin
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-typedef void (*tile_fn)(const uint16_t*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t,
-                        float*, int64_t);
-const tile_fn TILES[9] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+template <typename S>
+using tile_fn = void (*)(const uint16_t*, int64_t, int64_t, const uint8_t*, const S*, const float*, int64_t, float*,
+                         int64_t);
+template <typename S>
+const tile_fn<S> TILES[9] = {nullptr,       tile<1, S>, tile<2, S>, tile<3, S>, tile<4, S>,
+                             tile<5, S>,    tile<6, S>, tile<7, S>, tile<8, S>};
+
+template <typename S>
+void gemm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* sp, int64_t N, int64_t group,
+          const float* xsum, float* y, int nthreads) {
+  const int64_t tiles = N / 16, groups = K / group;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* wt = wp + t * (K / 8) * 64;
+    const S* st = sp + t * groups * 16;
+    for (int64_t m = 0; m < M; m += 8) {
+      const int64_t mr = M - m < 8 ? M - m : 8;
+      TILES<S>[mr](x + m * K, K, K, wt, st, xsum + m * groups, group, y + m * N + t * 16, N);
+    }
+  }
+}
 
 }  // namespace
 
 extern "C" {
 
-// x: bf16 bits [M, K] row-major; wp: packed weight [N/16][K/8][64]; sp: scales [N/16][K/group][16];
-// y: fp32 [M, N]. Requires N % 16 == 0, group % 8 == 0, K % group == 0. Rows go in blocks of up to 8 (the
-// accumulators stay in registers); a tile's weight (K/2 bytes per 16 outputs) is re-read from cache per block.
-int specquant_w4_bf16_gemm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const float* sp, int64_t N,
-                           int64_t group, float* y, int nthreads) {
+// x: bf16 bits [M, K] row-major; wp: packed weight [N/16][K/8][64]; sp: scales [N/16][K/group][16], fp32 or
+// (scale_bf16) bf16 bits; y: fp32 [M, N]. Requires N % 16 == 0, group % 8 == 0, K % group == 0. Rows go in blocks
+// of up to 8 (the accumulators stay in registers); a tile's weight (K/2 bytes per 16 outputs) is re-read from cache
+// per block.
+int specquant_w4_bf16_gemm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const void* sp, int64_t N,
+                           int64_t group, int scale_bf16, float* y, int nthreads) {
   if (N % 16 || group % 8 || K % group || M < 1) return 1;
-  const int64_t tiles = N / 16, groups = K / group;
+  const int64_t groups = K / group;
   std::vector<float> xsum(M * groups);  // per row and group: the sum of the bf16 activations, in a fixed order
   for (int64_t i = 0; i < M * groups; ++i) {
     float s = 0.0f;
@@ -93,15 +120,10 @@ int specquant_w4_bf16_gemm(const uint16_t* x, int64_t M, int64_t K, const uint8_
     }
     xsum[i] = s;
   }
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* wt = wp + t * (K / 8) * 64;
-    const float* st = sp + t * groups * 16;
-    for (int64_t m = 0; m < M; m += 8) {
-      const int64_t mr = M - m < 8 ? M - m : 8;
-      TILES[mr](x + m * K, K, K, wt, st, xsum.data() + m * groups, group, y + m * N + t * 16, N);
-    }
-  }
+  if (scale_bf16)
+    gemm(x, M, K, wp, static_cast<const uint16_t*>(sp), N, group, xsum.data(), y, nthreads);
+  else
+    gemm(x, M, K, wp, static_cast<const float*>(sp), N, group, xsum.data(), y, nthreads);
   return 0;
 }
 

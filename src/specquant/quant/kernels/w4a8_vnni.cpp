@@ -23,7 +23,7 @@
 // input columns k0..k7, 64 bytes; byte 4j + t holds u[o_j, k0+t] in its low nibble and u[o_j, k4+t] in its high
 // nibble. A 64-byte load masked with 0x0F is then, in dword j, the 4 codes u[o_j, k0..k3] that vpdpbusd multiplies
 // with the broadcast activations q[k0..k3]; shifted right by 4, the codes for k4..k7. Same N·K/2 bytes as the
-// checkpoint's packing. Scales: fp32 [N/16][K/group][16], as w4_bf16.cpp.
+// checkpoint's packing. Scales: [N/16][K/group][16], fp32 or bf16, as w4_bf16.cpp.
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -52,9 +52,17 @@ void quantize_rows(const float* __restrict x, int64_t M, int64_t K, int8_t* __re
   }
 }
 
-template <int MR>
+// Scales of 16 outputs as fp32: stored fp32, or bf16 (the checkpoints' usual dtype; widening is exact, and half the
+// bytes: at group 32 the scales are a fifth of what one step streams).
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <int MR, typename S>
 inline void tile(const int8_t* __restrict q, int64_t ldq, const float* __restrict d, const int32_t* __restrict qsum,
-                 int64_t blocks, const uint8_t* __restrict wt, const float* __restrict st, int64_t blocks_per_group,
+                 int64_t blocks, const uint8_t* __restrict wt, const S* __restrict st, int64_t blocks_per_group,
                  float* __restrict y, int64_t ldy) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MR];
@@ -68,7 +76,7 @@ inline void tile(const int8_t* __restrict q, int64_t ldq, const float* __restric
       w[2 * s] = _mm512_and_si512(v, low4);
       w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
-    const __m512 sw = _mm512_loadu_ps(st + (b / blocks_per_group) * 16);
+    const __m512 sw = load_scales(st + (b / blocks_per_group) * 16);
     for (int r = 0; r < MR; ++r) {
       const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * ldq + b * BLOCK);
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains; integer sums are exact
@@ -84,9 +92,28 @@ inline void tile(const int8_t* __restrict q, int64_t ldq, const float* __restric
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-typedef void (*tile_fn)(const int8_t*, int64_t, const float*, const int32_t*, int64_t, const uint8_t*, const float*,
-                        int64_t, float*, int64_t);
-const tile_fn TILES[9] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+template <typename S>
+using tile_fn = void (*)(const int8_t*, int64_t, const float*, const int32_t*, int64_t, const uint8_t*, const S*,
+                         int64_t, float*, int64_t);
+template <typename S>
+const tile_fn<S> TILES[9] = {nullptr,       tile<1, S>, tile<2, S>, tile<3, S>, tile<4, S>,
+                             tile<5, S>,    tile<6, S>, tile<7, S>, tile<8, S>};
+
+template <typename S>
+void gemm(const int8_t* q, const float* d, const int32_t* qsum, int64_t M, int64_t K, const uint8_t* wp,
+          const S* sp, int64_t N, int64_t group, float* y, int nthreads) {
+  const int64_t tiles = N / 16, blocks = K / BLOCK, groups = K / group;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* wt = wp + t * (K / 8) * 64;
+    const S* st = sp + t * groups * 16;
+    for (int64_t m = 0; m < M; m += 8) {
+      const int64_t mr = M - m < 8 ? M - m : 8;
+      TILES<S>[mr](q + m * K, K, d + m * blocks, qsum + m * blocks, blocks, wt, st, group / BLOCK,
+                   y + m * N + t * 16, N);
+    }
+  }
+}
 
 }  // namespace
 
@@ -99,27 +126,22 @@ int specquant_q8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float
   return 0;
 }
 
-// x: fp32 [M, K] row-major; wp: packed weight [N/16][K/8][64]; sp: scales [N/16][K/group][16]; y: fp32 [M, N].
-// Requires N % 16 == 0, group % 32 == 0, K % group == 0. Rows go in blocks of up to 8 (accumulators in registers);
-// a tile's weight (K/2 bytes per 16 outputs) is re-read from cache per block of rows.
-int specquant_w4a8_gemm(const float* x, int64_t M, int64_t K, const uint8_t* wp, const float* sp, int64_t N,
-                        int64_t group, float* y, int nthreads) {
+// x: fp32 [M, K] row-major; wp: packed weight [N/16][K/8][64]; sp: scales [N/16][K/group][16], fp32 or
+// (scale_bf16) bf16 bits; y: fp32 [M, N]. Requires N % 16 == 0, group % 32 == 0, K % group == 0. Rows go in blocks
+// of up to 8 (accumulators in registers); a tile's weight (K/2 bytes per 16 outputs) is re-read from cache per block
+// of rows.
+int specquant_w4a8_gemm(const float* x, int64_t M, int64_t K, const uint8_t* wp, const void* sp, int64_t N,
+                        int64_t group, int scale_bf16, float* y, int nthreads) {
   if (N % 16 || group % BLOCK || K % group || M < 1) return 1;
-  const int64_t tiles = N / 16, blocks = K / BLOCK, groups = K / group;
+  const int64_t blocks = K / BLOCK;
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * blocks);
   std::vector<int32_t> qsum(M * blocks);
   quantize_rows(x, M, K, q.data(), d.data(), qsum.data());
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* wt = wp + t * (K / 8) * 64;
-    const float* st = sp + t * groups * 16;
-    for (int64_t m = 0; m < M; m += 8) {
-      const int64_t mr = M - m < 8 ? M - m : 8;
-      TILES[mr](q.data() + m * K, K, d.data() + m * blocks, qsum.data() + m * blocks, blocks, wt, st,
-                group / BLOCK, y + m * N + t * 16, N);
-    }
-  }
+  if (scale_bf16)
+    gemm(q.data(), d.data(), qsum.data(), M, K, wp, static_cast<const uint16_t*>(sp), N, group, y, nthreads);
+  else
+    gemm(q.data(), d.data(), qsum.data(), M, K, wp, static_cast<const float*>(sp), N, group, y, nthreads);
   return 0;
 }
 
