@@ -218,9 +218,11 @@ def test_bf16_scales_stream_as_bf16_and_give_the_fp32_result_bit_for_bit(kernel)
     mod = {"w4a8_vnni": w4a8, "w4_bf16": native}[kernel]
     codes, scale, g = weights(64, 256, 32)
     scale = scale.to(torch.bfloat16)
-    as_bf16, as_fp32 = native.pack_scales(scale), native.pack_scales(scale.float())
-    assert as_bf16.dtype == torch.bfloat16 and as_fp32.dtype == torch.float32
-    assert torch.equal(as_bf16.float(), as_fp32)
+    as_bf16 = native.pack_scales(scale.float())  # bf16 values widened to fp32 (a bf16 checkpoint in an fp32 model)
+    assert as_bf16.dtype == torch.bfloat16 and torch.equal(native.pack_scales(scale), as_bf16)
+    as_fp32 = as_bf16.float()
+    fp32_scale = scale.float() * (1 + 2**-12)  # values bf16 cannot hold: stay fp32
+    assert native.pack_scales(fp32_scale).dtype == torch.float32
     packed = mod.pack_codes(codes)
     x = torch.randn(5, 256, generator=g)
     assert torch.equal(mod.gemm(x, packed, as_bf16, 32), mod.gemm(x, packed, as_fp32, 32))

@@ -158,10 +158,12 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_scales(scale: torch.Tensor) -> torch.Tensor:
-    """scale [N, K/group] -> [N/16, groups, 16], bf16 when the scales are bf16 (both kernels widen them exactly, and
-    they are half the bytes: at group 32 a fifth of what a step streams), else fp32 (fp16 scales widen exactly)."""
+    """scale [N, K/group] -> [N/16, groups, 16] in bf16 when every scale is a bf16 value (both kernels widen them
+    exactly, and they are half the bytes: at group 32 a fifth of what a step streams), else fp32. A bf16 checkpoint
+    loaded into an fp32 model holds its bf16 scales widened to fp32, so the test is on the values, not the dtype."""
     n = scale.shape[0]
-    packed = scale if scale.dtype == torch.bfloat16 else scale.float()
+    as_bf16 = scale.to(torch.bfloat16)
+    packed = as_bf16 if torch.equal(as_bf16.to(scale.dtype), scale) else scale.float()
     return packed.view(n // TILE, TILE, -1).transpose(1, 2).contiguous()
 
 
