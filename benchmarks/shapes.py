@@ -120,7 +120,10 @@ def layer_linears(model: Transformer) -> list[torch.nn.Module]:
 
 
 def module_bytes(mod: torch.nn.Module) -> int:
-    seen = {id(t): t for t in list(mod.parameters()) + list(mod.buffers())}
+    """Bytes of a module's parameters and buffers, without the native W4 kernels' packed copy of the scales
+    (QuantLinear.native_scales: a step reads it instead of weight_scale, which has as many or more bytes)."""
+    seen = {id(t): t for t in list(mod.parameters()) + [b for n, b in mod.named_buffers() if
+                                                         not n.endswith("native_scales")]}
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 

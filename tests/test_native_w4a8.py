@@ -226,3 +226,20 @@ def test_bf16_scales_stream_as_bf16_and_give_the_fp32_result_bit_for_bit(kernel)
     packed = mod.pack_codes(codes)
     x = torch.randn(5, 256, generator=g)
     assert torch.equal(mod.gemm(x, packed, as_bf16, 32), mod.gemm(x, packed, as_fp32, 32))
+
+
+@needs_kernel
+def test_torch_export_sees_the_kernel_inputs_as_named_buffers():
+    """What an AOTInductor package binds by name: the exported graph reads the codes (weight_packed, in the
+    kernel's layout) and the packed scales (the non-persistent buffer native_scales), and no lifted constant that a
+    package could not bind to the model's own tensors. (Packaging itself was checked by hand: bit-identical.)"""
+    codes, scale, g = weights(64, 256, 32)
+    m = QuantLinear.from_codes(codes, scale.to(torch.bfloat16), None, 4)
+    set_w4_activations(torch.nn.Sequential(m), "int8")
+    x = torch.randn(3, 256, generator=g)
+    eager = m(x)
+    ep = torch.export.export(m, (x,))
+    assert not ep.graph_signature.lifted_tensor_constants
+    assert {"weight_packed", "native_scales"} <= set(ep.graph_signature.inputs_to_buffers.values())
+    assert "native_scales" not in m.state_dict()  # never saved
+    assert torch.equal(ep.module()(x), eager)

@@ -154,9 +154,10 @@ class QuantLinear(nn.Module):
     def invalidate(self):
         """Drop backend caches (after the buffers change)."""
         self._cache.clear()
+        self._buffers.pop("native_scales", None)  # a native kernel's packed scales: rebuilt on its next call
 
     def _apply(self, fn, recurse=True):
-        self._cache.clear()
+        self.invalidate()
         self.to_standard_layout()  # other devices' kernels (and the bytes of a copy) read the checkpoint layout
         return super()._apply(fn, recurse)
 
@@ -270,8 +271,10 @@ def _native_forward(kernel: str) -> Callable[[QuantLinear, torch.Tensor], torch.
         prepared = m._cache.get(("native", kernel))
         if prepared is None or m.native_layout != kernel:
             prepared = _prepare_native(m, kernel)
-        view, scales = prepared
-        y = (mod.gemm_op if torch.compiler.is_compiling() else mod.gemm)(x, view, scales, m.group_size)
+        if torch.compiler.is_compiling():  # torch.compile / torch.export: buffers only, so the graph reads them
+            y = mod.gemm_op(x, m._native_view(), m.native_scales, m.group_size)
+        else:
+            y = mod.gemm(x, *prepared, m.group_size)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if m.bias is not None:
@@ -283,8 +286,11 @@ def _native_forward(kernel: str) -> Callable[[QuantLinear, torch.Tensor], torch.
 
 @torch.compiler.disable  # permutes a buffer in place: never traced into a graph
 def _prepare_native(m: QuantLinear, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permute the codes into the kernel's layout and pack its scales, kept as the non-persistent buffer
+    `native_scales` (so a compiled or exported graph finds it among the module's buffers, by name)."""
     m.to_native_layout(kernel)
-    prepared = m._cache[("native", kernel)] = (m._native_view(), native.pack_scales(m.weight_scale))
+    m.register_buffer("native_scales", native.pack_scales(m.weight_scale), persistent=False)
+    prepared = m._cache[("native", kernel)] = (m._native_view(), m.native_scales)
     return prepared
 
 
