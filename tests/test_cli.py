@@ -19,6 +19,7 @@ import torch
 from conftest import needs_bundled, save_tiny_checkpoint
 
 from specquant.cli import main
+from specquant.decode.compiled import Stepper
 from specquant.decode.generate import generate
 from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer
 from specquant.loader import load_model
@@ -105,6 +106,29 @@ def test_generate_compile_flag_reaches_the_stepper(capsys, random_checkpoint, mo
         outs.append(json.loads(out)["token_ids"])
     assert len(compiled) == 1 and outs[0] == outs[1]
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(random_checkpoint.parent / "cache" / "compile")
+
+
+def test_generate_aot_flag_reaches_the_stepper(capsys, random_checkpoint, monkeypatch):
+    """--aot picks the packaged-step mode (default 'cached', from AotConfig; recorded here and run eagerly:
+    tests/test_aot.py checks packages against eager); --compile replaces it, and with --aot build is refused."""
+    import specquant.spec_decode.cli as cli
+
+    modes = []
+
+    def stepper(model, compile=False, aot="off"):
+        modes.append(aot)
+        return Stepper(model, compile)
+
+    monkeypatch.setattr(cli, "Stepper", stepper)
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+    monkeypatch.setenv("SPECQUANT_CACHE", str(random_checkpoint.parent / "cache"))
+    for flag in ([], ["--aot", "build"], ["--aot", "off"], ["--compile"]):
+        rc, out, err = run_cli(capsys, "generate", "--target", str(random_checkpoint), *GENERATE_JSON, *flag)
+        assert rc == 0, err
+    assert modes == ["cached", "build", "off", "off"]
+    rc, out, err = run_cli(capsys, "generate", "--target", str(random_checkpoint), *GENERATE_JSON, "--compile",
+                           "--aot", "build")
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and "pick one" in err
 
 
 @needs_bundled("tiny-target")

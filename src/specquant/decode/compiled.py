@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
 
 COMPILED_MAX_T = 34  # verify shapes up to k+1 with k <= 32, plus the 2-token draft catch-up
@@ -53,23 +54,64 @@ class Stepper:
     Each token count is its own compilation (seconds from the disk cache, 15-45 s cold), so only the shapes a loop
     repeats are compiled: the one-token decode step by default; None compiles every T <= COMPILED_MAX_T. Other
     inputs (prompts) run eagerly through the same static cache.
+    aot: AOTInductor packages (decode.aot) for the (T, last_only) steps in aot_shapes instead of torch.compile:
+    "cached" uses them when every one is on disk for the request's cache layout and runs eagerly otherwise;
+    "build" compiles the missing ones first (a minute or so each on one core); "off" never.
     `step` also returns the hidden states of `hidden_layers` (None when empty), for drafters that read them."""
 
-    def __init__(self, model: Transformer, compile: bool = False, compile_shapes: tuple[int, ...] | None = (1,)):
+    def __init__(self, model: Transformer, compile: bool = False, compile_shapes: tuple[int, ...] | None = (1,),
+                 aot: str = "off", aot_shapes: tuple[tuple[int, bool], ...] = ((1, True),)):
+        from specquant.decode.aot import AOT_MODES
+
+        if aot not in AOT_MODES:
+            raise SpecquantError(f"aot mode {aot!r} is not one of {', '.join(AOT_MODES)}")
+        if aot != "off" and compile:
+            raise SpecquantError("torch.compile and AOT packages are two ways to compile the same steps; pick one")
         self.model = model
         self.compile = compile
         self.compile_shapes = None if compile_shapes is None else set(compile_shapes)
         self.compiled = None
+        self.aot, self.aot_shapes = aot, tuple(aot_shapes)
+        self.aot_loaded = {}  # package key -> decode.aot.AotStep, loaded once per process
+        self.aot_steps = {}  # (T, last_only) -> the AotStep this request uses (empty: eager)
         if compile:
             _raise_recompile_limit()
             use_compile_cache()
             self.compiled = torch.compile(model, dynamic=False)
 
     def setup(self, batch: int, max_seq_len: int, **kw):
-        self.model.setup_cache(batch, max_seq_len, static=self.compile, **kw)
+        if self.aot == "off":
+            self.model.setup_cache(batch, max_seq_len, static=self.compile, **kw)
+            return
+        from specquant.decode import aot
+
+        capacity = aot.capacity_for(max_seq_len, self.model.config.max_position_embeddings)
+        layout = {"batch": batch, "capacity": capacity, **kw}
+        paths = {shape: aot.package_path(aot.package_key(self.model, *shape, layout)) for shape in self.aot_shapes}
+        self.aot_steps = {}
+        if self.aot == "cached" and not all(p.exists() for p in paths.values()):
+            self.model.setup_cache(batch, max_seq_len, **kw)  # no package for this layout: the eager reference
+            return
+        self.model.setup_cache(batch, capacity, static=True, **kw)
+        cache = self.model.model.layers[0].self_attn.cache
+        if cache.window is None and cache.capacity != capacity:  # a larger cache kept from an earlier request
+            self.model.clear_cache()
+            self.model.setup_cache(batch, capacity, static=True, **kw)
+        for shape, path in paths.items():
+            if path.name not in self.aot_loaded:
+                if not path.exists():
+                    aot.build(self.model, *shape, path)
+                self.aot_loaded[path.name] = aot.AotStep(path, self.model)
+            step = self.aot_steps[shape] = self.aot_loaded[path.name]
+            step.bind(self.model)
+        for layer in self.model.model.layers:  # a new request: no slot holds a position yet
+            layer.self_attn.cache.reset()
 
     def __call__(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
         t = tokens.shape[1]
+        packaged = self.aot_steps.get((t, last_only)) if not hidden_layers else None
+        if packaged is not None:
+            return packaged(tokens, torch.arange(start, start + t, device=tokens.device))
         if self.compiled is None or t > COMPILED_MAX_T or (self.compile_shapes is not None
                                                           and t not in self.compile_shapes):
             return self.model(tokens, start, last_only, hidden_layers=hidden_layers)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from specquant.decode.aot import AotConfig
 from specquant.decode.compiled import Stepper
 from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig
+from specquant.errors import SpecquantError
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer, resolve
 from specquant.quant.config import DRAFT_W4_ACTIVATIONS, W4_ACTIVATIONS
@@ -40,6 +42,7 @@ def add_parser(sub):
                    help="torch.compile the decode / verify steps (graphs cached on disk under "
                         "$SPECQUANT_CACHE/compile). Off by default: on CPU it pays only past ~2000 new tokens per "
                         "process with a warm cache, more with a cold one (docs/SHAPES.md)")
+    add_config_flags(p, AotConfig)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -61,7 +64,11 @@ def run(args):
     prompt = torch.tensor([ids], device=args.device)
     target = load_model(args.target, args.dtype, args.device, fuse=True, w4_activations=args.w4_activations)
     if draft_name is None:
-        result = generate(Stepper(target, compile=args.compile), prompt, args.max_new_tokens, sampling,
+        aot = config_from_args(AotConfig, args).aot
+        if args.compile and aot == "build":
+            raise SpecquantError("--compile and --aot build are two ways to compile the same step; pick one")
+        aot = "off" if args.compile else aot  # --compile: torch.compile's steps instead of a package
+        result = generate(Stepper(target, compile=args.compile, aot=aot), prompt, args.max_new_tokens, sampling,
                           stop_on_eos=not args.ignore_eos)
     else:
         from specquant.spec_decode.engine import SpecEngine

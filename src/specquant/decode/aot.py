@@ -1,0 +1,171 @@
+"""Ahead-of-time compiled decode steps: an AOTInductor package per step shape, built once, loaded by any later process.
+
+torch.compile (decode.compiled) re-traces the model with dynamo in every process (1.5-3 s on the bundled target,
+more than a short request's decode), so it cannot pay in a fresh process. An AOTInductor package is the same
+inductor code compiled into a shared library ahead of time (`torch.export` + `aoti_compile_and_package`): a later
+process only dlopens it (milliseconds), no tracing, no Python wrapper code.
+
+What a package holds: the graph of one step shape (T tokens, last_only) over a static KV cache of one capacity,
+for this process's thread count (inductor bakes the OpenMP thread count into its kernels). The weights and the KV
+cache buffers are NOT in it (`aot_inductor.package_constants_in_so=False`): at load the step is bound to the
+model's own tensors (`load_constants(user_managed=True)`: the library reads and writes them in place, no copy), so
+one package serves every checkpoint with the same layout, and the eager prefill and the compiled steps share one
+cache. Capacities are rounded up to a power of two (`capacity_for`) so few packages cover all request lengths.
+
+Staleness: the package file name is a hash of everything the compiled code depends on (`package_key`): the model
+config, every parameter / buffer name, shape and dtype (fused or not, quantized layouts), the source of every
+module class in the model and of this file, torch's version, the step shape, the capacity and the thread count.
+Changing any of them looks up another file; nothing is ever invalidated in place. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specquant.decode.compiled import compile_cache_dir
+from specquant.errors import SpecquantError
+from specquant.model.decoder import Transformer
+from specquant.model.rope import apply_rope
+
+MIN_CAPACITY = 256  # smallest KV capacity a package is built for (requests of up to this many positions share it)
+AOT_MODES = ("off", "cached", "build")  # Stepper(aot=...): never / when a package is on disk / build missing ones
+
+
+@dataclasses.dataclass
+class AotConfig:
+    """How `specquant generate` runs its decode steps. Default "cached": a packaged step beats the eager one in a
+    fresh process whenever the package exists (benchmarks/compile_start.py, docs/SHAPES.md "Compiled steps"),
+    but building one takes most of a minute, more than a typical request, so it is never built unasked."""
+
+    aot: str = dataclasses.field(default="cached", metadata={
+        "choices": AOT_MODES,
+        "help": "target-only decoding (--draft none): an AOTInductor-packaged decode step. 'cached' uses one "
+                "when it is on disk (under $SPECQUANT_CACHE/compile/aot) and decodes eagerly otherwise; 'build' "
+                "builds a missing one first (about a minute per request-length bucket and thread count, once per "
+                "machine); 'off': always eager"})
+
+
+def capacity_for(need: int, max_positions: int) -> int:
+    """KV capacity of a request needing `need` positions: the next power of two >= MIN_CAPACITY, at most the
+    model's context (and never less than need), so requests of similar length share one package."""
+    cap = MIN_CAPACITY
+    while cap < need:
+        cap *= 2
+    return max(need, min(cap, max_positions))
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name, tied ones under each of their names (what a package's constants are)."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if b is not None)
+    return out
+
+
+def _source_digest(model: nn.Module) -> str:
+    """Hash of the source files of every module class in the model (decoder, rope via decoder's import, ...)."""
+    files = {inspect.getsourcefile(type(m)) for m in model.modules()} | {__file__, inspect.getsourcefile(apply_rope)}
+    h = hashlib.sha256()
+    for f in sorted(p for p in files if p):
+        h.update(f.encode())
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()
+
+
+def package_key(model: Transformer, t: int, last_only: bool, cache: dict) -> str:
+    """Hash of everything a compiled step depends on (see the module docstring). cache: the static cache's
+    layout as Stepper.setup asks for it (batch, capacity, setup_cache's keywords), so the key is known before the
+    cache exists; the cache buffers themselves are left out of `layout` for the same reason."""
+    layout = sorted((n, tuple(x.shape), str(x.dtype), x.device.type) for n, x in _tensors(model).items()
+                    if ".cache." not in n)
+    spec = {"config": dataclasses.asdict(model.config), "layout": layout, "source": _source_digest(model),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "t": t, "last_only": last_only,
+            "cache": cache}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def package_path(key: str) -> Path:
+    return compile_cache_dir() / "aot" / f"step-{key}.pt2"
+
+
+class _Step(nn.Module):
+    """The exported function: tokens [batch, T] at positions input_pos [T] -> logits, on the static cache."""
+
+    def __init__(self, model: Transformer, last_only: bool):
+        super().__init__()
+        self.model, self.last_only = model, last_only
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens, 0, self.last_only, input_pos)
+
+
+PREFIX = "model."  # _Step holds the model under this name: package constant fqn = PREFIX + model tensor name
+
+
+def build(model: Transformer, t: int, last_only: bool, path: Path) -> Path:
+    """Export one step shape of `model` (static cache already set up) and compile it into a package at path."""
+    import torch._inductor  # noqa: F401 (heavy: only the process that builds imports it)
+
+    batch = model.model.layers[0].self_attn.cache.k.shape[0]
+    device = model.model.embed_tokens.weight.device
+    example = (torch.zeros(batch, t, dtype=torch.long, device=device), torch.arange(t, device=device))
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(_Step(model, last_only), example, strict=False)
+    except Exception as e:  # a layer export cannot trace (e.g. a ctypes kernel): say which model, keep eager
+        raise SpecquantError(f"cannot export this model's {t}-token step for an AOT package ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200]}); run it without --aot") from e
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pt2")  # inductor wants .pt2
+    os.close(fd)
+    try:
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=tmp, inductor_configs={"aot_inductor.package_constants_in_so": False})
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the whole package or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+class AotStep:
+    """A loaded package bound to a model's tensors: `step(tokens [batch, T], input_pos [T]) -> logits`."""
+
+    def __init__(self, path: Path, model: Transformer):
+        # torch._C._aoti's loader is what torch._inductor.aoti_load_package wraps; called directly because the
+        # public function imports inductor and parses the archive's metadata in Python, 2.5 s per process here
+        # against milliseconds for the loader (measured in docs/SHAPES.md, "Compiled steps")
+        loader_cls = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+        if loader_cls is not None:
+            self.loader = loader_cls(str(path), "model", False, 1, -1)
+        else:  # pragma: no cover - other torch builds
+            self.loader = torch._inductor.aoti_load_package(str(path)).loader
+        self.bound = None
+        self.bind(model)
+
+    def bind(self, model: Transformer):
+        """Point the package's constants at the model's current tensors (again after its cache is reallocated)."""
+        tensors = _tensors(model)
+        key = tuple(t.data_ptr() for t in tensors.values())
+        if key == self.bound:
+            return
+        names = self.loader.get_constant_fqns()
+        missing = [n for n in names if n[len(PREFIX):] not in tensors]
+        if missing:
+            raise SpecquantError(f"AOT package does not match the model (no tensor {missing[0]!r}); delete "
+                                 f"{compile_cache_dir() / 'aot'} and build again")
+        # args: constants, use_inactive, check_full_update, user_managed (the library uses our tensors in place)
+        self.loader.load_constants({n: tensors[n[len(PREFIX):]] for n in names}, False, True, True)
+        self.model_tensors = tensors  # held: the library keeps raw pointers into them
+        self.bound = key
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self.loader.boxed_run([tokens, input_pos])[0]

@@ -1,0 +1,153 @@
+"""AOTInductor-packaged steps (decode.aot) against the eager reference, and the on-disk package cache across processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specquant.decode import aot
+from specquant.decode.compiled import Stepper
+from specquant.decode.generate import generate
+from specquant.errors import SpecquantError
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Transformer
+from specquant.model.fuse import fuse_projections
+
+CFG = dict(vocab_size=80, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, qk_norm=True)
+
+
+def _model(seed: int, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**{**CFG, **overrides})).eval()
+    fuse_projections(model)  # the layout `specquant generate` decodes with
+    return model
+
+
+PROMPT = torch.randint(0, 80, (1, 17), generator=torch.Generator().manual_seed(2))
+
+
+def _step_logits(step, model, tokens: int = 12) -> tuple[torch.Tensor, list[int]]:
+    """Greedy decode driven by hand: logits [tokens, vocab] of every one-token step, and the tokens."""
+    with torch.no_grad():
+        step.setup(1, PROMPT.shape[1] + tokens)
+        tok = step(PROMPT, 0, last_only=True)[:, -1].argmax(-1)
+        logits, out = [], [int(tok)]
+        for i in range(tokens - 1):
+            row = step(tok[:, None], PROMPT.shape[1] + i, last_only=True)[:, -1]
+            logits.append(row)
+            tok = row.argmax(-1)
+            out.append(int(tok))
+    return torch.cat(logits), out
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A compile cache holding the one-token package for _model's layout (built once: ~15 s of C++ compile)."""
+    root = tmp_path_factory.mktemp("aot-cache")
+    old = os.environ.get("SPECQUANT_CACHE")
+    os.environ["SPECQUANT_CACHE"] = str(root)
+    stepper = Stepper(_model(0), aot="build")
+    stepper.setup(1, PROMPT.shape[1] + 24)
+    assert stepper.aot_steps and len(list((root / "compile" / "aot").glob("*.pt2"))) == 1
+    yield root
+    if old is None:
+        del os.environ["SPECQUANT_CACHE"]
+    else:
+        os.environ["SPECQUANT_CACHE"] = old
+
+
+def test_packaged_step_matches_eager(cache_dir):
+    model = _model(0)
+    ref_logits, ref_tokens = _step_logits(Stepper(model), model)
+    stepper = Stepper(model, aot="cached")
+    logits, tokens = _step_logits(stepper, model)
+    assert stepper.aot_steps, "the package built by the fixture was not found"
+    assert model.static_cache and model.model.layers[0].self_attn.cache.capacity == aot.MIN_CAPACITY
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    # the same through generate, twice on one stepper (the second request reuses the loaded package and cache)
+    eager = generate(model, PROMPT, 24, stop_on_eos=False).token_ids
+    assert generate(stepper, PROMPT, 24, stop_on_eos=False).token_ids == eager
+    assert generate(stepper, PROMPT, 24, stop_on_eos=False).token_ids == eager
+
+
+def test_package_reads_the_models_own_weights_and_cache(cache_dir):
+    """Weights are not baked in: a model with other weights (same layout) loads the same package and gets its own
+    eager logits; a larger cache kept from an earlier request is replaced by one of the package's capacity."""
+    other = _model(1)
+    other.setup_cache(1, 1024, static=True)
+    stepper = Stepper(other, aot="cached")
+    logits, tokens = _step_logits(stepper, other)
+    assert stepper.aot_steps and other.model.layers[0].self_attn.cache.capacity == aot.MIN_CAPACITY
+    ref_logits, ref_tokens = _step_logits(Stepper(other), other)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(logits, _step_logits(Stepper(_model(0)), _model(0))[0])
+
+
+def test_cached_mode_without_a_package_runs_the_eager_reference(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
+    model = _model(0, rms_norm_eps=1e-5)  # another config: another key, not in the fixture's cache either
+    stepper = Stepper(model, aot="cached")
+    out = generate(stepper, PROMPT, 8, stop_on_eos=False).token_ids
+    assert not stepper.aot_steps and not model.static_cache  # the sliced cache of the plain eager path
+    assert out == generate(_model(0, rms_norm_eps=1e-5), PROMPT, 8, stop_on_eos=False).token_ids
+    assert not (tmp_path / "compile" / "aot").exists()  # "cached" never builds
+
+
+CHILD = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_aot import PROMPT, _model
+from specquant.decode.compiled import Stepper
+from specquant.decode.generate import generate
+stepper = Stepper(_model(0), aot="cached")
+tokens = generate(stepper, PROMPT, 24, stop_on_eos=False).token_ids
+print(json.dumps({"tokens": tokens, "packaged": bool(stepper.aot_steps),
+                  "inductor_imported": "torch._inductor" in sys.modules}))
+"""
+
+
+def test_a_fresh_process_only_loads_the_package(cache_dir):
+    """The point of packaging: a new process finds the package, never imports inductor, and decodes the same."""
+    files = sorted((cache_dir / "compile" / "aot").iterdir())
+    env = dict(os.environ, SPECQUANT_CACHE=str(cache_dir))
+    res = subprocess.run([sys.executable, "-c", CHILD, os.path.dirname(__file__)], env=env, capture_output=True,
+                         text=True, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["packaged"] and not got["inductor_imported"]
+    assert got["tokens"] == generate(_model(0), PROMPT, 24, stop_on_eos=False).token_ids
+    assert sorted((cache_dir / "compile" / "aot").iterdir()) == files  # nothing built or rewritten
+
+
+def test_package_key_covers_what_the_compiled_code_depends_on(monkeypatch):
+    model = _model(0)
+    layout = {"batch": 1, "capacity": 256}
+    key = aot.package_key(model, 1, True, layout)
+    assert aot.package_key(_model(3), 1, True, layout) == key  # weights are bound at load, not compiled in
+    others = [aot.package_key(model, 2, True, layout), aot.package_key(model, 1, False, layout),
+              aot.package_key(model, 1, True, {"batch": 1, "capacity": 512}),
+              aot.package_key(model, 1, True, {"batch": 2, "capacity": 256}),
+              aot.package_key(_model(0, rms_norm_eps=1e-5), 1, True, layout),  # config
+              aot.package_key(Transformer(ModelConfig(**CFG)).eval(), 1, True, layout)]  # unfused layout
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # inductor bakes the thread count into kernels
+    others.append(aot.package_key(model, 1, True, layout))
+    monkeypatch.setattr(aot, "_source_digest", lambda m: "changed model code")
+    others.append(aot.package_key(model, 1, True, layout))
+    assert len({key, *others}) == 1 + len(others)
+
+
+def test_capacity_buckets_and_bad_modes():
+    assert aot.capacity_for(1, 2048) == 256 and aot.capacity_for(256, 2048) == 256
+    assert aot.capacity_for(257, 2048) == 512 and aot.capacity_for(1500, 2048) == 2048
+    assert aot.capacity_for(1500, 1600) == 1600 and aot.capacity_for(100, 120) == 120
+    with pytest.raises(SpecquantError, match="aot mode 'yes'"):
+        Stepper(_model(0), aot="yes")
+    with pytest.raises(SpecquantError, match="pick one"):
+        Stepper(_model(0), compile=True, aot="cached")
