@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specquant.decode.compiled import compile_cache_dir
+from specquant.decode.compiled import compile_cache_dir, use_compile_cache
 from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
 from specquant.model.rope import apply_rope
@@ -113,6 +113,8 @@ PREFIX = "model."  # _Step holds the model under this name: package constant fqn
 def build(model: Transformer, t: int, last_only: bool, path: Path) -> Path:
     """Export one step shape of `model` (static cache already set up) and compile it into a package at path."""
     import torch._inductor  # noqa: F401 (heavy: only the process that builds imports it)
+
+    use_compile_cache()  # inductor's own caches (precompiled headers, FX graphs) beside the packages
 
     batch = model.model.layers[0].self_attn.cache.k.shape[0]
     device = model.model.embed_tokens.weight.device
