@@ -74,7 +74,8 @@ def run_child(model: str, mode: str, new_tokens: int, requests: int, threads: in
     env = dict(os.environ, SPECQUANT_CACHE=cache, OMP_NUM_THREADS=str(threads))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     res = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), model, mode, str(new_tokens),
-                          str(requests), str(threads), str(prompt_tokens)], env=env, capture_output=True, text=True, check=False)
+                          str(requests), str(threads), str(prompt_tokens)],
+                         env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise SystemExit(f"{mode} process failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

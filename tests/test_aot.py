@@ -1,4 +1,4 @@
-"""AOTInductor-packaged steps (decode.aot) against the eager reference, and the on-disk package cache across processes."""
+"""AOTInductor-packaged steps (decode.aot) against the eager reference; the on-disk package cache across processes."""
 
 import json
 import os

@@ -110,6 +110,13 @@ class _Step(nn.Module):
 PREFIX = "model."  # _Step holds the model under this name: package constant fqn = PREFIX + model tensor name
 
 
+def _refused(what: str, t: int, e: Exception) -> SpecquantError:
+    """One line for a model inductor cannot take (e.g. a layer that calls a ctypes kernel)."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return SpecquantError(f"cannot {what} this model's {t}-token step for an AOT package ({type(e).__name__}: "
+                          f"{first}); decode without it (--aot off)")
+
+
 def build(model: Transformer, t: int, last_only: bool, path: Path) -> Path:
     """Export one step shape of `model` (static cache already set up) and compile it into a package at path."""
     import torch._inductor  # noqa: F401 (heavy: only the process that builds imports it)
@@ -122,9 +129,8 @@ def build(model: Transformer, t: int, last_only: bool, path: Path) -> Path:
     try:
         with torch.no_grad():
             exported = torch.export.export(_Step(model, last_only), example, strict=False)
-    except Exception as e:  # a layer export cannot trace (e.g. a ctypes kernel): say which model, keep eager
-        raise SpecquantError(f"cannot export this model's {t}-token step for an AOT package ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:200]}); run it without --aot") from e
+    except Exception as e:  # noqa: BLE001 (any tracing failure means: no package for this model, keep eager)
+        raise _refused("export", t, e) from e
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pt2")  # inductor wants .pt2
     os.close(fd)
@@ -132,6 +138,8 @@ def build(model: Transformer, t: int, last_only: bool, path: Path) -> Path:
         torch._inductor.aoti_compile_and_package(
             exported, package_path=tmp, inductor_configs={"aot_inductor.package_constants_in_so": False})
         os.replace(tmp, path)  # atomic: a concurrent reader sees the whole package or none
+    except Exception as e:  # noqa: BLE001
+        raise _refused("compile", t, e) from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
