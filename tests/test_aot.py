@@ -15,6 +15,8 @@ from specquant.errors import SpecquantError
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.engine import SpecEngine
 
 CFG = dict(vocab_size=80, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, qk_norm=True)
@@ -97,6 +99,22 @@ def test_cached_mode_without_a_package_runs_the_eager_reference(tmp_path, monkey
     assert not stepper.aot_steps and not model.static_cache  # the sliced cache of the plain eager path
     assert out == generate(_model(0, rms_norm_eps=1e-5), PROMPT, 8, stop_on_eos=False).token_ids
     assert not (tmp_path / "compile" / "aot").exists()  # "cached" never builds
+
+
+def test_speculative_engine_with_packaged_steps_matches_eager(cache_dir):
+    """The engine's target verify step and the LM draft's 1- and 2-token steps as packages (the draft on a ring
+    cache, rolled back after rejections): the same tokens and acceptance as the eager engine. (Built in the
+    fixture's cache, whose precompiled headers make each build cheaper.)"""
+    target, draft = _model(0, num_hidden_layers=1), _model(1, num_hidden_layers=1)
+    cfg = SpecConfig(draft_len=3, draft_window=8)
+    eager = SpecEngine(target, draft, cfg).generate(PROMPT, 24, stop_on_eos=False)
+    engine = SpecEngine(target, draft, cfg, aot="build")
+    packaged = engine.generate(PROMPT, 24, stop_on_eos=False)
+    assert set(engine.target_step.aot_steps) == {(4, False)}
+    assert set(engine.drafter.step.aot_steps) == {(1, True), (2, True)}
+    assert draft.model.layers[0].self_attn.cache.window == 8
+    assert packaged.token_ids == eager.token_ids
+    assert packaged.stats["num_accepted_tokens"] == eager.stats["num_accepted_tokens"]
 
 
 CHILD = r"""

@@ -48,10 +48,10 @@ class AotConfig:
 
     aot: str = dataclasses.field(default="cached", metadata={
         "choices": AOT_MODES,
-        "help": "target-only decoding (--draft none): an AOTInductor-packaged decode step. 'cached' uses one "
-                "when it is on disk (under $SPECQUANT_CACHE/compile/aot) and decodes eagerly otherwise; 'build' "
-                "builds a missing one first (about a minute per request-length bucket and thread count, once per "
-                "machine); 'off': always eager"})
+        "help": "AOTInductor-packaged steps (the decode step; speculative: the full-length verify step and the "
+                "LM draft's steps). 'cached' uses them when on disk (under $SPECQUANT_CACHE/compile/aot) and runs "
+                "eagerly otherwise; 'build' builds missing ones first (~25 s each on one core, once per machine, "
+                "thread count and request-length bucket); 'off': always eager"})
 
 
 def capacity_for(need: int, max_positions: int) -> int:

@@ -63,11 +63,11 @@ def run(args):
     ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     prompt = torch.tensor([ids], device=args.device)
     target = load_model(args.target, args.dtype, args.device, fuse=True, w4_activations=args.w4_activations)
+    aot = config_from_args(AotConfig, args).aot
+    if args.compile and aot == "build":
+        raise SpecquantError("--compile and --aot build are two ways to compile the same step; pick one")
+    aot = "off" if args.compile else aot  # --compile: torch.compile's steps instead of packages
     if draft_name is None:
-        aot = config_from_args(AotConfig, args).aot
-        if args.compile and aot == "build":
-            raise SpecquantError("--compile and --aot build are two ways to compile the same step; pick one")
-        aot = "off" if args.compile else aot  # --compile: torch.compile's steps instead of a package
         result = generate(Stepper(target, compile=args.compile, aot=aot), prompt, args.max_new_tokens, sampling,
                           stop_on_eos=not args.ignore_eos)
     else:
@@ -81,11 +81,12 @@ def run(args):
 
             drafter = BlockDrafter(load_block_draft(draft_name, args.dtype, args.device,
                                                     args.draft_w4_activations), target, spec)
-            engine = SpecEngine(target, drafter, spec, compile=args.compile)
+            engine = SpecEngine(target, drafter, spec, compile=args.compile, aot=aot)
         else:
             draft = load_model(draft_name, args.dtype, args.device, fuse=True,
                                w4_activations=args.draft_w4_activations)
-            engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name), compile=args.compile)
+            engine = SpecEngine(target, draft, spec, tokenizer, load_tokenizer(draft_name), compile=args.compile,
+                                aot=aot)
         result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     new = result.token_ids[0]
     text = tokenizer.decode(new, skip_special_tokens=True)

@@ -31,11 +31,11 @@ class SpecEngine:
 
     def __init__(self, target: Transformer, draft: Transformer | Drafter, config: SpecConfig | None = None,
                  target_tokenizer=None, draft_tokenizer=None, compile: bool = False, profile: bool = False,
-                 graphs: bool = False):
+                 graphs: bool = False, aot: str = "off"):
         self.config = (config or SpecConfig()).validate()
         if isinstance(draft, Transformer):
             check_vocab(target.config.vocab_size, draft.config.vocab_size, target_tokenizer, draft_tokenizer)
-            draft = LMDrafter(draft, self.config, compile, graphs)
+            draft = LMDrafter(draft, self.config, compile, graphs, aot)
         bad = [i for i in draft.target_layers if not 0 <= i < target.config.num_hidden_layers]
         if bad:
             raise SpecquantError(f"drafter reads target layers {bad}; the target has layers 0.."
@@ -44,8 +44,13 @@ class SpecEngine:
         # graphs: the target's verify (and prefill, when short) steps replayed as CUDA graphs over a static cache
         # (decode/graphs.py; on CPU an eager stand-in over the same buffers); compile then covers the verify shape
         verify = (self.config.longest_draft + 1,)
+        if graphs and aot != "off":
+            raise SpecquantError("CUDA-graph steps and AOT packages do not combine; use one")
+        # aot: a package of the full-length verify step (decode.aot); it returns logits only, so not for a drafter
+        # that reads the target's hidden states
         self.target_step = (GraphStepper(target, compile, compile_shapes=verify) if graphs
-                            else Stepper(target, compile, compile_shapes=verify))
+                            else Stepper(target, compile, compile_shapes=verify,
+                                         aot="off" if draft.target_layers else aot, aot_shapes=((verify[0], False),)))
         self.profile = profile
         self.metrics = SpecMetrics()  # accumulated over requests
 

@@ -12,6 +12,7 @@ import torch
 from specquant.decode.compiled import Stepper
 from specquant.decode.graphs import GraphStepper
 from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
+from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft
@@ -22,11 +23,16 @@ class LMDrafter:
 
     target_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: Transformer, config: SpecConfig, compile: bool = False, graphs: bool = False):
+    def __init__(self, model: Transformer, config: SpecConfig, compile: bool = False, graphs: bool = False,
+                 aot: str = "off"):
         self.model = model
         # graphs: one-token and catch-up steps replayed as CUDA graphs (decode/graphs.py; eager stand-in on CPU)
-        # compiled: the one-token step and the 2-token catch-up after a verify (the shapes every round repeats)
-        self.step = GraphStepper(model, compile) if graphs else Stepper(model, compile, compile_shapes=(1, 2))
+        # compiled / aot (decode.aot packages): the one-token step and the 2-token catch-up after a verify (the
+        # shapes every round repeats)
+        if graphs and aot != "off":
+            raise SpecquantError("CUDA-graph steps and AOT packages do not combine; use one")
+        self.step = GraphStepper(model, compile) if graphs else Stepper(
+            model, compile, compile_shapes=(1, 2), aot=aot, aot_shapes=((1, True), (2, True)))
         self.window = config.draft_window
         self.window_prefill = config.draft_prefill == "window"
         # stop drafting once the draft's top probability falls below this (0 = never); see SpecConfig
