@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import randomize_
 
 from specquant.decode import aot
 from specquant.decode.compiled import Stepper
@@ -19,13 +20,20 @@ from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.engine import SpecEngine
 
 CFG = dict(vocab_size=80, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, qk_norm=True)
+           num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, qk_norm=True,
+           tie_word_embeddings=False)  # tied, a random model only repeats its last input token
 
 
-def _model(seed: int, **overrides) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**{**CFG, **overrides})).eval()
-    fuse_projections(model)  # the layout `specquant generate` decodes with
+def _model(seed: int, noise: float = 0.0, **overrides) -> Transformer:
+    """A random model (varied greedy tokens, unlike default init's), fused as `specquant generate` runs it;
+    noise > 0: seed 0's weights plus that much relative noise from `seed` (a draft that agrees only in part)."""
+    model = randomize_(Transformer(ModelConfig(**{**CFG, **overrides})), 0 if noise else seed).eval()
+    if noise:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + noise * torch.randn(p.shape, generator=gen))
+    fuse_projections(model)
     return model
 
 
@@ -102,19 +110,21 @@ def test_cached_mode_without_a_package_runs_the_eager_reference(tmp_path, monkey
 
 
 def test_speculative_engine_with_packaged_steps_matches_eager(cache_dir):
-    """The engine's target verify step and the LM draft's 1- and 2-token steps as packages (the draft on a ring
-    cache, rolled back after rejections): the same tokens and acceptance as the eager engine. (Built in the
-    fixture's cache, whose precompiled headers make each build cheaper.)"""
-    target, draft = _model(0, num_hidden_layers=1), _model(1, num_hidden_layers=1)
-    cfg = SpecConfig(draft_len=3, draft_window=8)
+    """The engine's target verify step and the LM draft's one-token step as packages, with rejections and rollbacks
+    between them: the same tokens and acceptance as the eager engine. The draft has the fixture model's layout
+    and cache, so it loads the fixture's package (asked for with other setup_cache keywords: keys follow the
+    buffers made, not the arguments); only the verify step is built here."""
+    target, draft = _model(0), _model(1, noise=0.1)
+    cfg = SpecConfig(draft_len=3)
     eager = SpecEngine(target, draft, cfg).generate(PROMPT, 24, stop_on_eos=False)
+    before = set((cache_dir / "compile" / "aot").iterdir())
     engine = SpecEngine(target, draft, cfg, aot="build")
     packaged = engine.generate(PROMPT, 24, stop_on_eos=False)
-    assert set(engine.target_step.aot_steps) == {(4, False)}
-    assert set(engine.drafter.step.aot_steps) == {(1, True), (2, True)}
-    assert draft.model.layers[0].self_attn.cache.window == 8
+    assert len(set((cache_dir / "compile" / "aot").iterdir()) - before) == 1
+    assert set(engine.target_step.aot_steps) == {(4, False)} and set(engine.drafter.step.aot_steps) == {(1, True)}
     assert packaged.token_ids == eager.token_ids
     assert packaged.stats["num_accepted_tokens"] == eager.stats["num_accepted_tokens"]
+    assert 0 < eager.stats["num_accepted_tokens"] < eager.stats["num_draft_tokens"]  # rejections happened
 
 
 CHILD = r"""
@@ -146,12 +156,13 @@ def test_a_fresh_process_only_loads_the_package(cache_dir):
 
 def test_package_key_covers_what_the_compiled_code_depends_on(monkeypatch):
     model = _model(0)
-    layout = {"batch": 1, "capacity": 256}
+    layout = {"batch": 1, "cache": model.cache_layout(256)}
     key = aot.package_key(model, 1, True, layout)
     assert aot.package_key(_model(3), 1, True, layout) == key  # weights are bound at load, not compiled in
     others = [aot.package_key(model, 2, True, layout), aot.package_key(model, 1, False, layout),
-              aot.package_key(model, 1, True, {"batch": 1, "capacity": 512}),
-              aot.package_key(model, 1, True, {"batch": 2, "capacity": 256}),
+              aot.package_key(model, 1, True, {"batch": 1, "cache": model.cache_layout(512)}),
+              aot.package_key(model, 1, True, {"batch": 1, "cache": model.cache_layout(256, window=8)}),
+              aot.package_key(model, 1, True, {"batch": 2, "cache": model.cache_layout(256)}),
               aot.package_key(_model(0, rms_norm_eps=1e-5), 1, True, layout),  # config
               aot.package_key(Transformer(ModelConfig(**CFG)).eval(), 1, True, layout)]  # unfused layout
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # inductor bakes the thread count into kernels

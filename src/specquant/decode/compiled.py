@@ -86,7 +86,8 @@ class Stepper:
         from specquant.decode import aot
 
         capacity = aot.capacity_for(max_seq_len, self.model.config.max_position_embeddings)
-        layout = {"batch": batch, "capacity": capacity, **kw}
+        # keyed on the buffers setup_cache will make, so equal layouts asked for differently share a package
+        layout = {"batch": batch, "cache": self.model.cache_layout(capacity, **kw)}
         paths = {shape: aot.package_path(aot.package_key(self.model, *shape, layout)) for shape in self.aot_shapes}
         self.aot_steps = {}
         if self.aot == "cached" and not all(p.exists() for p in paths.values()):

@@ -345,12 +345,8 @@ class Transformer(nn.Module):
         static: attention always spans the whole buffer under a mask built from tensors, so a step's shapes do
         not depend on the position (what torch.compile / CUDA graphs need); the sliced path is its reference.
         """
-        w = self.model.embed_tokens.weight
-        dtype, device = dtype or w.dtype, torch.device(device or w.device)
         cfg = self.config
-        window = cfg.sliding_window if window == -1 else window
-        window = window or None
-        capacity = max_seq_len if window is None else window + max_block - 1
+        capacity, window, dtype, device = self.cache_layout(max_seq_len, max_block, dtype, device, window)
         self.max_block = None if window is None else max_block
         old = self.model.layers[0].self_attn.cache
         if old is not None and old.fits(batch_size, capacity, dtype, device, window, static):
@@ -366,6 +362,16 @@ class Transformer(nn.Module):
         if self.rope_cos.shape[0] < max_seq_len or self.rope_cos.device != device:
             self._set_rope(max(max_seq_len, cfg.max_position_embeddings))
             self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
+
+    def cache_layout(self, max_seq_len: int, max_block: int = 64, dtype=None, device=None, window: int | None = -1
+                     ) -> tuple[int, int | None, torch.dtype, torch.device]:
+        """(capacity, window, dtype, device) of the K/V buffers setup_cache makes for these arguments (its rules
+        for them, so a compiled step can be keyed on the cache before it exists)."""
+        w = self.model.embed_tokens.weight
+        window = self.config.sliding_window if window == -1 else window
+        window = window or None
+        capacity = max_seq_len if window is None else window + max_block - 1
+        return capacity, window, dtype or w.dtype, torch.device(device or w.device)
 
     def init_non_persistent(self, device):
         """After materializing a meta-device model: tie lm_head again when the config says so (to_empty gave it

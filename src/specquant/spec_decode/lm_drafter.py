@@ -27,12 +27,13 @@ class LMDrafter:
                  aot: str = "off"):
         self.model = model
         # graphs: one-token and catch-up steps replayed as CUDA graphs (decode/graphs.py; eager stand-in on CPU)
-        # compiled / aot (decode.aot packages): the one-token step and the 2-token catch-up after a verify (the
-        # shapes every round repeats)
+        # compiled: the one-token step and the 2-token catch-up after a fully accepted verify (the shapes every
+        # round repeats); aot (decode.aot packages): the one-token step only, since each package is its own
+        # ~25 s build and most draft forwards are single tokens
         if graphs and aot != "off":
             raise SpecquantError("CUDA-graph steps and AOT packages do not combine; use one")
         self.step = GraphStepper(model, compile) if graphs else Stepper(
-            model, compile, compile_shapes=(1, 2), aot=aot, aot_shapes=((1, True), (2, True)))
+            model, compile, compile_shapes=(1, 2), aot=aot, aot_shapes=((1, True),))
         self.window = config.draft_window
         self.window_prefill = config.draft_prefill == "window"
         # stop drafting once the draft's top probability falls below this (0 = never); see SpecConfig
