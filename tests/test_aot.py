@@ -127,6 +127,26 @@ def test_speculative_engine_with_packaged_steps_matches_eager(cache_dir):
     assert 0 < eager.stats["num_accepted_tokens"] < eager.stats["num_draft_tokens"]  # rejections happened
 
 
+def test_cached_mode_with_an_unloadable_package_warns_and_runs_eagerly(tmp_path, monkeypatch, caplog):
+    """The default mode must never make decoding fail: a package this machine cannot load (here: not a package
+    at all) is reported once in the log and the request runs on the eager reference; "build" says what to do."""
+    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
+    model = _model(0)
+    need = PROMPT.shape[1] + 8
+    layout = {"batch": 1, "cache": model.cache_layout(aot.capacity_for(need, CFG["max_position_embeddings"]))}
+    path = aot.package_path(aot.package_key(model, 1, True, layout))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a zip archive")
+    stepper = Stepper(model, aot="cached")
+    with caplog.at_level("WARNING", logger="specquant.decode.aot"):
+        out = generate(stepper, PROMPT, 8, stop_on_eos=False).token_ids
+    assert not stepper.aot_steps and not model.static_cache
+    assert out == generate(_model(0), PROMPT, 8, stop_on_eos=False).token_ids
+    assert "could not be loaded" in caplog.text and path.name in caplog.text
+    with pytest.raises(SpecquantError, match="delete it and build again"):
+        Stepper(model, aot="build").setup(1, need)
+
+
 CHILD = r"""
 import json, sys
 import torch

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -35,6 +36,8 @@ from specquant.decode.compiled import compile_cache_dir, use_compile_cache
 from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
 from specquant.model.rope import apply_rope
+
+log = logging.getLogger(__name__)
 
 MIN_CAPACITY = 256  # smallest KV capacity a package is built for (requests of up to this many positions share it)
 AOT_MODES = ("off", "cached", "build")  # Stepper(aot=...): never / when a package is on disk / build missing ones
@@ -117,7 +120,7 @@ def _refused(what: str, t: int, e: Exception) -> SpecquantError:
                           f"{first}); decode without it (--aot off)")
 
 
-def build(model: Transformer, t: int, last_only: bool, path: Path) -> Path:
+def build_package(model: Transformer, t: int, last_only: bool, path: Path) -> Path:
     """Export one step shape of `model` (static cache already set up) and compile it into a package at path."""
     import torch._inductor  # noqa: F401 (heavy: only the process that builds imports it)
 
@@ -179,3 +182,41 @@ class AotStep:
 
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         return self.loader.boxed_run([tokens, input_pos])[0]
+
+
+def prepare(model: Transformer, shapes: tuple[tuple[int, bool], ...], batch: int, max_seq_len: int, cache_kw: dict,
+            build: bool, loaded: dict[str, AotStep]) -> dict[tuple[int, bool], AotStep]:
+    """Packaged steps for one request, by (T, last_only), with the model's static cache set up for them; {} when
+    a package is missing (and build is False) or cannot be loaded, and the caller decodes eagerly.
+
+    loaded: the caller's packages already loaded in this process, by file name (filled here)."""
+    capacity = capacity_for(max_seq_len, model.config.max_position_embeddings)
+    # keyed on the buffers setup_cache will make, so equal layouts asked for differently share a package
+    layout = {"batch": batch, "cache": model.cache_layout(capacity, **cache_kw)}
+    paths = {shape: package_path(package_key(model, *shape, layout)) for shape in shapes}
+    if not build and not all(p.exists() for p in paths.values()):
+        return {}
+    model.setup_cache(batch, capacity, static=True, **cache_kw)
+    cache = model.model.layers[0].self_attn.cache
+    if cache.window is None and cache.capacity != capacity:  # a larger cache kept from an earlier request
+        model.clear_cache()
+        model.setup_cache(batch, capacity, static=True, **cache_kw)
+    steps = {}
+    for shape, path in paths.items():
+        if path.name not in loaded:
+            if not path.exists():
+                build_package(model, *shape, path)
+            try:
+                loaded[path.name] = AotStep(path, model)
+            except (RuntimeError, SpecquantError) as e:  # e.g. a library this machine cannot load
+                if build:
+                    raise SpecquantError(f"cannot load AOT package {path} ({str(e).splitlines()[0][:200]}); "
+                                         "delete it and build again") from e
+                log.warning("AOT package %s could not be loaded (%s); decoding eagerly", path,
+                            str(e).splitlines()[0][:200])
+                return {}
+        steps[shape] = loaded[path.name]
+        steps[shape].bind(model)
+    for layer in model.model.layers:  # a new request: no slot holds a position yet
+        layer.self_attn.cache.reset()
+    return steps

@@ -56,12 +56,12 @@ class Stepper:
     inputs (prompts) run eagerly through the same static cache.
     aot: AOTInductor packages (decode.aot) for the (T, last_only) steps in aot_shapes instead of torch.compile:
     "cached" uses them when every one is on disk for the request's cache layout and runs eagerly otherwise;
-    "build" compiles the missing ones first (a minute or so each on one core); "off" never.
+    "build" compiles the missing ones first (~25 s each on one core); "off" never.
     `step` also returns the hidden states of `hidden_layers` (None when empty), for drafters that read them."""
 
     def __init__(self, model: Transformer, compile: bool = False, compile_shapes: tuple[int, ...] | None = (1,),
                  aot: str = "off", aot_shapes: tuple[tuple[int, bool], ...] = ((1, True),)):
-        from specquant.decode.aot import AOT_MODES
+        from specquant.decode.aot import AOT_MODES  # decode.aot imports this module (its cache directory)
 
         if aot not in AOT_MODES:
             raise SpecquantError(f"aot mode {aot!r} is not one of {', '.join(AOT_MODES)}")
@@ -72,7 +72,7 @@ class Stepper:
         self.compile_shapes = None if compile_shapes is None else set(compile_shapes)
         self.compiled = None
         self.aot, self.aot_shapes = aot, tuple(aot_shapes)
-        self.aot_loaded = {}  # package key -> decode.aot.AotStep, loaded once per process
+        self.aot_loaded = {}  # package file name -> decode.aot.AotStep, loaded once per process
         self.aot_steps = {}  # (T, last_only) -> the AotStep this request uses (empty: eager)
         if compile:
             _raise_recompile_limit()
@@ -80,33 +80,14 @@ class Stepper:
             self.compiled = torch.compile(model, dynamic=False)
 
     def setup(self, batch: int, max_seq_len: int, **kw):
-        if self.aot == "off":
-            self.model.setup_cache(batch, max_seq_len, static=self.compile, **kw)
-            return
-        from specquant.decode import aot
-
-        capacity = aot.capacity_for(max_seq_len, self.model.config.max_position_embeddings)
-        # keyed on the buffers setup_cache will make, so equal layouts asked for differently share a package
-        layout = {"batch": batch, "cache": self.model.cache_layout(capacity, **kw)}
-        paths = {shape: aot.package_path(aot.package_key(self.model, *shape, layout)) for shape in self.aot_shapes}
         self.aot_steps = {}
-        if self.aot == "cached" and not all(p.exists() for p in paths.values()):
-            self.model.setup_cache(batch, max_seq_len, **kw)  # no package for this layout: the eager reference
-            return
-        self.model.setup_cache(batch, capacity, static=True, **kw)
-        cache = self.model.model.layers[0].self_attn.cache
-        if cache.window is None and cache.capacity != capacity:  # a larger cache kept from an earlier request
-            self.model.clear_cache()
-            self.model.setup_cache(batch, capacity, static=True, **kw)
-        for shape, path in paths.items():
-            if path.name not in self.aot_loaded:
-                if not path.exists():
-                    aot.build(self.model, *shape, path)
-                self.aot_loaded[path.name] = aot.AotStep(path, self.model)
-            step = self.aot_steps[shape] = self.aot_loaded[path.name]
-            step.bind(self.model)
-        for layer in self.model.model.layers:  # a new request: no slot holds a position yet
-            layer.self_attn.cache.reset()
+        if self.aot != "off":
+            from specquant.decode import aot
+
+            self.aot_steps = aot.prepare(self.model, self.aot_shapes, batch, max_seq_len, kw,
+                                         build=self.aot == "build", loaded=self.aot_loaded)
+        if not self.aot_steps:  # no packages: the eager reference (or torch.compile's static cache)
+            self.model.setup_cache(batch, max_seq_len, static=self.compile, **kw)
 
     def __call__(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
         t = tokens.shape[1]
