@@ -66,7 +66,8 @@ def generate(model: Transformer | Stepper, prompt_ids: torch.Tensor, max_new_tok
              sampling: SamplingConfig | None = None, stop_on_eos: bool = True) -> GenerationResult:
     """prompt_ids [batch, prompt_len] (rows share one length) -> new tokens and timing stats.
 
-    Pass a `Stepper(model, compile=True)` or `Stepper(model, aot="cached")` instead of the model for a compiled decode step.
+    Pass a `Stepper(model, compile=True)` or `Stepper(model, aot="cached")` instead of the model for a compiled
+    decode step.
     """
     step = model if isinstance(model, Stepper) else Stepper(model)
     model = step.model
