@@ -14,7 +14,8 @@ cache. Capacities are rounded up to a power of two (`capacity_for`) so few packa
 
 Staleness: the package file name is a hash of everything the compiled code depends on (`package_key`): the model
 config, every parameter / buffer name, shape and dtype (fused or not, quantized layouts), the source of every
-module class in the model and of this file, torch's version, the step shape, the capacity and the thread count.
+module class in the model and of this file, torch's version, the step shape, the cache's batch, capacity and
+window, and the thread count.
 Changing any of them looks up another file; nothing is ever invalidated in place. Files are written atomically.
 """
 
@@ -47,7 +48,7 @@ AOT_MODES = ("off", "cached", "build")  # Stepper(aot=...): never / when a packa
 class AotConfig:
     """How `specquant generate` runs its decode steps. Default "cached": a packaged step beats the eager one in a
     fresh process whenever the package exists (benchmarks/compile_start.py, docs/SHAPES.md "Compiled steps"),
-    but building one takes most of a minute, more than a typical request, so it is never built unasked."""
+    but a build costs more than any single request saves, so it is never built unasked."""
 
     aot: str = dataclasses.field(default="cached", metadata={
         "choices": AOT_MODES,
@@ -84,9 +85,9 @@ def _source_digest(model: nn.Module) -> str:
 
 
 def package_key(model: Transformer, t: int, last_only: bool, cache: dict) -> str:
-    """Hash of everything a compiled step depends on (see the module docstring). cache: the static cache's
-    layout as Stepper.setup asks for it (batch, capacity, setup_cache's keywords), so the key is known before the
-    cache exists; the cache buffers themselves are left out of `layout` for the same reason."""
+    """Hash of everything a compiled step depends on (see the module docstring). cache: the static cache's layout
+    (batch, and Transformer.cache_layout's capacity, window, dtype, device), so the key is known before the cache
+    exists; the cache buffers themselves are left out of `layout` for the same reason."""
     layout = sorted((n, tuple(x.shape), str(x.dtype), x.device.type) for n, x in _tensors(model).items()
                     if ".cache." not in n)
     spec = {"config": dataclasses.asdict(model.config), "layout": layout, "source": _source_digest(model),
