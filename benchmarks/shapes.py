@@ -28,7 +28,7 @@ DIR/shapes/<shape>-<f32|q4_0>.gguf for tg (decode) and pp2..pp16 (verify-sized p
 
 Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b] [--modes fp32,bf16,w4,w4a8]
        [--rows 1,2,4,8,16] [--context 128] [--reps 5] [--threads N] [--lm-head dense] [--llama-cpp DIR]
-       [--attention auto|reference|ab]
+       [--attention auto|reference|ab] [--aot]
 A table, then one JSON line.
 """
 
@@ -193,6 +193,33 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bo
     return res
 
 
+def packaged_decode(model: Transformer, context: int, reps: int) -> dict:
+    """The one-token decode step as an AOTInductor package (decode.aot, what `generate --aot` runs): built on first
+    use (its build seconds reported), then timed over 10 x reps steps after a context-token prompt. Timed after the
+    eager rows, not interleaved with them: a packaged step needs the model's cache in the static layout."""
+    from specquant.decode.compiled import Stepper, compile_cache_dir
+
+    gen = torch.Generator().manual_seed(2)
+    stepper = Stepper(model, aot="build")
+    packages = compile_cache_dir() / "aot"
+    before = set(packages.glob("*.pt2"))
+    t0 = time.perf_counter()
+    stepper.setup(1, context + 10 * reps + 2)
+    build_s = time.perf_counter() - t0
+    built = bool(set(packages.glob("*.pt2")) - before)
+    if not stepper.aot_steps:
+        raise SystemExit("no AOT package could be built or loaded for this model")
+    toks = torch.randint(0, model.config.vocab_size, (1, context + 10 * reps), generator=gen)
+    samples = []
+    with torch.inference_mode():
+        stepper(toks[:, :context], 0, True)
+        for i in range(10 * reps):
+            samples.append(timed(lambda: stepper(toks[:, context + i : context + i + 1], context + i, True)))
+    model.clear_cache()
+    ms = statistics.median(samples[2:]) * 1e3
+    return {"ms": ms, "decode_tok_s": 1e3 / ms, "build_s": build_s, "built": built}
+
+
 def step_bytes(model: Transformer, context: int, t: int) -> int:
     cfg = model.config
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + t) * cfg.head_dim
@@ -240,6 +267,9 @@ def main():
                     "reference: SDPA with enable_gqa everywhere (Attention.fold_enabled = False); ab: auto, plus "
                     "the reference step timed interleaved with it (a second row, 'reference')")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp directory with llama-bench")
+    ap.add_argument("--aot", action="store_true",
+                    help="also time the AOTInductor-packaged one-token step (decode.aot; built once per shape, mode "
+                         "and thread count under $SPECQUANT_CACHE/compile/aot, 0.5-1 min each), after the eager rows")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = sorted({1, *(int(r) for r in args.rows.split(","))})
@@ -276,6 +306,12 @@ def main():
                   + f" {one['linears_ms']:7.2f} {one['attention_ms']:6.2f} {one['lm_head_ms']:6.2f} "
                   f"{one['rest_ms']:6.2f} {v4['linears_ms']:5.1f}/{v4['attention_ms']:4.1f}/{v4['lm_head_ms']:5.1f} "
                   f"{max(r['spread'] for r in res.values()):6.2f}  {lc_s}", flush=True)
+            if args.aot:
+                row["aot"] = packaged_decode(model, args.context, args.reps)
+                a = row["aot"]
+                print(f"{'  packaged':<12} {mode:<5} {a['decode_tok_s']:7.1f}  (AOT one-token step, "
+                      f"{a['decode_tok_s'] / row['decode_tok_s']:.2f}x eager; package "
+                      f"{'built in ' + format(a['build_s'], '.0f') + ' s' if a['built'] else 'loaded'})", flush=True)
             if args.attention == "ab":
                 ref = {t: res[t]["reference_ms"] for t in rows}
                 row["reference_decode_tok_s"] = 1e3 / ref[1]

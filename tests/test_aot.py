@@ -200,3 +200,57 @@ def test_capacity_buckets_and_bad_modes():
         Stepper(_model(0), aot="yes")
     with pytest.raises(SpecquantError, match="pick one"):
         Stepper(_model(0), compile=True, aot="cached")
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_w4_model_packages_with_its_native_kernel(tmp_path, monkeypatch, activations):
+    """A W4 model's step packages too: the build runs it once eagerly (a QuantLinear prepares its kernel layout
+    lazily, which a trace cannot), and the package calls the native kernel as a torch operator on the model's own
+    codes and scales. Packaged logits match eager; tokens are the same."""
+    from specquant.quant import QuantConfig, quantize, w4a8
+    from specquant.quant.linear import set_w4_activations
+
+    if activations == "int8" and w4a8.library() is None:
+        pytest.skip("W4A8 kernel unavailable")
+    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
+
+    def w4_model():
+        model = randomize_(Transformer(ModelConfig(**CFG)), 0).eval()
+        quantize(model, QuantConfig(method="rtn", bits=4, group_size=32), scale_dtype=torch.bfloat16)
+        set_w4_activations(model, activations)
+        fuse_projections(model)
+        return model
+
+    model = w4_model()
+    ref_logits, ref_tokens = _step_logits(Stepper(model), model)
+    stepper = Stepper(model, aot="build")
+    logits, tokens = _step_logits(stepper, model)
+    assert stepper.aot_steps, "no package was built for the W4 model"
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    # as in a fresh process: a model that never ran (codes still in the checkpoint's layout) finds and binds the
+    # package only after settling into the kernel's layout, and gets the same logits
+    fresh = w4_model()
+    stepper = Stepper(fresh, aot="cached")
+    logits, tokens = _step_logits(stepper, fresh)
+    assert stepper.aot_steps and len(list((tmp_path / "compile" / "aot").glob("*.pt2"))) == 1
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_w4_activations_are_part_of_the_package_key():
+    """A W4 model's float- and int8-activation steps are different graphs over the same tensors: different keys,
+    so one is never loaded for the other."""
+    from specquant.quant import QuantConfig, quantize
+    from specquant.quant.linear import set_w4_activations
+
+    model = randomize_(Transformer(ModelConfig(**CFG)), 0).eval()
+    quantize(model, QuantConfig(method="rtn", bits=4, group_size=32))
+    fuse_projections(model)
+    layout = {"batch": 1, "cache": model.cache_layout(256)}
+    keys = set()
+    for mode in ("float", "int8", "float"):
+        set_w4_activations(model, mode)
+        aot.settle(model, 1)
+        keys.add(aot.package_key(model, 1, True, layout))
+    assert len(keys) == 2

@@ -13,9 +13,10 @@ one package serves every checkpoint with the same layout, and the eager prefill 
 cache. Capacities are rounded up to a power of two (`capacity_for`) so few packages cover all request lengths.
 
 Staleness: the package file name is a hash of everything the compiled code depends on (`package_key`): the model
-config, every parameter / buffer name, shape and dtype (fused or not, quantized layouts), the source of every
-module class in the model and of this file, torch's version, the step shape, the cache's batch, capacity and
-window, and the thread count.
+config, every parameter / buffer name, shape and dtype (fused or not, quantized layouts), every module's settings
+(extra_repr: a W4 layer's backend and activations), the source of every module class in the model and of this file,
+torch's version, the step shape, the cache's batch, capacity and window, and the thread count. Before keying,
+`settle` runs one eager step so that lazily prepared state (a W4 layer's kernel layout) exists in every process.
 Changing any of them looks up another file; nothing is ever invalidated in place. Files are written atomically.
 """
 
@@ -90,7 +91,11 @@ def package_key(model: Transformer, t: int, last_only: bool, cache: dict) -> str
     exists; the cache buffers themselves are left out of `layout` for the same reason."""
     layout = sorted((n, tuple(x.shape), str(x.dtype), x.device.type) for n, x in _tensors(model).items()
                     if ".cache." not in n)
-    spec = {"config": dataclasses.asdict(model.config), "layout": layout, "source": _source_digest(model),
+    # module settings that change the traced graph without changing any tensor (a W4 layer's activations and
+    # backend are in its extra_repr; a KV cache has none, so whether one exists yet does not move the key)
+    settings = [f"{n}: {m.extra_repr()}" for n, m in model.named_modules() if m.extra_repr()]
+    spec = {"config": dataclasses.asdict(model.config), "layout": layout, "modules": settings,
+            "source": _source_digest(model),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "t": t, "last_only": last_only,
             "cache": cache}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -132,6 +137,11 @@ def build_package(model: Transformer, t: int, last_only: bool, path: Path) -> Pa
     example = (torch.zeros(batch, t, dtype=torch.long, device=device), torch.arange(t, device=device))
     try:
         with torch.no_grad():
+            # one eager step first: modules that prepare state lazily on their first call (a W4 layer permutes its
+            # codes into a native kernel's layout) do it outside the trace, which cannot; then forget its K/V
+            _Step(model, last_only)(*example)
+            for layer in model.model.layers:
+                layer.self_attn.cache.reset()
             exported = torch.export.export(_Step(model, last_only), example, strict=False)
     except Exception as e:  # noqa: BLE001 (any tracing failure means: no package for this model, keep eager)
         raise _refused("export", t, e) from e
@@ -185,12 +195,24 @@ class AotStep:
         return self.loader.boxed_run([tokens, input_pos])[0]
 
 
+def settle(model: Transformer, batch: int) -> None:
+    """One eager one-token forward, so that modules which prepare state lazily on their first call have done it
+    before a package is keyed, built or bound: a W4 layer permutes its codes into its native kernel's layout and
+    packs its scales (QuantLinear.native_scales), and a package reads those buffers as they are. Without it a fresh
+    process would bind a package to codes still in the checkpoint's layout. Its K/V write is reset by
+    setup_cache."""
+    device = model.model.embed_tokens.weight.device
+    with torch.no_grad():
+        model(torch.zeros(batch, 1, dtype=torch.long, device=device), 0, True)
+
+
 def prepare(model: Transformer, shapes: tuple[tuple[int, bool], ...], batch: int, max_seq_len: int, cache_kw: dict,
             build: bool, loaded: dict[str, AotStep]) -> dict[tuple[int, bool], AotStep]:
     """Packaged steps for one request, by (T, last_only), with the model's static cache set up for them; {} when
     a package is missing (and build is False) or cannot be loaded, and the caller decodes eagerly.
 
     loaded: the caller's packages already loaded in this process, by file name (filled here)."""
+    settle(model, batch)
     capacity = capacity_for(max_seq_len, model.config.max_position_embeddings)
     # keyed on the buffers setup_cache will make, so equal layouts asked for differently share a package
     layout = {"batch": batch, "cache": model.cache_layout(capacity, **cache_kw)}
