@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from pathlib import Path
 
 # Without CUDA, Triton kernels (quant/triton_w4.py) can run only under Triton's interpreter, which triton reads
 # when it is first imported: set it before anything imports triton. On a CUDA machine they run compiled.
@@ -98,3 +99,22 @@ def save_tiny_checkpoint(path):
     cfg = ModelConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     return save_model(randomize_(Transformer(cfg), seed=0), path, tokenizer_from=BUNDLED_DIR / "tiny-target")
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(script: str):
+    """A script under benchmarks/ imported as a module (its siblings importable, as when it runs), for tests of its
+    functions: the scripts are not a package."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_script_{script[:-3]}", BENCHMARKS / script)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return mod

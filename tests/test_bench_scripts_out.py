@@ -7,15 +7,13 @@ with --overwrite it goes on to that step. gpu.py also writes into a folder it cr
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 from specquant.util.files import MARKER
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 # script -> (argv before the output folder, how the folder is passed, the first expensive step, the folder written)
 SCRIPTS = {
@@ -31,22 +29,11 @@ class Reached(Exception):
     pass
 
 
-def _load(script: str):
-    sys.path.insert(0, str(BENCHMARKS))  # shapes_gguf imports its sibling shapes.py
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_script_{script[:-3]}", BENCHMARKS / script)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return mod
-
-
 def _run(script: str, root: Path, monkeypatch, extra=()) -> tuple[object, int | None]:
     """Run the script's main on `root` with its first expensive step replaced; returns (module, exit code or
     None when that step was reached)."""
     before, flag, step, _ = SCRIPTS[script]
-    mod = _load(script)
+    mod = load_benchmark(script)
 
     def reached(*args, **kwargs):
         raise Reached(step)
@@ -91,7 +78,7 @@ def test_gpu_reruns_into_its_own_folder_and_saves_as_it_goes(tmp_path, monkeypat
     import json
 
     out = tmp_path / "gpu"
-    mod = _load("gpu.py")
+    mod = load_benchmark("gpu.py")
     mod.claim_out_dir(out)  # as a first run leaves it
     (out / "gpu.json").write_text("{}")
     monkeypatch.setattr(mod, "copy_bandwidth", lambda *a: 1.5)

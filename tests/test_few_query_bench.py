@@ -3,26 +3,15 @@ table compares equal work), and its floor uses a positive measured GEMM rate."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "few_query_attention.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("few_query_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_benchmark
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("context, queries", [(16, 1), (16, 5), (40, 16)])
 def test_every_timed_path_matches_sdpa(dtype, atol, context, queries):
-    bench = _module()
+    bench = load_benchmark("few_query_attention.py")
     torch.manual_seed(0)
     fns = bench.step_fns(6, 2, 64, 2, context, queries, dtype)  # tiny-target's heads / KV heads / head_dim, 2 layers
     with torch.inference_mode():
@@ -34,4 +23,4 @@ def test_every_timed_path_matches_sdpa(dtype, atol, context, queries):
 
 
 def test_gemm_peak_is_measured():
-    assert _module().peak_macs_per_s(torch.float32, n=64, reps=2) > 1e8  # any CPU does 64³ faster than 2.6 ms
+    assert load_benchmark("few_query_attention.py").peak_macs_per_s(torch.float32, n=64, reps=2) > 1e8  # any CPU does 64³ faster than 2.6 ms

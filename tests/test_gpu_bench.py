@@ -7,30 +7,22 @@ has mean acceptance length 5.03.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import BENCHMARKS, load_benchmark
 
 from specquant.bench.predict import mean_tokens_per_step
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+SCRIPT = BENCHMARKS / "gpu.py"
 
 
 def test_seed_histogram_has_the_seed_mean_acceptance_length():
-    gpu = _module()
+    gpu = load_benchmark("gpu.py")
     acc = gpu.seed_acceptance()
     assert mean_tokens_per_step(acc["histogram"]) == pytest.approx(5.03, abs=1e-12)
     assert len(acc["histogram"]) == 16 and acc["draft_tokens"] / acc["drafts"] == 15

@@ -170,16 +170,20 @@ def pack_scales(scale: torch.Tensor) -> torch.Tensor:
 def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """x [..., K] (any float dtype; rounded to bf16) -> fp32 [..., N] with the packed weight (leading dims passed
     through without reshapes, as w4a8.gemm)."""
-    lib = library()
-    xb = x.to(torch.bfloat16).contiguous()
-    k = xb.shape[-1]
-    m = xb.numel() // k
+    return run_gemm(library().specquant_w4_bf16_gemm, x.to(torch.bfloat16).contiguous(), packed, scales, group)
+
+
+def run_gemm(fn, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """Call a native GEMM (either kernel's C signature) on x [..., K] already in its input format: fp32 [..., N],
+    leading dims passed through without reshapes (a decode step makes ~100 of these calls, and each torch reshape
+    costs ~2 us of Python)."""
+    k = x.shape[-1]
+    m = x.numel() // k
     n = packed.shape[0] * TILE
-    y = torch.empty(*xb.shape[:-1], n, dtype=torch.float32)
-    rc = lib.specquant_w4_bf16_gemm(xb.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, group,
-                                    scales.dtype == torch.bfloat16, y.data_ptr(), torch.get_num_threads())
-    if rc:
-        raise ValueError(f"native W4 kernel rejected shape M={m} K={k} N={n} group={group}")
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    if fn(x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, group, scales.dtype == torch.bfloat16,
+          y.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"native kernel {fn.__name__} rejected shape M={m} K={k} N={n} group={group}")
     return y
 
 

@@ -76,18 +76,9 @@ def reference_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) ->
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """x [..., K] (any float dtype; used as fp32) -> fp32 [..., N] with the packed weight and native.pack_scales'
-    scales. The leading dims are passed through without reshapes (a decode step makes ~100 of these calls, and
-    each torch reshape costs ~2 us of Python)."""
+    scales (leading dims passed through, as native.run_gemm)."""
     xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    k = xf.shape[-1]
-    m = xf.numel() // k
-    n = packed.shape[0] * TILE
-    y = torch.empty(*xf.shape[:-1], n, dtype=torch.float32)
-    rc = library().specquant_w4a8_gemm(xf.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, group,
-                                       scales.dtype == torch.bfloat16, y.data_ptr(), torch.get_num_threads())
-    if rc:
-        raise ValueError(f"native W4A8 kernel rejected shape M={m} K={k} N={n} group={group}")
-    return y
+    return native.run_gemm(library().specquant_w4a8_gemm, xf, packed, scales, group)
 
 
 @torch.library.custom_op("specquant::w4a8_gemm", mutates_args=())
