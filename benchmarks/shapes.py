@@ -197,7 +197,8 @@ def packaged_decode(model: Transformer, context: int, reps: int) -> dict:
     """The one-token decode step as an AOTInductor package (decode.aot, what `generate --aot` runs): built on first
     use (its build seconds reported), then timed over 10 x reps steps after a context-token prompt. Timed after the
     eager rows, not interleaved with them: a packaged step needs the model's cache in the static layout."""
-    from specquant.decode.compiled import Stepper, compile_cache_dir
+    from specquant.decode.compile_cache import compile_cache_dir
+    from specquant.decode.compiled import Stepper
 
     gen = torch.Generator().manual_seed(2)
     stepper = Stepper(model, aot="build")

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specquant.decode.compiled import compile_cache_dir, use_compile_cache
+from specquant.decode.compile_cache import compile_cache_dir, use_compile_cache
 from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
 from specquant.model.rope import apply_rope

@@ -14,11 +14,9 @@ looked up under the key of the code that runs now.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
+from specquant.decode.compile_cache import use_compile_cache
 from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
 
@@ -30,22 +28,6 @@ def _raise_recompile_limit(n: int = 64):
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name) and getattr(cfg, name) < n:
             setattr(cfg, name, n)
-
-
-def compile_cache_dir() -> Path:
-    """Where compiled graphs are kept across processes."""
-    root = os.environ.get("SPECQUANT_CACHE") or Path.home() / ".cache" / "specquant"
-    return Path(root) / "compile"
-
-
-def use_compile_cache() -> None:
-    """Point inductor's on-disk caches at compile_cache_dir(), unless the user chose a directory. Inductor reads
-    TORCHINDUCTOR_CACHE_DIR on every lookup; it writes its /tmp default there on first use, which is replaced."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
 
 
 class Stepper:
