@@ -416,7 +416,6 @@ def set_backend(model: nn.Module, name: str) -> int:
     return n
 
 
-
 def resolve_w4_activations(mode: str) -> str:
     """"auto" -> "int8" where the W4A8 kernel runs, else "float"; other modes as they are."""
     if mode == "auto":
