@@ -12,9 +12,10 @@ already loaded, so both share one thread pool.
 
 `library(kernel)` returns the loaded library or None; a missing compiler, a CPU without the kernel's extension, or
 a failed build is logged once with its reason, and QuantLinear then keeps its other backends. A build lands in
-`${SPECQUANT_CACHE:-~/.cache/specquant}/kernels/<kernel>-<hash of source and flags>.so`, written to a temporary
-name and renamed, so concurrent processes never load a half-written file. `python -m specquant.quant.native`
-builds both and prints where (or why not).
+`${SPECQUANT_CACHE:-~/.cache/specquant}/kernels/<kernel>-<hash>.so` (the hash covers the source, kernels/common.h
+and the flags), written to a temporary name and renamed, so concurrent processes never load a half-written file.
+`main()` builds both and prints where (or why not); scripts/setup.sh calls it through `python -c` rather than
+`python -m`, since the package imports this module before runpy would run it (a RuntimeWarning).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def build(kernel: str = "w4_bf16") -> tuple[Path | None, str]:
     if not cxx:
         return None, "no C++ compiler (g++/c++) on PATH; install g++ or set CXX"
     source, flags = KERNEL_DIR / spec.source, [*BASE_FLAGS, *spec.flags]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))  # kernels/common.h
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_dir() / f"{kernel}-{digest}.so"
     if out.is_file():
         return out, "cached"
@@ -199,8 +201,12 @@ def _(x, packed, scales, group):
     return x.new_empty(*x.shape[:-1], packed.shape[0] * TILE, dtype=torch.float32)
 
 
-if __name__ == "__main__":
+def main() -> int:
     for name in KERNELS:
         path, why = build(name)
         print(f"native {name} kernel: {path} ({why})" if path else f"native {name} kernel not built: {why}")
-    sys.exit(0)
+    return 0  # a missing kernel is not an error: QuantLinear keeps its other backends
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,19 +24,12 @@
 
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
-// Software prefetch distance in bytes: the weight is one sequential stream per thread (tiles are contiguous), and
-// fetching ahead of the hardware prefetcher kept the streamed one-row case at the int4pack kernel's speed or better.
-constexpr int64_t PREFETCH = 4096;
-
-// Scales of 16 outputs as fp32: stored fp32, or bf16 (the checkpoints' usual dtype; widening is exact, and half the
-// bytes: at group 32 the scales are a fifth of what one step streams).
-inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_scales(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+using specquant::load_scales;
+using specquant::PREFETCH;
 
 template <int MR, typename S>
 inline void tile(const uint16_t* __restrict x, int64_t ldx, int64_t K, const uint8_t* __restrict wt,
@@ -85,16 +78,11 @@ const tile_fn<S> TILES[9] = {nullptr,       tile<1, S>, tile<2, S>, tile<3, S>, 
 template <typename S>
 void gemm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const S* sp, int64_t N, int64_t group,
           const float* xsum, float* y, int nthreads) {
-  const int64_t tiles = N / 16, groups = K / group;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* wt = wp + t * (K / 8) * 64;
-    const S* st = sp + t * groups * 16;
-    for (int64_t m = 0; m < M; m += 8) {
-      const int64_t mr = M - m < 8 ? M - m : 8;
-      TILES<S>[mr](x + m * K, K, K, wt, st, xsum + m * groups, group, y + m * N + t * 16, N);
-    }
-  }
+  const int64_t groups = K / group;
+  specquant::for_each_tile(N / 16, M, nthreads, [&](int64_t t, int64_t m, int64_t mr) {
+    TILES<S>[mr](x + m * K, K, K, wp + t * (K / 8) * 64, sp + t * groups * 16, xsum + m * groups, group,
+                 y + m * N + t * 16, N);
+  });
 }
 
 }  // namespace

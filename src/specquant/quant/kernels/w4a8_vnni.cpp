@@ -29,10 +29,14 @@
 
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
-constexpr int64_t BLOCK = 32;     // activation block: one scale per 32 inputs (Q8_0)
-constexpr int64_t PREFETCH = 4096;  // bytes ahead in the one weight stream per thread (as w4_bf16.cpp)
+using specquant::load_scales;
+using specquant::PREFETCH;
+
+constexpr int64_t BLOCK = 32;  // activation block: one scale per 32 inputs (Q8_0)
 
 // q, d and the integer block sums of x[M, K] (K % 32 == 0): the same arithmetic as the torch reference.
 void quantize_rows(const float* __restrict x, int64_t M, int64_t K, int8_t* __restrict q, float* __restrict d,
@@ -50,14 +54,6 @@ void quantize_rows(const float* __restrict x, int64_t M, int64_t K, int8_t* __re
     d[b] = db;
     qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
-}
-
-// Scales of 16 outputs as fp32: stored fp32, or bf16 (the checkpoints' usual dtype; widening is exact, and half the
-// bytes: at group 32 the scales are a fifth of what one step streams).
-inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_scales(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 template <int MR, typename S>
@@ -102,17 +98,11 @@ const tile_fn<S> TILES[9] = {nullptr,       tile<1, S>, tile<2, S>, tile<3, S>, 
 template <typename S>
 void gemm(const int8_t* q, const float* d, const int32_t* qsum, int64_t M, int64_t K, const uint8_t* wp,
           const S* sp, int64_t N, int64_t group, float* y, int nthreads) {
-  const int64_t tiles = N / 16, blocks = K / BLOCK, groups = K / group;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* wt = wp + t * (K / 8) * 64;
-    const S* st = sp + t * groups * 16;
-    for (int64_t m = 0; m < M; m += 8) {
-      const int64_t mr = M - m < 8 ? M - m : 8;
-      TILES<S>[mr](q + m * K, K, d + m * blocks, qsum + m * blocks, blocks, wt, st, group / BLOCK,
-                   y + m * N + t * 16, N);
-    }
-  }
+  const int64_t blocks = K / BLOCK, groups = K / group;
+  specquant::for_each_tile(N / 16, M, nthreads, [&](int64_t t, int64_t m, int64_t mr) {
+    TILES<S>[mr](q + m * K, K, d + m * blocks, qsum + m * blocks, blocks, wp + t * (K / 8) * 64, sp + t * groups * 16,
+                 group / BLOCK, y + m * N + t * 16, N);
+  });
 }
 
 }  // namespace
