@@ -55,13 +55,11 @@ def quality(models: list[str], reference: str | None, group: int, samples: int, 
         tokens = heldout_tokens(load_tokenizer(ref_name), HELDOUT, samples, seq_len)
         ref = logprobs(load_model(ref_name), tokens)
         model = w4_model(name, group)
-        for label in ("float", "bf16", "int8"):
-            set_backend(model, "auto")
+        backends = {"float": "reference", "bf16": "native_w4_bf16" if native.library() else "int4pack_cpu_bf16",
+                    "int8": "auto"}  # auto: the W4A8 kernel once the layers are set to int8 activations
+        for label, backend in backends.items():
             set_w4_activations(model, "int8" if label == "int8" else "float")
-            if label == "float":
-                set_backend(model, "reference")
-            elif label == "bf16":
-                set_backend(model, "native_w4_bf16" if native.library() else "int4pack_cpu_bf16")
+            set_backend(model, backend)
             q = compare(ref, model, tokens)
             row = {"model": name, "activations": label, "kl": q["kl"], "kl_sem": q["kl_sem"],
                    "top1_agree": q["top1_agree"], "ppl": q["ppl"], "ppl_ref": q["ppl_ref"]}

@@ -127,7 +127,8 @@ def _refused(what: str, t: int, e: Exception) -> SpecquantError:
 
 
 def build_package(model: Transformer, t: int, last_only: bool, path: Path) -> Path:
-    """Export one step shape of `model` (static cache already set up) and compile it into a package at path."""
+    """Export one step shape of `model` (settled and its static cache set up, as `prepare` leaves it) and compile
+    it into a package at path."""
     import torch._inductor  # noqa: F401 (heavy: only the process that builds imports it)
 
     use_compile_cache()  # inductor's own caches (precompiled headers, FX graphs) beside the packages
@@ -137,11 +138,6 @@ def build_package(model: Transformer, t: int, last_only: bool, path: Path) -> Pa
     example = (torch.zeros(batch, t, dtype=torch.long, device=device), torch.arange(t, device=device))
     try:
         with torch.no_grad():
-            # one eager step first: modules that prepare state lazily on their first call (a W4 layer permutes its
-            # codes into a native kernel's layout) do it outside the trace, which cannot; then forget its K/V
-            _Step(model, last_only)(*example)
-            for layer in model.model.layers:
-                layer.self_attn.cache.reset()
             exported = torch.export.export(_Step(model, last_only), example, strict=False)
     except Exception as e:  # noqa: BLE001 (any tracing failure means: no package for this model, keep eager)
         raise _refused("export", t, e) from e

@@ -162,7 +162,7 @@ class QuantLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._cache.clear()
+        self.invalidate()
         self.native_layout = None  # the buffer is overwritten with checkpoint (compressed-tensors) bytes
         return super()._load_from_state_dict(*args, **kwargs)
 
