@@ -62,7 +62,7 @@ def test_window_matches_masked_reference_and_bounds_the_cache():
     feats = torch.randn(1, L, 3 * TARGET.hidden_size)
     tokens = torch.randint(4, 64, (1, L))
     got = serve_logits(draft, feats, tokens, n, window=W)
-    assert draft.layers[0].self_attn.cache.capacity < L  # ring: memory bounded by W, not the context length
+    assert draft.layers[0].self_attn.context_cache.capacity < L  # ring: memory bounded by W, not the context length
     # reference: full cache, the same visibility written as an explicit mask over all 35 context positions
     draft.setup_cache(L + 8, window=None)
     draft.append_context(feats[:, :n])
@@ -72,7 +72,7 @@ def test_window_matches_masked_reference_and_bounds_the_cache():
     vis = torch.arange(n)[None, :] > pos[:, None] - W
     mask = torch.cat((vis, torch.ones(len(pos), len(pos), dtype=torch.bool)), 1)
     for layer in draft.layers:
-        x = layer(x, cos, sin, *layer.self_attn.cache.read(0, n), mask)
+        x = layer(x, cos, sin, *layer.self_attn.context_cache.read(0, n), mask)
     ref = draft.lm_head(draft.norm(x[0, 1:]))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got, serve_logits(draft, feats, tokens, n, window=None), atol=1e-3)

@@ -92,6 +92,6 @@ def test_context_holds_exactly_the_verified_prefix(pair):
         pos = torch.arange(n)
         cos, sin = draft._rope(pos, torch.float32, "cpu")
         k_ref, v_ref = attn.kv(draft.project_context(store["features"]), cos, sin)
-    k, v = attn.cache.read(0, n)
+    k, v = attn.context_cache.read(0, n)
     torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)

@@ -16,6 +16,9 @@ Like the decoder's cache it keeps no truth about length beyond `context_len`, so
 sliding window W the cache is a ring of W + chunk slots and a block query at position p sees context positions
 (p - W, n): per-step cost and memory stay bounded by W however long the context (serve time only; training is
 full attention, as in the reference).
+
+A drafter layer is a Qwen3 decoder layer: its projections, q/k norms, MLP and SDPA are the decoder's own modules
+(model/decoder.py); only the masking differs (block queries over context K/V + the block).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import nn
 
 from specquant.errors import SpecquantError
 from specquant.model.config import ModelConfig
-from specquant.model.decoder import Linear, RMSNorm
+from specquant.model.decoder import MLP, Attention, Linear, RMSNorm
 from specquant.model.rope import apply_rope, rope_tables
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -87,6 +90,16 @@ class BlockDraftConfig:
                     vocab_size=target.vocab_size, num_target_layers=target.num_hidden_layers,
                     eos_token_id=target.eos_token_id)
         return cls(**{**base, **overrides}).validate()
+
+    def layer_config(self) -> ModelConfig:
+        """One drafter layer as the decoder's ModelConfig: a Qwen3 layer (q/k norms, no biases, no window)."""
+        return ModelConfig(model_type="qwen3", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                           rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
+                           tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True,
+                           sliding_window=None, eos_token_id=self.eos_token_id)
 
     def check_target(self, target: ModelConfig):
         """The drafter only works on the target it reads: same width, vocabulary and layer count."""
@@ -177,18 +190,14 @@ class ContextCache(nn.Module):
         return self.k.index_select(2, idx), self.v.index_select(2, idx)
 
 
-class BlockAttention(nn.Module):
+class BlockAttention(Attention):
+    """The decoder's attention (q/k/v/o projections, q/k norms, RoPE, `attend`) with the drafter's masking:
+    block queries over [context K/V ; the block's own K/V]. The context K/V come from outside (`kv` of the
+    context, cached in `context_cache` at serve time), so the decoder's KV-cache path is never used here."""
+
     def __init__(self, cfg: BlockDraftConfig):
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = Linear(h, self.n_kv * d, bias=False)
-        self.v_proj = Linear(h, self.n_kv * d, bias=False)
-        self.o_proj = Linear(self.n_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.cache: ContextCache | None = None
+        super().__init__(cfg.layer_config())
+        self.context_cache: ContextCache | None = None
 
     def kv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, T, hidden] -> k, v [b, kv_heads, T, head_dim] (k normalized and rotated)."""
@@ -204,19 +213,8 @@ class BlockAttention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k, v = self.kv(x, cos, sin)
         keys, values = torch.cat((ctx_k, k), 2), torch.cat((ctx_v, v), 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        out = self.attend(q, keys, values, mask, folded=False)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-
-
-class BlockMLP(nn.Module):
-    def __init__(self, cfg: BlockDraftConfig):
-        super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class BlockLayer(nn.Module):
@@ -225,7 +223,7 @@ class BlockLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = BlockAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = BlockMLP(cfg)
+        self.mlp = MLP(cfg.layer_config())
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         # the context is not normalized by input_layernorm: hidden_norm already did (as in the reference)
@@ -327,12 +325,12 @@ class BlockDraftModel(nn.Module):
         self.window = window if window is not None and window < max_seq_len else None
         capacity = max_seq_len if self.window is None else min(max_seq_len, self.window + APPEND_CHUNK)
         for layer in self.layers:
-            layer.self_attn.cache = ContextCache(cfg.num_key_value_heads, capacity, cfg.head_dim, dtype, device)
+            layer.self_attn.context_cache = ContextCache(cfg.num_key_value_heads, capacity, cfg.head_dim, dtype, device)
         self.context_len = 0
 
     def clear_cache(self):
         for layer in self.layers:
-            layer.self_attn.cache = None
+            layer.self_attn.context_cache = None
         self.context_len, self.window = 0, None
 
     def rollback(self, length: int):
@@ -353,12 +351,12 @@ class BlockDraftModel(nn.Module):
             cos, sin = self._rope(torch.arange(start, start + t, device=ctx.device), ctx.dtype, ctx.device)
             for layer in self.layers:
                 attn = layer.self_attn
-                if attn.cache is None:
+                if attn.context_cache is None:
                     raise RuntimeError("block drafter: setup_cache() before append_context()")
-                if self.window is None and start + t > attn.cache.capacity:
-                    raise ValueError(f"drafter context cache holds {attn.cache.capacity} positions; asked for "
+                if self.window is None and start + t > attn.context_cache.capacity:
+                    raise ValueError(f"drafter context cache holds {attn.context_cache.capacity} positions; asked for "
                                      f"{start + t}")
-                attn.cache.write(start, *attn.kv(ctx, cos, sin))
+                attn.context_cache.write(start, *attn.kv(ctx, cos, sin))
             self.context_len = start + t
 
     def propose(self, anchor: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
@@ -383,7 +381,7 @@ class BlockDraftModel(nn.Module):
             ctx_vis = kpos[None, :] > pos[:, None] - self.window  # [B, n-first]
             mask = torch.cat((ctx_vis, torch.ones(B, B, dtype=torch.bool, device=x.device)), 1)
         for layer in self.layers:
-            ctx_k, ctx_v = layer.self_attn.cache.read(first, n)
+            ctx_k, ctx_v = layer.self_attn.context_cache.read(first, n)
             x = layer(x, cos, sin, ctx_k, ctx_v, mask)
         return self.lm_head(self.norm(x[0, 1 : k + 1]))
 
