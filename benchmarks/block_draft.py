@@ -33,7 +33,7 @@ from specquant.decode.sampling import SamplingConfig
 from specquant.drafter_loader import load_block_draft
 from specquant.errors import SpecquantError
 from specquant.loader import load_model
-from specquant.model.block_draft import save_block_drafter
+from specquant.model.checkpoint import save_block_drafter
 from specquant.model.checkpoint import load_tokenizer, resolve
 from specquant.spec_decode.block_drafter import BlockDrafter
 from specquant.spec_decode.config import SpecConfig

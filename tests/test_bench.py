@@ -25,7 +25,8 @@ from specquant.bench.prompts import DEFAULT_PROMPTS, fit_lengths, load_prompts, 
 from specquant.bench.report import FILES, consistency_problems
 from specquant.cli import main
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, save_block_drafter
+from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
+from specquant.model.checkpoint import save_block_drafter
 from specquant.model.checkpoint import BUNDLED_DIR, save_model
 from specquant.loader import load_model
 from specquant.model.config import ModelConfig

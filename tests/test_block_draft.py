@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import (BlockDraftConfig, BlockDraftModel, block_loss, load_block_draft_dense,
-                                         position_weights, save_block_drafter, training_block_mask)
+from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, training_block_mask
+from specquant.model.checkpoint import load_block_draft_dense, save_block_drafter
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
+from specquant.train.block_draft import block_loss, position_weights
 
 TARGET = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, max_position_embeddings=256)

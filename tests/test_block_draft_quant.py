@@ -5,7 +5,7 @@ import json
 import torch
 
 from specquant.drafter_loader import drafter_kind, load_block_draft
-from specquant.model.block_draft import save_block_drafter
+from specquant.model.checkpoint import save_block_drafter
 from specquant.quant.block_draft_gptq import drafter_hessians, gptq_block_drafter
 from specquant.quant.config import QuantConfig
 from specquant.quant.grid import compute_qparams, dequantize

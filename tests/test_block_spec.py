@@ -76,8 +76,6 @@ def test_bundled_block_drafter_is_lossless_and_accepts():
 def test_context_holds_exactly_the_verified_prefix(pair):
     """After a request, the drafter's context K/V equal those of a teacher-forced target pass over the committed
     tokens the target processed: only accepted positions were appended, each once, in order."""
-    from specquant.model.block_draft import capture_features
-
     target, draft = pair
     eng = engine(target, draft, draft_len=4)
     prompt = PROMPTS[2]
@@ -86,12 +84,12 @@ def test_context_holds_exactly_the_verified_prefix(pair):
     assert n == prompt.shape[1] + len(out) - 1  # every committed position but the last emitted token
     seq = torch.cat([prompt, torch.tensor([out])], 1)[:, :n]
     target.clear_cache()
-    with torch.no_grad(), capture_features(target, draft.config.target_layer_ids) as store:
-        target(seq)
+    with torch.no_grad():
+        _, hidden = target(seq, hidden_layers=tuple(draft.config.target_layer_ids))  # [1, n, taps, hidden]
         attn = draft.layers[0].self_attn
         pos = torch.arange(n)
         cos, sin = draft._rope(pos, torch.float32, "cpu")
-        k_ref, v_ref = attn.kv(draft.project_context(store["features"]), cos, sin)
+        k_ref, v_ref = attn.kv(draft.project_context(hidden.flatten(2)), cos, sin)
     k, v = attn.context_cache.read(0, n)
     torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)

@@ -11,8 +11,8 @@ import os
 import torch
 
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, is_block_draft_config, load_block_draft_dense
-from specquant.model.checkpoint import load_tensors, read_hf_config, resolve
+from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, is_block_draft_config
+from specquant.model.checkpoint import load_block_draft_dense, load_tensors, read_hf_config, resolve
 from specquant.util.dtypes import parse_dtype
 from specquant.quant.checkpoint import load_quantized_into
 from specquant.quant.linear import set_w4_activations

@@ -163,7 +163,7 @@ def quantized_block_drafter(src: Path, target_path: Path, overrides: dict, cache
     """cache/block_draft: GPTQ W4 of the block drafter `src`, calibrated on the features of `target_path` (the
     target its rows run against); reused when the drafter, the target and the QuantConfig are unchanged."""
     from specquant.drafter_loader import load_block_draft
-    from specquant.model.block_draft import save_block_drafter
+    from specquant.model.checkpoint import save_block_drafter
     from specquant.quant.block_draft_gptq import gptq_block_drafter
     from specquant.quant.calib import calibration_tokens
     from specquant.quant.checkpoint import quantization_config

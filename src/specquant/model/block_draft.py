@@ -18,16 +18,15 @@ sliding window W the cache is a ring of W + chunk slots and a block query at pos
 full attention, as in the reference).
 
 A drafter layer is a Qwen3 decoder layer: its projections, q/k norms, MLP and SDPA are the decoder's own modules
-(model/decoder.py); only the masking differs (block queries over context K/V + the block).
+(model/decoder.py); only the masking differs (block queries over context K/V + the block). This file is the model:
+its training loss is train/block_draft.py's, its checkpoint I/O model/checkpoint.py's.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specquant.errors import SpecquantError
@@ -397,120 +396,3 @@ def training_block_mask(anchors: torch.Tensor, context_len: int, block_size: int
         :, :, None]  # [b, A*B, L]
     same = (qb[:, None] == qb[None, :])[None].expand(b, -1, -1)  # [b, A*B, A*B]
     return torch.cat((ctx, same), 2)[:, None]
-
-
-def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """Loss weight of block positions 1..B-1: exp(-(k-1)/gamma); early positions matter most for acceptance."""
-    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)
-
-
-def block_loss(logits: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, gamma: float,
-               valid: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Weighted CE over block positions 1..B-1.
-
-    logits [b, A, B-1, vocab]; labels [b, L]: the token expected at each position; anchors [b, A];
-    valid [b, L] bool: positions whose label is trained (default all). Returns (loss, {per-position accuracy}).
-    """
-    b, A, K, V = logits.shape
-    L = labels.shape[1]
-    pos = anchors[:, :, None] + torch.arange(1, K + 1, device=anchors.device)  # [b, A, K]
-    inside = pos < L
-    pos_c = pos.clamp(max=L - 1)
-    target = labels.gather(1, pos_c.reshape(b, -1)).view(b, A, K)
-    ok = inside if valid is None else inside & valid.gather(1, pos_c.reshape(b, -1)).view(b, A, K)
-    w = position_weights(K + 1, gamma, logits.device)[None, None, :] * ok
-    ce = F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1), reduction="none").view(b, A, K)
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
-    ce = ce.detach()
-    with torch.no_grad():
-        hit = (logits.argmax(-1) == target) & ok
-        acc = hit.sum((0, 1)).float() / ok.sum((0, 1)).clamp(min=1)
-        # accepted length of each block under greedy verification: the run of hits from position 1
-        run = torch.cumprod(hit.long(), dim=-1).sum(-1).float()
-    return loss, {"acc_per_pos": acc.tolist(), "mean_run": float(run.mean()), "ce": float(ce[ok].mean()) if ok.any()
-                  else math.nan}
-
-
-def sample_anchors(valid: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """valid [b, L] bool (positions that may anchor a block) -> anchors [b, A], uniform without replacement.
-
-    Rows with fewer than A valid positions repeat some (their blocks then count twice; harmless for the loss)."""
-    scores = torch.rand(valid.shape, generator=generator, device=valid.device)
-    scores = scores.masked_fill(~valid, -1.0)
-    return scores.topk(num_anchors, dim=1).indices.sort(dim=1).values
-
-
-CONFIG_FIELDS = tuple(f.name for f in fields(BlockDraftConfig))
-
-
-# -- checkpoint: config.json + model.safetensors in the DFlashDraftModel layout ------------------------------------------
-
-def save_block_drafter(model: BlockDraftModel, out, extra_config: dict | None = None,
-                       tensors: dict[str, torch.Tensor] | None = None, tokenizer_from=None):
-    """Write config.json + model.safetensors atomically; tensor names are the reference's (fc, hidden_norm, layers.N.*,
-    norm), without embed_tokens / lm_head."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    from specquant.model.checkpoint import copy_tokenizer, resolve
-    from specquant.util.files import atomic_dir
-
-    hf = model.config.to_hf()
-    tensors = tensors if tensors is not None else {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    hf["torch_dtype"] = str(tensors["fc.weight"].dtype).removeprefix("torch.") if "fc.weight" in tensors else None
-    if extra_config:
-        hf.update(extra_config)
-    with atomic_dir(Path(out)) as tmp:
-        save_file({k: v.cpu() for k, v in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-        if tokenizer_from is not None:
-            copy_tokenizer(resolve(tokenizer_from), tmp)
-    return Path(out)
-
-
-def load_block_draft_dense(path, hf: dict, dtype=torch.float32, device="cpu") -> BlockDraftModel:
-    """Build a dense block drafter from a checkpoint directory whose config.json dict is `hf`."""
-    from specquant.model.checkpoint import load_dense_into, load_tensors
-
-    cfg = BlockDraftConfig.from_hf(hf)
-    tensors = load_tensors(path)
-    with torch.device("meta"):
-        model = BlockDraftModel(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    model._set_rope(cfg.max_position_embeddings)
-    load_dense_into(model, tensors)
-    model.source_path = path
-    return model.eval()
-
-
-def capture_features(target, layer_ids: list[int]):
-    """Context manager: while active, `store["features"]` holds concat(output of target decoder layer l for l in
-    layer_ids) [b, T, taps*hidden] of the target's latest forward (forward hooks: no extra forward, no decoder edit)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def _ctx():
-        outs: dict[int, torch.Tensor] = {}
-        store: dict[str, torch.Tensor] = {}
-        handles = []
-        last = max(layer_ids)
-
-        def hook(i):
-            def fn(_mod, _inp, out):
-                outs[i] = out
-                if i == last:
-                    store["features"] = torch.cat([outs[j] for j in layer_ids], dim=-1)
-            return fn
-
-        for i in sorted(set(layer_ids)):
-            handles.append(target.model.layers[i].register_forward_hook(hook(i)))
-        try:
-            yield store
-        finally:
-            for h in handles:
-                h.remove()
-
-    return _ctx()

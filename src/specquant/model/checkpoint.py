@@ -2,7 +2,8 @@
 
 Only safetensors is read (never pickle) and no remote code runs. Bundled models are addressed by name.
 This file knows dense tensors only; `specquant.loader.load_model`, above model/ and quant/, is the one entry point
-that reads a checkpoint's `quantization_config` and composes the two.
+that reads a checkpoint's `quantization_config` and composes the two. Block drafters (DFlashDraftModel) are saved
+and loaded dense here as well; specquant.drafter_loader composes their quantized loading.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specquant.errors import SpecquantError
+from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.util.dtypes import parse_dtype
@@ -169,6 +171,37 @@ def save_model(model: Transformer, out, tokenizer_from=None, extra_config: dict 
         if tokenizer_from is not None:
             copy_tokenizer(Path(tokenizer_from) if Path(tokenizer_from).is_dir() else resolve(tokenizer_from), tmp)
     return out
+
+
+def save_block_drafter(model: BlockDraftModel, out, extra_config: dict | None = None,
+                       tensors: dict[str, torch.Tensor] | None = None, tokenizer_from=None):
+    """Write a block drafter's config.json + model.safetensors atomically in the DFlashDraftModel layout: tensor
+    names are the reference's (fc, hidden_norm, layers.N.*, norm), without embed_tokens / lm_head (the target's)."""
+    hf = model.config.to_hf()
+    tensors = tensors if tensors is not None else {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    hf["torch_dtype"] = str(tensors["fc.weight"].dtype).removeprefix("torch.") if "fc.weight" in tensors else None
+    if extra_config:
+        hf.update(extra_config)
+    with atomic_dir(Path(out)) as tmp:
+        save_file({k: v.cpu() for k, v in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        if tokenizer_from is not None:
+            copy_tokenizer(resolve(tokenizer_from), tmp)
+    return Path(out)
+
+
+def load_block_draft_dense(path, hf: dict, dtype=torch.float32, device="cpu") -> BlockDraftModel:
+    """A dense block drafter from the checkpoint directory `path` whose config.json dict is `hf` (quantized ones:
+    specquant.drafter_loader.load_block_draft, above model/ and quant/)."""
+    cfg = BlockDraftConfig.from_hf(hf)
+    tensors = load_tensors(path)
+    with torch.device("meta"):
+        model = BlockDraftModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model._set_rope(cfg.max_position_embeddings)
+    load_dense_into(model, tensors)
+    model.source_path = path
+    return model.eval()
 
 
 def load_tokenizer(name_or_dir):

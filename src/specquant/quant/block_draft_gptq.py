@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from specquant.model.block_draft import BlockDraftModel, capture_features
+from specquant.model.block_draft import BlockDraftModel
 from specquant.quant.config import QuantConfig
 from specquant.quant.gptq import gptq_quantize
 from specquant.quant.grid import dequantize
@@ -49,13 +49,13 @@ def drafter_hessians(drafter: BlockDraftModel, target, tokens: torch.Tensor, anc
                 samples[name] = x[:512].clone()
         return fn
 
+    ids = tuple(drafter.config.target_layer_ids)
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     try:
         for i in range(0, len(tokens), batch):
             tok = tokens[i : i + batch]
-            with capture_features(target, drafter.config.target_layer_ids) as store:
-                target(tok)
-            drafter.block_logits(store["features"], tok, calibration_anchors(len(tok), tok.shape[1], anchors))
+            _, hidden = target(tok, hidden_layers=ids, hidden_only=True)  # [b, L, taps, hidden]
+            drafter.block_logits(hidden.flatten(2), tok, calibration_anchors(len(tok), tok.shape[1], anchors))
     finally:
         for h in handles:
             h.remove()

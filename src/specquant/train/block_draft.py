@@ -16,14 +16,17 @@ state the trainer checkpoints, so a resumed run draws the same anchors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import BlockDraftModel, block_loss, capture_features, save_block_drafter
+from specquant.model.block_draft import BlockDraftModel
+from specquant.model.checkpoint import save_block_drafter
 
 LABELS = ("data", "target")
 
@@ -50,6 +53,39 @@ class BlockDraftTrainConfig:
         return self
 
 
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """Loss weight of block positions 1..B-1: exp(-(k-1)/gamma); early positions matter most for acceptance."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, gamma: float,
+               valid: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted CE over block positions 1..B-1.
+
+    logits [b, A, B-1, vocab]; labels [b, L]: the token expected at each position; anchors [b, A];
+    valid [b, L] bool: positions whose label is trained (default all). Returns (loss, {per-position accuracy}).
+    """
+    b, A, K, V = logits.shape
+    L = labels.shape[1]
+    pos = anchors[:, :, None] + torch.arange(1, K + 1, device=anchors.device)  # [b, A, K]
+    inside = pos < L
+    pos_c = pos.clamp(max=L - 1)
+    target = labels.gather(1, pos_c.reshape(b, -1)).view(b, A, K)
+    ok = inside if valid is None else inside & valid.gather(1, pos_c.reshape(b, -1)).view(b, A, K)
+    w = position_weights(K + 1, gamma, logits.device)[None, None, :] * ok
+    ce = F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1), reduction="none").view(b, A, K)
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
+    ce = ce.detach()
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == target) & ok
+        acc = hit.sum((0, 1)).float() / ok.sum((0, 1)).clamp(min=1)
+        # accepted length of each block under greedy verification: the run of hits from position 1
+        run = torch.cumprod(hit.long(), dim=-1).sum(-1).float()
+    return loss, {"acc_per_pos": acc.tolist(), "mean_run": float(run.mean()), "ce": float(ce[ok].mean()) if ok.any()
+                  else math.nan}
+
+
 class BlockDraftObjective(nn.Module):
     """forward(tokens [b, L]) -> (weighted block CE, stats); only the drafter is a registered submodule."""
 
@@ -74,16 +110,15 @@ class BlockDraftObjective(nn.Module):
         target = self.target
         was_training = target.training
         target.eval()
-        with capture_features(target, self.drafter.config.target_layer_ids) as store:
-            logits = target(tokens) if mode == "target" else None
-            if logits is None:
-                _hidden_only(target, tokens)
+        # hidden_only: the lm_head's logits are needed only for "target" labels
+        logits, hidden = target(tokens, hidden_layers=tuple(self.drafter.config.target_layer_ids),
+                                hidden_only=mode != "target")
         target.train(was_training)
         if mode == "target":  # label at position t = the target's argmax given tokens[:t]
             labels = torch.cat((tokens[:, :1], logits[:, :-1].argmax(-1)), 1)
         else:
             labels = tokens
-        return store["features"], labels
+        return hidden.flatten(2), labels
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor | None = None, labels: torch.Tensor | None = None):
         """tokens [b, L]; features/labels: the teacher's outputs when precomputed (data reused over epochs)."""
@@ -102,16 +137,6 @@ class BlockDraftObjective(nn.Module):
         acc = stats.pop("acc_per_pos")
         stats.update({"acc1": acc[0], f"acc{B - 1}": acc[-1]})
         return loss, stats
-
-
-def _hidden_only(target, tokens):
-    """Run the target's layers only (the features are captured by hooks; the lm_head would be wasted work)."""
-    x = target.model.embed_tokens(tokens)
-    t = tokens.shape[1]
-    cos, sin = target.rope_cos[:t].to(x.dtype), target.rope_sin[:t].to(x.dtype)
-    for layer in target.model.layers:
-        x = layer(x, cos, sin, 0)
-    return x
 
 
 @torch.no_grad()
@@ -186,15 +211,14 @@ def greedy_acceptance(drafter: BlockDraftModel, target, prompts: list[torch.Tens
     from specquant.spec_decode.metrics import SpecMetrics
 
     metrics = SpecMetrics()
-    ids = drafter.config.target_layer_ids
+    ids = tuple(drafter.config.target_layer_ids)
     for prompt in prompts:  # [1, P]
         p = prompt.shape[1]
         cont = generate(target, prompt, new_tokens, stop_on_eos=False).token_ids[0]
         seq = torch.cat([prompt, torch.tensor([cont], device=prompt.device)], 1)  # [1, P + new_tokens]
         target.clear_cache()
-        with capture_features(target, ids) as store:
-            _hidden_only(target, seq)
-        features = store["features"].to(drafter.norm.weight.dtype)
+        _, hidden = target(seq, hidden_layers=ids, hidden_only=True)
+        features = hidden.flatten(2).to(drafter.norm.weight.dtype)
         drafter.setup_cache(seq.shape[1] + drafter.config.block_size)
         n, end = p + 1, p + new_tokens  # committed: the prompt and the prefill's token
         while n < end:
