@@ -222,7 +222,7 @@ def test_deltanet_cached_decoding_equals_full_sequence(shape, static):
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("k", [0, 1, 3, 7, 15])  # k+1 = 1: the decode step (no factors, the kept state)
 def test_deltanet_rollback_equals_a_run_that_saw_only_j_tokens(k, static):
     """Verify a block of k+1 tokens after a prompt, roll back to every accepted j, continue: outputs and states
     equal (fp32 rounding) a run that only ever saw the prompt and the first j block tokens."""
@@ -243,7 +243,7 @@ def test_deltanet_rollback_equals_a_run_that_saw_only_j_tokens(k, static):
             ours.cache.reset()  # the reference: never saw the rejected tokens
             ours(x[:, : prompt + j], None, None, 0)
             torch.testing.assert_close(state_j, ours.cache.state, atol=ATOL, rtol=ATOL)
-            torch.testing.assert_close(conv_j, ours.cache.conv, atol=0, rtol=0)  # inputs copied, not computed
+            torch.testing.assert_close(conv_j, ours.cache.conv, atol=ATOL, rtol=ATOL)  # GEMMs of other row counts
             torch.testing.assert_close(got, ours(tail, None, None, prompt + j), atol=ATOL, rtol=ATOL)
 
 
@@ -267,20 +267,27 @@ def test_deltanet_rollback_twice_into_one_block_and_implicit_rollback():
         torch.testing.assert_close(again, ours(other, None, None, 9), atol=ATOL, rtol=ATOL)
 
 
-def test_deltanet_rollback_limits():
+@pytest.mark.parametrize("static", [False, True])
+def test_deltanet_rollback_limits(static):
     _, ours, _, _ = mixer_pair("gva", "linear_attention")
     x = torch.randn(1, 30, 40)
     with torch.no_grad():
-        ours.cache = ours.make_cache(1, 64, torch.float32, "cpu", max_block=8)
-        ours(x[:, :20], None, None, 0)  # longer than max_block: no factors kept
+        ours.cache = ours.make_cache(1, 64, torch.float32, "cpu", None, static, max_block=8)
+        ours(x[:, :5], None, None, 0)
+        after5 = ours.cache.state.clone(), ours.cache.conv.clone()
+        ours(x[:, 5:20], None, None, 5)  # longer than max_block: no factors kept, only its start
+        if not static:  # the prefill's pre-conv inputs are not kept alive by views
+            assert ours.cache.conv.untyped_storage().nbytes() == ours.cache.conv.numel() * 4
         with pytest.raises(ValueError, match="cannot roll back to length 7"):
             ours.cache.rollback(7)
+        ours.cache.rollback(5)  # its start: the kept previous state and conv inputs
+        assert torch.equal(ours.cache.state, after5[0]) and torch.equal(ours.cache.conv, after5[1])
+        ours(x[:, 5:20], None, None, 5)
         ours(x[:, 20:24], None, None, 20)
         with pytest.raises(ValueError, match="holds positions 20..24"):
             ours.cache.rollback(19)  # before the last forward
-        ours.cache.rollback(20)  # its start: the kept previous state
         ours.cache.rollback(0)  # always: a fresh sequence
-        assert ours.cache.length == 0 and not ours.cache.state.any()
+        assert ours.cache.length == 0 and not ours.cache.state.any() and not ours.cache.conv.any()
         with pytest.raises(AssertionError, match="gap"):
             ours(x[:, :2], None, None, 3)
 
@@ -404,3 +411,29 @@ def test_hybrid_fields_from_hf_and_errors():
                        (dict(attn_output_gate=False), "always gates")]:
         with pytest.raises(SpecquantError, match=match):
             HybridFields.from_hf(dict(hf, **bad))
+
+
+def test_stack_greedy_generation_matches_transformers_generate():
+    model = hf_model("gva", layers=4, seed=2)
+    ours = copy_into(Stack(model.config), model)
+    prompt = torch.randint(0, 97, (1, 8))
+    with torch.no_grad():
+        expect = model.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ours.setup_cache(1, 128)
+        tokens, logits = prompt, ours(prompt, 0)
+        for _ in range(64):
+            nxt = logits[:, -1:].argmax(-1)
+            tokens = torch.cat([tokens, nxt], 1)
+            logits = ours(nxt, tokens.shape[1] - 1)
+    assert torch.equal(tokens, expect)
+
+
+def test_deltanet_bf16_close_to_transformers_bf16():
+    """bf16 follows transformers' casts (the same ops in the same dtypes): equal up to bf16 rounding."""
+    _, ours, theirs, _ = mixer_pair("gva", "linear_attention")
+    ours, theirs = ours.to(torch.bfloat16), theirs.to(torch.bfloat16)
+    x = torch.randn(2, 19, 40).to(torch.bfloat16)
+    with torch.no_grad():
+        expect = theirs(x).float()
+        got = ours(x, None, None, 0).float()
+    assert (got - expect).abs().max() <= 2e-2 * expect.abs().max()

@@ -106,7 +106,10 @@ class DeltaNetCache:
         self.has_factors = delta is not None
         if not self.static:
             self.state0, self.state = self.state, state
-            self.hist, self.conv = hist, hist[..., t:]
+            if t <= self.max_block:
+                self.hist, self.conv = hist, hist[..., t:]
+            else:  # a prefill: copies, so the views do not keep its [batch, conv_dim, T] inputs alive
+                self.hist, self.conv = hist[..., : self.kernel - 1].clone(), hist[..., t:].clone()
             self.keys, self.delta, self.g = keys, delta, g
             return
         self.state0.copy_(self.state)
