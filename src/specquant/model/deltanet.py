@@ -33,31 +33,41 @@ from specquant.model.norms import GatedRMSNorm
 DEFAULT_MAX_BLOCK = 64  # longest forward a cache can roll back into (Transformer.setup_cache's max_block default)
 
 
-class DeltaNetCache:
+class DeltaNetCache(nn.Module):
     """Recurrent state [batch, value_heads, K, V] fp32 and conv state [batch, conv_dim, kernel-1], plus the last
-    forward's rollback record. static: every tensor lives in a fixed buffer updated in place (for compiled /
-    graph-captured steps); otherwise tensors are rebound, never copied (the previous state is simply kept)."""
+    forward's rollback record, as non-persistent buffers (a module, as KVCache is, so .to() moves them). static:
+    every tensor lives in a fixed buffer updated in place (for compiled / graph-captured steps); otherwise buffers
+    are rebound, never copied (the previous state is simply kept)."""
 
     kind = "deltanet"
 
     def __init__(self, batch: int, capacity: int, dtype, device, window: int | None, static: bool, *,
                  key_heads: int, key_dim: int, value_heads: int, value_dim: int, kernel: int,
                  max_block: int = DEFAULT_MAX_BLOCK):
-        self.batch, self.capacity, self.dtype, self.device = batch, capacity, dtype, torch.device(device)
+        super().__init__()
+        self.batch, self.capacity, self.dtype, self._device = batch, capacity, dtype, torch.device(device)
         self.window, self.static, self.max_block = window, static, max_block  # window: unused (no positions held)
         self.key_heads, self.key_dim, self.value_heads, self.value_dim = key_heads, key_dim, value_heads, value_dim
         self.kernel = kernel
         self.conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
+        buffers = dict.fromkeys(("state", "state0", "conv", "hist", "keys", "delta", "g"))
         if static:  # fixed buffers; the record's token dimension holds up to max_block tokens
-            self.state = self._zeros_state()
-            self.state0 = self._zeros_state()
-            self.conv = torch.zeros(batch, self.conv_dim, kernel - 1, dtype=dtype, device=device)
-            self.hist = torch.zeros(batch, self.conv_dim, kernel - 1 + max_block, dtype=dtype, device=device)
             f32 = dict(dtype=torch.float32, device=device)
-            self.keys = torch.zeros(batch, max_block, key_heads, key_dim, **f32)
-            self.delta = torch.zeros(batch, max_block, value_heads, value_dim, **f32)
-            self.g = torch.zeros(batch, max_block, value_heads, **f32)
+            buffers.update(
+                state=self._zeros_state(), state0=self._zeros_state(),
+                conv=torch.zeros(batch, self.conv_dim, kernel - 1, dtype=dtype, device=device),
+                hist=torch.zeros(batch, self.conv_dim, kernel - 1 + max_block, dtype=dtype, device=device),
+                keys=torch.zeros(batch, max_block, key_heads, key_dim, **f32),
+                delta=torch.zeros(batch, max_block, value_heads, value_dim, **f32),
+                g=torch.zeros(batch, max_block, value_heads, **f32))
+        for name, value in buffers.items():
+            self.register_buffer(name, value, persistent=False)
         self.reset()
+
+    @property
+    def device(self) -> torch.device:  # where the buffers are now (.to() may have moved them)
+        state = self._buffers.get("state")
+        return self._device if state is None else state.device
 
     def _zeros_state(self) -> torch.Tensor:
         return zero_state(self.batch, self.key_dim, self.value_heads, self.value_dim, self.device)
@@ -81,8 +91,8 @@ class DeltaNetCache:
              max_block: int | None = None) -> bool:
         """Whether a request with this layout can reuse this cache. Capacity and window do not matter: the state
         has the same size at every position."""
-        device = torch.device(device)
-        same_device = self.device.type == device.type and (device.index is None or self.device == device)
+        device, mine = torch.device(device), self.device
+        same_device = mine.type == device.type and (device.index is None or mine == device)
         return (self.batch == batch and self.dtype == dtype and same_device and self.static == static
                 and (max_block is None or self.max_block >= max_block))
 

@@ -14,8 +14,9 @@ as torch.repeat_interleave lays them out). q and k come in L2-normalised (l2_nor
 
 Rollback design (speculative verify of k+1 tokens, then accept j). Both forms return the per-token delta_i, so
 the state after any j is (*) from (k_i, delta_i, g_i) and S_0: one [K, j] x [j, V] matmul per head (state_after).
-Chosen over the alternatives in ../shared/HYBRID.md's table because, at the Qwen3.5-4B shape (24 DeltaNet
-layers, 16 key heads and 32 value heads of dim 128):
+Chosen over the known alternatives (vLLM's and SGLang's per-position state slots, llama.cpp's and mlx-lm's
+snapshot and re-forward) because, at the Qwen3.5-4B shape (24 DeltaNet layers, 16 key heads and 32 value heads
+of dim 128):
 - per-position states cost a full state per token: 32 x 128 x 128 x 4 B = 2 MiB per layer, 48 MiB per token,
   768 MiB for a 16-token verify, and force a token-serial verify;
 - the rank-1 factors cost per token and layer k (16 x 128) + delta (32 x 128) + g (32) floats = 24.1 KiB fp32,
