@@ -1,0 +1,225 @@
+"""Gated DeltaNet: Qwen3.5's linear-attention mixer, and its cache (recurrent + conv state, exact rollback).
+
+Module names mirror transformers' Qwen3_5GatedDeltaNet (`linear_attn.{in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a, conv1d, A_log, dt_bias, norm, out_proj}`), so HF state dicts load as they are. Per token, x after
+input_layernorm:
+    qkv = causal depthwise conv (kernel linear_conv_kernel_dim) of in_proj_qkv(x), SiLU; channels q | k | v
+    q, k L2-normalised per key head; beta = sigmoid(in_proj_b x); g = -e^{A_log} softplus(in_proj_a x + dt_bias)
+    o = gated delta rule (model/gated_delta.py), fp32 state [value_heads, K, V]
+    y = out_proj(GatedRMSNorm(o, gate=in_proj_z x)), per value head
+
+Cache contract (the decoder's, for a state that cannot be rolled back by moving a length): a forward at start_pos
+continues from the state after start_pos positions. rollback(L) makes the state the one after L positions, exactly
+(up to float rounding), for any L from the start of the last forward to its end, with no second forward: the
+cache keeps that forward's start state, its rank-1 factors (gated_delta's docstring) and its pre-conv inputs. A
+forward at start_pos < length rolls back to start_pos first, so callers that rewrite K/V caches by position work
+unchanged. Only forwards of up to max_block tokens keep factors; a longer one (a prefill) can be rolled back to
+its start or to 0 only.
+
+Memory of the rollback record per token and layer at the Qwen3.5-4B shape: 24.1 KiB of fp32 factors (see
+gated_delta.py) plus conv_dim = 8192 pre-conv inputs in the activation dtype (16 KiB bf16, 32 KiB fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specquant.model.decoder import Linear
+from specquant.model.gated_delta import DEFAULT_CHUNK, gated_delta_rule, l2_normalize, state_after, zero_state
+from specquant.model.norms import GatedRMSNorm
+
+DEFAULT_MAX_BLOCK = 64  # longest forward a cache can roll back into (Transformer.setup_cache's max_block default)
+
+
+class DeltaNetCache(nn.Module):
+    """Recurrent state [batch, value_heads, K, V] fp32 and conv state [batch, conv_dim, kernel-1], plus the last
+    forward's rollback record, as non-persistent buffers (a module, as KVCache is, so .to() moves them). static:
+    every tensor lives in a fixed buffer updated in place (for compiled / graph-captured steps); otherwise buffers
+    are rebound, never copied (the previous state is simply kept)."""
+
+    kind = "deltanet"
+
+    def __init__(self, batch: int, capacity: int, dtype, device, window: int | None, static: bool, *,
+                 key_heads: int, key_dim: int, value_heads: int, value_dim: int, kernel: int,
+                 max_block: int = DEFAULT_MAX_BLOCK):
+        super().__init__()
+        self.batch, self.capacity, self.dtype, self._device = batch, capacity, dtype, torch.device(device)
+        self.window, self.static, self.max_block = window, static, max_block  # window: unused (no positions held)
+        self.key_heads, self.key_dim, self.value_heads, self.value_dim = key_heads, key_dim, value_heads, value_dim
+        self.kernel = kernel
+        self.conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
+        buffers = dict.fromkeys(("state", "state0", "conv", "hist", "keys", "delta", "g"))
+        if static:  # fixed buffers; the record's token dimension holds up to max_block tokens
+            f32 = dict(dtype=torch.float32, device=device)
+            buffers.update(
+                state=self._zeros_state(), state0=self._zeros_state(),
+                conv=torch.zeros(batch, self.conv_dim, kernel - 1, dtype=dtype, device=device),
+                hist=torch.zeros(batch, self.conv_dim, kernel - 1 + max_block, dtype=dtype, device=device),
+                keys=torch.zeros(batch, max_block, key_heads, key_dim, **f32),
+                delta=torch.zeros(batch, max_block, value_heads, value_dim, **f32),
+                g=torch.zeros(batch, max_block, value_heads, **f32))
+        for name, value in buffers.items():
+            self.register_buffer(name, value, persistent=False)
+        self.reset()
+
+    @property
+    def device(self) -> torch.device:  # where the buffers are now (.to() may have moved them)
+        state = self._buffers.get("state")
+        return self._device if state is None else state.device
+
+    def _zeros_state(self) -> torch.Tensor:
+        return zero_state(self.batch, self.key_dim, self.value_heads, self.value_dim, self.device)
+
+    def reset(self):
+        """Start a new sequence: zero state, nothing to roll back into."""
+        self.length = 0  # positions processed and not rolled back
+        self.start = 0  # position of the last forward's first token
+        self.block = 0  # tokens of the last forward still held (shrinks with a rollback into it)
+        self.has_factors = False  # the record holds per-token factors (1 < block <= max_block)
+        if self.static:
+            for t in (self.state, self.state0, self.conv, self.hist):
+                t.zero_()
+        else:
+            self.state = self.state0 = self._zeros_state()
+            self.conv = torch.zeros(self.batch, self.conv_dim, self.kernel - 1, dtype=self.dtype, device=self.device)
+            self.hist = self.conv
+            self.keys = self.delta = self.g = None
+
+    def fits(self, batch: int, capacity: int, dtype, device, window: int | None, static: bool,
+             max_block: int | None = None) -> bool:
+        """Whether a request with this layout can reuse this cache. Capacity and window do not matter: the state
+        has the same size at every position."""
+        device, mine = torch.device(device), self.device
+        same_device = mine.type == device.type and (device.index is None or mine == device)
+        return (self.batch == batch and self.dtype == dtype and same_device and self.static == static
+                and (max_block is None or self.max_block >= max_block))
+
+    def layout(self) -> dict:
+        record = self.max_block
+        return {
+            "kind": self.kind, "static": self.static, "max_block": self.max_block,
+            "state": [self.batch, self.value_heads, self.key_dim, self.value_dim], "state_dtype": "float32",
+            "conv": [self.batch, self.conv_dim, self.kernel - 1], "conv_dtype": str(self.dtype).removeprefix("torch."),
+            "record": {"keys": [self.batch, record, self.key_heads, self.key_dim],
+                       "delta": [self.batch, record, self.value_heads, self.value_dim],
+                       "g": [self.batch, record, self.value_heads], "dtype": "float32",
+                       "pre_conv": [self.batch, self.conv_dim, self.kernel - 1 + record]},
+        }
+
+    def advance(self, hist: torch.Tensor, state: torch.Tensor, keys, delta, g):
+        """Record a forward of T tokens: hist [batch, conv_dim, kernel-1+T] (conv state before, then the T
+        pre-conv inputs), state after it; keys/delta/g (T > 1 and T <= max_block) or None."""
+        t = hist.shape[-1] - (self.kernel - 1)
+        self.start, self.block, self.length = self.length, t, self.length + t
+        self.has_factors = delta is not None
+        if not self.static:
+            self.state0, self.state = self.state, state
+            if t <= self.max_block:
+                self.hist, self.conv = hist, hist[..., t:]
+            else:  # a prefill: copies, so the views do not keep its [batch, conv_dim, T] inputs alive
+                self.hist, self.conv = hist[..., : self.kernel - 1].clone(), hist[..., t:].clone()
+            self.keys, self.delta, self.g = keys, delta, g
+            return
+        self.state0.copy_(self.state)
+        self.state.copy_(state)
+        held = hist.shape[-1] if t <= self.max_block else self.kernel - 1  # a long block keeps its start only
+        self.hist[..., :held].copy_(hist[..., :held])
+        self.conv.copy_(hist[..., t:])
+        if self.has_factors:
+            self.keys[:, :t].copy_(keys)
+            self.delta[:, :t].copy_(delta)
+            self.g[:, :t].copy_(g)
+
+    def rollback(self, length: int):
+        """Keep positions < length: the state and conv state become those after position length-1.
+
+        length may go back to the start of the last forward (any position inside it when that forward had at most
+        max_block tokens), or to 0; earlier positions are gone (ValueError).
+        """
+        if length >= self.length:
+            return
+        if length == 0:
+            self.reset()
+            return
+        j = length - self.start
+        if j < 0 or (0 < j < self.block and not self.has_factors):
+            raise ValueError(
+                f"DeltaNet state cannot roll back to length {length}: it holds positions {self.start}..{self.length} "
+                f"of its last forward ({'any' if self.has_factors else 'its start or end'}), or 0; a rollback may "
+                f"reach only into the last forward (of at most max_block={self.max_block} tokens)")
+        state = self.state0 if j == 0 else state_after(self.state0, self.keys, self.delta, self.g, j)
+        conv = self.hist[..., j : j + self.kernel - 1]
+        if self.static:
+            self.state.copy_(state)
+            self.conv.copy_(conv)
+        else:
+            self.state, self.conv = state, conv
+        self.length, self.block = length, j
+
+
+class GatedDeltaNet(nn.Module):
+    """Mixer: forward(x [batch, T, hidden] after input_layernorm, cos, sin, start_pos) -> [batch, T, hidden].
+    cos / sin / input_pos / plan are the decoder's per-step arguments; DeltaNet reads none of them."""
+
+    kind = "linear_attention"  # its layer_types entry
+    attr = "linear_attn"  # its module name inside a decoder layer, as transformers names it
+
+    def __init__(self, cfg):
+        super().__init__()
+        h = cfg.hidden_size
+        self.key_heads, self.key_dim = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        self.value_heads, self.value_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        assert self.value_heads % self.key_heads == 0, "HybridFields.check refuses this"
+        self.kernel = cfg.linear_conv_kernel_dim
+        key_total, value_total = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        self.conv_dim = 2 * key_total + value_total
+        self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(h, value_total, bias=False)
+        self.in_proj_b = Linear(h, self.value_heads, bias=False)
+        self.in_proj_a = Linear(h, self.value_heads, bias=False)
+        # nn.Conv1d for its weight's name and shape [conv_dim, 1, kernel]; forward runs F.conv1d on it unpadded
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.A_log = nn.Parameter(torch.empty(self.value_heads).uniform_(0.01, 16).log())  # A in transformers' range
+        self.norm = GatedRMSNorm(self.value_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(value_total, h, bias=False)
+        self.cache: DeltaNetCache | None = None
+        self.chunk_size = DEFAULT_CHUNK
+        self.allow_fla = True  # False: the plain forms even where flash-linear-attention is usable
+
+    def make_cache(self, batch: int, capacity: int, dtype, device, window: int | None = None, static: bool = False,
+                   max_block: int = DEFAULT_MAX_BLOCK) -> DeltaNetCache:
+        return DeltaNetCache(batch, capacity, dtype, device, window, static, key_heads=self.key_heads,
+                             key_dim=self.key_dim, value_heads=self.value_heads, value_dim=self.value_dim,
+                             kernel=self.kernel, max_block=max_block)
+
+    def forward(self, x, cos=None, sin=None, start_pos: int = 0, input_pos=None, plan=None):
+        b, t, _ = x.shape
+        cache = self.cache
+        if cache is not None:
+            if start_pos < cache.length:
+                cache.rollback(start_pos)
+            assert start_pos == cache.length, f"forward at {start_pos} leaves a gap after {cache.length} positions"
+            prev_conv, state = cache.conv, cache.state
+        else:
+            prev_conv = torch.zeros(b, self.conv_dim, self.kernel - 1, dtype=x.dtype, device=x.device)
+            state = zero_state(b, self.key_dim, self.value_heads, self.value_dim, x.device)
+        hist = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x).transpose(1, 2)], -1)  # [b, conv_dim, k-1+t]
+        w = self.conv1d.weight
+        mixed = F.silu(F.conv1d(hist.to(w.dtype), w, groups=self.conv_dim)).to(x.dtype).transpose(1, 2)
+        kt = self.key_heads * self.key_dim
+        q = l2_normalize(mixed[..., :kt].reshape(b, t, self.key_heads, self.key_dim))
+        k = l2_normalize(mixed[..., kt : 2 * kt].reshape(b, t, self.key_heads, self.key_dim))
+        v = mixed[..., 2 * kt :].reshape(b, t, self.value_heads, self.value_dim)
+        beta = self.in_proj_b(x).sigmoid().float()  # sigmoid in x's dtype, as transformers does
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        need_delta = cache is not None and 1 < t <= cache.max_block
+        out, new_state, delta = gated_delta_rule(q, k, v, g, beta, state, self.key_dim ** -0.5, self.chunk_size,
+                                                 need_delta=need_delta, allow_fla=self.allow_fla)
+        if cache is not None:
+            cache.advance(hist, new_state, *((k, delta, g) if need_delta else (None, None, None)))
+        z = self.in_proj_z(x).view(b, t, self.value_heads, self.value_dim)
+        y = self.norm(out.to(x.dtype), z)
+        return self.out_proj(y.reshape(b, t, self.value_heads * self.value_dim))

@@ -1,0 +1,38 @@
+"""The two RMSNorm variants of Qwen3.5 hybrids (transformers' Qwen3_5RMSNorm and Qwen3_5RMSNormGated).
+
+- ZeroCentredRMSNorm: x * rsqrt(mean x^2 + eps) * (1 + w) in fp32, w stored as an offset from one (initialised to
+  zeros). Qwen3.5 uses it for input_layernorm, post_attention_layernorm, the final norm and full attention's
+  q_norm / k_norm. Loading its weight into the decoder's RMSNorm (x * w) would silently scale by w instead of 1 + w.
+- GatedRMSNorm: DeltaNet's per-head output norm, weight * rms_norm(x) * SiLU(gate), weight initialised to ones,
+  no +1. The product with the weight is taken in the input dtype and the gate in fp32, as transformers does, so
+  bf16 runs round as theirs do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [..., dim] -> [..., dim] in x's dtype."""
+        y = self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return (y * F.silu(gate.float())).to(x.dtype)

@@ -1,0 +1,439 @@
+"""Qwen3.5 layer kinds (model/norms, gated_delta, deltanet, gated_attention) against transformers' own modules.
+
+Oracle: transformers' Qwen3_5ForCausalLM built from a small random Qwen3_5TextConfig (no download), run in fp32 on
+CPU with its torch reference of the gated delta rule; weights are copied HF -> ours by name. Tolerances are fp32
+rounding (a different summation order): 1e-5 on layer outputs, 1e-4 on logits.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from specquant.errors import SpecquantError
+from specquant.model import gated_delta as GD
+from specquant.model.decoder import MLP, Linear
+from specquant.model.deltanet import GatedDeltaNet
+from specquant.model.gated_attention import GatedAttention
+from specquant.model.hybrid_config import HybridFields, rotary_dim
+from specquant.model.norms import GatedRMSNorm, ZeroCentredRMSNorm
+from specquant.model.rope import rope_tables
+
+hf_qwen35 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+from transformers import Qwen3_5TextConfig  # noqa: E402
+
+ATOL = 1e-5
+
+# key heads != value heads, head dims that are not powers of two, more than one layer pattern
+SHAPES = {
+    "gva": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12, linear_value_head_dim=20,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=24, partial_rotary_factor=0.25,
+                layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
+    "mha": dict(linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=10, linear_value_head_dim=6,
+                num_attention_heads=3, num_key_value_heads=3, head_dim=20, partial_rotary_factor=0.5,
+                layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"]),
+}
+
+
+def hf_config(shape: str, layers: int = 4, **over) -> Qwen3_5TextConfig:
+    kw = dict(SHAPES[shape], vocab_size=97, hidden_size=40, intermediate_size=56, num_hidden_layers=layers,
+              linear_conv_kernel_dim=4, max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    kw["layer_types"] = kw["layer_types"][:layers]
+    kw.update(over)
+    cfg = Qwen3_5TextConfig(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def ours_config(hf: Qwen3_5TextConfig):
+    """What the mixers read: ModelConfig's fields plus HybridFields (the integrator folds the two together)."""
+    d = hf.to_dict()
+    fields = HybridFields.from_hf(d)
+    return types.SimpleNamespace(
+        **vars(fields), hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim, rms_norm_eps=hf.rms_norm_eps, qkv_bias=False, o_bias=False, mlp_bias=False,
+        qk_norm=True, sliding_window=None, rope_theta=hf.rope_parameters["rope_theta"])
+
+
+def hf_model(shape: str, layers: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = hf_config(shape, layers)
+    model = hf_qwen35.Qwen3_5ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # random everything, norms included, so a missing +1 or a swapped name shows
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
+            elif name.endswith("dt_bias"):
+                p.normal_(0, 1)
+            elif "norm" in name:
+                p.normal_(0, 0.3) if not name.endswith("linear_attn.norm.weight") else p.normal_(1, 0.3)
+            else:
+                p.normal_(0, 0.2)
+    return model
+
+
+def copy_into(ours: torch.nn.Module, theirs: torch.nn.Module):
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    return ours.eval()
+
+
+def mixer_pair(shape: str, kind: str, seed: int = 0):
+    """(hf model, ours mixer, hf mixer, layer index) for the first layer of the given kind."""
+    model = hf_model(shape, seed=seed)
+    types_ = model.config.layer_types
+    i = types_.index(kind)
+    layer = model.model.layers[i]
+    cfg = ours_config(model.config)
+    if kind == "linear_attention":
+        return model, copy_into(GatedDeltaNet(cfg), layer.linear_attn), layer.linear_attn, i
+    return model, copy_into(GatedAttention(cfg), layer.self_attn), layer.self_attn, i
+
+
+def rope(model, t: int, start: int = 0):
+    cfg = model.config
+    rot = rotary_dim(cfg.head_dim, cfg.rope_parameters["partial_rotary_factor"])
+    cos, sin = rope_tables(rot, cfg.rope_parameters["rope_theta"], None, cfg.max_position_embeddings, start + t)
+    return cos[start:], sin[start:]
+
+
+def causal_mask(t: int):
+    return torch.full((t, t), float("-inf")).triu(1)[None, None]
+
+
+def hf_attention(model, attn, x):
+    t = x.shape[1]
+    pos = model.model.rotary_emb(x, torch.arange(t)[None])
+    return attn(x, position_embeddings=pos, attention_mask=causal_mask(t))[0]
+
+
+# ---------------------------------------------------------------- norms and the rule
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_match_transformers(dtype):
+    torch.manual_seed(0)
+    x, gate = torch.randn(3, 5, 20).to(dtype), torch.randn(3, 5, 20).to(dtype)
+    theirs, ours = hf_qwen35.Qwen3_5RMSNorm(20), ZeroCentredRMSNorm(20)
+    theirs.weight.data.normal_(0, 0.5)
+    copy_into(ours, theirs)
+    tol = dict(atol=ATOL, rtol=ATOL) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # bf16: 1 ulp
+    torch.testing.assert_close(ours(x), theirs(x), **tol)
+    theirs_g, ours_g = hf_qwen35.Qwen3_5RMSNormGated(20), GatedRMSNorm(20)
+    theirs_g.weight.data.normal_(1, 0.5)
+    copy_into(ours_g, theirs_g)
+    torch.testing.assert_close(ours_g(x, gate), theirs_g(x, gate), **tol)
+    assert torch.equal(ZeroCentredRMSNorm(4).weight, torch.zeros(4)) and torch.equal(GatedRMSNorm(4).weight,
+                                                                                      torch.ones(4))
+
+
+def rule_inputs(b=2, t=37, hk=2, hv=4, k=12, v=20, seed=0):
+    torch.manual_seed(seed)
+    q, key = torch.randn(b, t, hk, k), torch.randn(b, t, hk, k)
+    return (q, key, torch.randn(b, t, hv, v), -torch.rand(b, t, hv) * 2, torch.rand(b, t, hv),
+            torch.randn(b, hv, k, v) * 0.3)
+
+
+@pytest.mark.parametrize("heads", [(2, 4), (3, 3)])
+def test_rule_forms_match_transformers(heads):
+    q, k, v, g, beta, s0 = rule_inputs(hk=heads[0], hv=heads[1])
+    ref, ref_state = hf_qwen35.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0,
+                                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+    qn, kn, scale = GD.l2_normalize(q), GD.l2_normalize(k), q.shape[-1] ** -0.5
+    out, state, delta = GD.recurrent_rule(qn, kn, v, g, beta, s0, scale)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(state, ref_state, atol=ATOL, rtol=ATOL)
+    for chunk in (1, 5, 16, 64):  # 37 tokens: no chunk length divides it (but 1)
+        out_c, state_c, delta_c = GD.chunk_rule(qn, kn, v, g, beta, s0, scale, chunk)
+        torch.testing.assert_close(out_c, out, atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(state_c, state, atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(delta_c, delta, atol=ATOL, rtol=ATOL)
+    ref_chunk, _ = hf_qwen35.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, initial_state=s0,
+                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(GD.chunk_rule(qn, kn, v, g, beta, s0, scale, 16)[0], ref_chunk, atol=ATOL, rtol=ATOL)
+
+
+def test_state_after_every_position_equals_the_recurrence():
+    q, k, v, g, beta, s0 = rule_inputs(t=17)
+    qn, kn = GD.l2_normalize(q), GD.l2_normalize(k)
+    _, _, delta = GD.chunk_rule(qn, kn, v, g, beta, s0, 1.0, 8)
+    assert GD.state_after(s0, kn, delta, g, 0) is s0
+    for j in range(1, 18):
+        _, expect, _ = GD.recurrent_rule(qn[:, :j], kn[:, :j], v[:, :j], g[:, :j], beta[:, :j], s0, 1.0)
+        torch.testing.assert_close(GD.state_after(s0, kn, delta, g, j), expect, atol=ATOL, rtol=ATOL)
+
+
+# ---------------------------------------------------------------- mixers, full sequence
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_deltanet_full_sequence_matches_transformers(shape):
+    _, ours, theirs, _ = mixer_pair(shape, "linear_attention")
+    x = torch.randn(2, 29, 40)
+    with torch.no_grad():
+        expect = theirs(x)
+        torch.testing.assert_close(ours(x, None, None, 0), expect, atol=ATOL, rtol=ATOL)
+        for chunk in (4, 7, 64):
+            ours.chunk_size = chunk
+            torch.testing.assert_close(ours(x, None, None, 0), expect, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gated_attention_full_sequence_matches_transformers(shape):
+    model, ours, theirs, _ = mixer_pair(shape, "full_attention")
+    x = torch.randn(2, 23, 40)
+    cos, sin = rope(model, 23)
+    with torch.no_grad():
+        expect = hf_attention(model, theirs, x)
+        torch.testing.assert_close(ours(x, cos, sin, 0), expect, atol=ATOL, rtol=ATOL)
+        ours.qkv_proj = Linear.concat([ours.q_proj, ours.k_proj, ours.v_proj])  # model.fuse's layout
+        ours.q_proj = ours.k_proj = ours.v_proj = None
+        torch.testing.assert_close(ours(x, cos, sin, 0), expect, atol=ATOL, rtol=ATOL)
+
+
+# ---------------------------------------------------------------- cached decoding and rollback
+
+
+def feed(mixer, x, blocks, model=None):
+    """Run x [b, T, hidden] through a cached mixer in blocks of the given sizes; returns the concatenated output."""
+    outs, pos = [], 0
+    for n in blocks:
+        cos, sin = rope(model, n, pos) if model is not None else (None, None)
+        outs.append(mixer(x[:, pos : pos + n], cos, sin, pos))
+        pos += n
+    assert pos == x.shape[1]
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_deltanet_cached_decoding_equals_full_sequence(shape, static):
+    _, ours, _, _ = mixer_pair(shape, "linear_attention")
+    x = torch.randn(2, 30, 40)
+    with torch.no_grad():
+        full = ours(x, None, None, 0)
+        ours.cache = ours.make_cache(2, 64, torch.float32, "cpu", None, static, max_block=8)
+        for blocks in ([10] + [1] * 20, [6] + [4] * 6, [5, 8, 8, 1, 8]):
+            ours.cache.reset()
+            torch.testing.assert_close(feed(ours, x, blocks), full, atol=ATOL, rtol=ATOL)
+            assert ours.cache.length == 30
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("k", [0, 1, 3, 7, 15])  # k+1 = 1: the decode step (no factors, the kept state)
+def test_deltanet_rollback_equals_a_run_that_saw_only_j_tokens(k, static):
+    """Verify a block of k+1 tokens after a prompt, roll back to every accepted j, continue: outputs and states
+    equal (fp32 rounding) a run that only ever saw the prompt and the first j block tokens."""
+    _, ours, _, _ = mixer_pair("gva", "linear_attention")
+    prompt, block, cont = 9, k + 1, 5
+    x = torch.randn(2, prompt + block, 40)
+    tail = torch.randn(2, cont, 40)
+    with torch.no_grad():
+        ours.cache = ours.make_cache(2, 64, torch.float32, "cpu", None, static, max_block=16)
+        for j in range(block + 1):
+            ours.cache.reset()
+            ours(x[:, :prompt], None, None, 0)
+            ours(x[:, prompt:], None, None, prompt)
+            ours.cache.rollback(prompt + j)
+            assert ours.cache.length == prompt + j
+            state_j, conv_j = ours.cache.state.clone(), ours.cache.conv.clone()
+            got = ours(tail, None, None, prompt + j)
+            ours.cache.reset()  # the reference: never saw the rejected tokens
+            ours(x[:, : prompt + j], None, None, 0)
+            torch.testing.assert_close(state_j, ours.cache.state, atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(conv_j, ours.cache.conv, atol=ATOL, rtol=ATOL)  # GEMMs of other row counts
+            torch.testing.assert_close(got, ours(tail, None, None, prompt + j), atol=ATOL, rtol=ATOL)
+
+
+def test_deltanet_rollback_twice_into_one_block_and_implicit_rollback():
+    _, ours, _, _ = mixer_pair("mha", "linear_attention")
+    x, tail, other = torch.randn(1, 14, 40), torch.randn(1, 3, 40), torch.randn(1, 4, 40)
+    with torch.no_grad():
+        ours.cache = ours.make_cache(1, 64, torch.float32, "cpu")
+        ours(x[:, :6], None, None, 0)
+        ours(x[:, 6:], None, None, 6)
+        ours.cache.rollback(12)
+        ours.cache.rollback(8)  # a second rollback, further back into the same block
+        got = ours(tail, None, None, 8)
+        # a forward at start_pos < length rolls back first (inside the last forward), as a K/V cache rewrites
+        again = ours(other, None, None, 9)
+        ours.cache.reset()
+        ours(x[:, :8], None, None, 0)
+        torch.testing.assert_close(got, ours(tail, None, None, 8), atol=ATOL, rtol=ATOL)
+        ours.cache.reset()
+        ours(torch.cat([x[:, :8], tail[:, :1]], 1), None, None, 0)
+        torch.testing.assert_close(again, ours(other, None, None, 9), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_deltanet_rollback_limits(static):
+    _, ours, _, _ = mixer_pair("gva", "linear_attention")
+    x = torch.randn(1, 30, 40)
+    with torch.no_grad():
+        ours.cache = ours.make_cache(1, 64, torch.float32, "cpu", None, static, max_block=8)
+        ours(x[:, :5], None, None, 0)
+        after5 = ours.cache.state.clone(), ours.cache.conv.clone()
+        ours(x[:, 5:20], None, None, 5)  # longer than max_block: no factors kept, only its start
+        if not static:  # the prefill's pre-conv inputs are not kept alive by views
+            assert ours.cache.conv.untyped_storage().nbytes() == ours.cache.conv.numel() * 4
+        with pytest.raises(ValueError, match="cannot roll back to length 7"):
+            ours.cache.rollback(7)
+        ours.cache.rollback(5)  # its start: the kept previous state and conv inputs
+        assert torch.equal(ours.cache.state, after5[0]) and torch.equal(ours.cache.conv, after5[1])
+        ours(x[:, 5:20], None, None, 5)
+        ours(x[:, 20:24], None, None, 20)
+        with pytest.raises(ValueError, match="holds positions 20..24"):
+            ours.cache.rollback(19)  # before the last forward
+        ours.cache.rollback(0)  # always: a fresh sequence
+        assert ours.cache.length == 0 and not ours.cache.state.any() and not ours.cache.conv.any()
+        with pytest.raises(AssertionError, match="gap"):
+            ours(x[:, :2], None, None, 3)
+
+
+def test_deltanet_cache_layout_and_fits():
+    _, ours, _, _ = mixer_pair("gva", "linear_attention")
+    cache = ours.make_cache(2, 64, torch.bfloat16, "cpu", None, True, max_block=16)
+    lay = cache.layout()
+    assert lay["kind"] == "deltanet" and lay["state"] == [2, 4, 12, 20] and lay["conv"] == [2, 2 * 24 + 80, 3]
+    assert lay["record"]["keys"] == [2, 16, 2, 12] and lay["conv_dtype"] == "bfloat16"
+    assert cache.fits(2, 128, torch.bfloat16, torch.device("cpu"), 32, True)  # capacity / window: no matter
+    assert not cache.fits(1, 64, torch.bfloat16, torch.device("cpu"), None, True)
+    assert not cache.fits(2, 64, torch.float32, torch.device("cpu"), None, True)
+    assert not cache.fits(2, 64, torch.bfloat16, torch.device("cpu"), None, False)
+    assert not cache.fits(2, 64, torch.bfloat16, torch.device("cpu"), None, True, max_block=32)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gated_attention_cached_decoding_and_rollback(shape):
+    model, ours, _, _ = mixer_pair(shape, "full_attention")
+    x = torch.randn(2, 21, 40)
+    with torch.no_grad():
+        full = ours(x, *rope(model, 21), 0)
+        ours.cache = ours.make_cache(2, 32, torch.float32, "cpu")
+        for blocks in ([9] + [1] * 12, [5] + [4] * 4):
+            ours.cache.reset()
+            torch.testing.assert_close(feed(ours, x, blocks, model), full, atol=ATOL, rtol=ATOL)
+        ours.cache.reset()
+        feed(ours, x[:, :13], [9, 4], model)
+        ours.cache.rollback(10)  # accept 1 of 4: continue from 10
+        torch.testing.assert_close(ours(x[:, 10:], *rope(model, 11, 10), 10), full[:, 10:], atol=ATOL, rtol=ATOL)
+
+
+# ---------------------------------------------------------------- a whole hand-assembled stack vs Qwen3_5ForCausalLM
+
+
+class Stack(torch.nn.Module):
+    """Embedding, per layer (norm, mixer, residual, norm, MLP, residual), final norm, lm_head: transformers'
+    Qwen3_5ForCausalLM names, assembled here only until the decoder holds a table of layer kinds."""
+
+    def __init__(self, hf):
+        super().__init__()
+        cfg = ours_config(hf)
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(hf.vocab_size, hf.hidden_size)
+        self.model.layers = torch.nn.ModuleList()
+        for kind in cfg.layer_types:
+            layer = torch.nn.Module()
+            mixer = GatedDeltaNet(cfg) if kind == GatedDeltaNet.kind else GatedAttention(cfg)
+            setattr(layer, mixer.attr, mixer)
+            layer.mixer = [mixer]  # a list: not registered twice
+            layer.input_layernorm = ZeroCentredRMSNorm(hf.hidden_size, hf.rms_norm_eps)
+            layer.post_attention_layernorm = ZeroCentredRMSNorm(hf.hidden_size, hf.rms_norm_eps)
+            layer.mlp = MLP(cfg)
+            self.model.layers.append(layer)
+        self.model.norm = ZeroCentredRMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.lm_head = Linear(hf.hidden_size, hf.vocab_size, bias=False)
+        rot = rotary_dim(hf.head_dim, cfg.partial_rotary_factor)
+        self.cos, self.sin = rope_tables(rot, cfg.rope_theta, None, hf.max_position_embeddings, 256)
+
+    def setup_cache(self, batch, capacity, max_block=16):
+        for layer in self.model.layers:
+            m = layer.mixer[0]
+            m.cache = (m.make_cache(batch, capacity, torch.float32, "cpu", None, False, max_block=max_block)
+                       if isinstance(m, GatedDeltaNet) else m.make_cache(batch, capacity, torch.float32, "cpu"))
+
+    def rollback(self, length):
+        for layer in self.model.layers:
+            layer.mixer[0].cache.rollback(length)
+
+    def forward(self, tokens, start_pos=0):
+        t = tokens.shape[1]
+        cos, sin = self.cos[start_pos : start_pos + t], self.sin[start_pos : start_pos + t]
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = x + layer.mixer[0](layer.input_layernorm(x), cos, sin, start_pos)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_stack_logits_match_transformers(shape):
+    model = hf_model(shape, layers=4, seed=1)
+    ours = copy_into(Stack(model.config), model)
+    tokens = torch.randint(0, 97, (2, 27))
+    with torch.no_grad():
+        expect = model(tokens).logits
+        torch.testing.assert_close(ours(tokens), expect, atol=1e-4, rtol=0)
+        ours.setup_cache(2, 64)
+        for blocks in ([11] + [1] * 16, [7, 5, 5, 5, 5]):  # token by token, and verify-sized blocks
+            for layer in ours.model.layers:
+                layer.mixer[0].cache.reset()
+            got, pos = [], 0
+            for n in blocks:
+                got.append(ours(tokens[:, pos : pos + n], pos))
+                pos += n
+            torch.testing.assert_close(torch.cat(got, 1), expect, atol=1e-4, rtol=0)
+        # verify 6 tokens, accept 2, continue: the logits of a run that never saw the other 4
+        for layer in ours.model.layers:
+            layer.mixer[0].cache.reset()
+        ours(tokens[:, :15], 0)
+        ours(tokens[:, 15:21], 15)
+        ours.rollback(17)
+        torch.testing.assert_close(ours(tokens[:, 17:], 17), expect[:, 17:], atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------- config checks
+
+
+def test_hybrid_fields_from_hf_and_errors():
+    hf = hf_config("gva").to_dict()
+    f = HybridFields.from_hf(hf)
+    assert f.layer_types == SHAPES["gva"]["layer_types"] and f.linear_num_value_heads == 4
+    assert f.partial_rotary_factor == 0.25 and rotary_dim(24, f.partial_rotary_factor) == 6
+    default = dict(hf, layer_types=None, num_hidden_layers=8)
+    assert HybridFields.from_hf(default).layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    for bad, match in [(dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "unsupported layer_types"),
+                       (dict(layer_types=["linear_attention"] * 3), "3 layer_types for num_hidden_layers=4"),
+                       (dict(linear_num_key_heads=3), "not a multiple of linear_num_key_heads=3"),
+                       (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.3}), "7 rotary dims"),
+                       (dict(attn_output_gate=False), "always gates")]:
+        with pytest.raises(SpecquantError, match=match):
+            HybridFields.from_hf(dict(hf, **bad))
+
+
+def test_stack_greedy_generation_matches_transformers_generate():
+    model = hf_model("gva", layers=4, seed=2)
+    ours = copy_into(Stack(model.config), model)
+    prompt = torch.randint(0, 97, (1, 8))
+    with torch.no_grad():
+        expect = model.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ours.setup_cache(1, 128)
+        tokens, logits = prompt, ours(prompt, 0)
+        for _ in range(64):
+            nxt = logits[:, -1:].argmax(-1)
+            tokens = torch.cat([tokens, nxt], 1)
+            logits = ours(nxt, tokens.shape[1] - 1)
+    assert torch.equal(tokens, expect)
+
+
+def test_deltanet_bf16_close_to_transformers_bf16():
+    """bf16 follows transformers' casts (the same ops in the same dtypes): equal up to bf16 rounding."""
+    _, ours, theirs, _ = mixer_pair("gva", "linear_attention")
+    ours, theirs = ours.to(torch.bfloat16), theirs.to(torch.bfloat16)
+    x = torch.randn(2, 19, 40).to(torch.bfloat16)
+    with torch.no_grad():
+        expect = theirs(x).float()
+        got = ours(x, None, None, 0).float()
+    assert (got - expect).abs().max() <= 2e-2 * expect.abs().max()
