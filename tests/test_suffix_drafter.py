@@ -319,10 +319,9 @@ def test_sampling_with_point_mass_drafts_keeps_the_target_law():
         for _ in range(n_runs):
             seq = torch.zeros(1, 64, dtype=torch.long)
             seq[0, : len(ctx)] = torch.tensor(ctx)
-            out = []
-            for tokens in decode_steps(step, drafter, seq, len(ctx), 2, SpecConfig(draft_len=4), sampling, gen,
-                                       SpecMetrics()):
-                out += tokens
+            # the first verify step: the drafted token kept (then the bonus follows it) or a recovered token
+            out = next(decode_steps(step, drafter, seq, len(ctx), 2, SpecConfig(draft_len=4), sampling, gen,
+                                    SpecMetrics()))
             first[out[0]] += 1
             if out[0] == x:
                 second[out[1]] += 1
