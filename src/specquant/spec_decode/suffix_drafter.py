@@ -80,7 +80,8 @@ class SuffixDrafter:
 
     def __init__(self, config: SuffixConfig | None = None):
         self.config = (config or SuffixConfig()).validate()
-        self.cache = DocumentCache(self.config.cache_tokens, self.config.cache_requests) if self.config.cache_tokens else None
+        cfg = self.config
+        self.cache = DocumentCache(cfg.cache_tokens, cfg.cache_requests) if cfg.cache_tokens else None
         self.doc: SuffixAutomaton | None = None
         self.cursors: list[tuple[int, MatchCursor]] = []
         self.last: SuffixProposal | None = None  # the latest proposal (for a hybrid drafter's rule and the bench)
