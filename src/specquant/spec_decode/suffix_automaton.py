@@ -16,11 +16,12 @@ occurrence than the latest (see `_note_recent`). `first` (the earliest occurrenc
 
 `MatchCursor` runs a second sequence against a finished automaton (matching statistics): the longest suffix of
 that sequence occurring anywhere in the document, in O(1) amortized per token. The suffix drafter keeps finished
-requests as automata in `DocumentCache`, a least-recently-used cache bounded in total tokens.
+requests as automata in `DocumentCache`, a least-recently-used cache bounded in total tokens and in count.
 
-Hand-written rather than a library: the maintained suffix-structure packages (arctic-inference's suffix tree, the
-pysais/pydivsufsort suffix arrays) are either tied to vLLM's runtime or build a static index over a whole text;
-the drafter needs online appends with exact rollback, a few dict operations per token.
+Hand-written rather than a library: the maintained implementation, arctic-inference's SuffixDecodingCache (the
+suffix-decoding entry's drafter), ships as a vLLM plugin (it patches vLLM when installed) with a compiled
+extension; a few dict operations per token in Python keep this drafter free of that dependency, with exact undo,
+and testable against brute force.
 """
 
 from __future__ import annotations
