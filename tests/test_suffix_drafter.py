@@ -195,6 +195,22 @@ def test_drafter_rollback_forgets_rejected_tokens():
     assert a.tokens[0, :5].tolist() == [2, 6, 3, 1, 4]
 
 
+def test_peek_picks_the_longest_match_over_sources():
+    """The cache's document wins when its match is longer, the request's own text on a tie; a match below
+    min_match drafts nothing but is still reported (a hybrid rule reads it)."""
+    d = SuffixDrafter(SuffixConfig(min_match=3, cache_tokens=1000))
+    d.prefill(torch.tensor([list(range(10, 40))]), None)  # request 1: 30 distinct tokens
+    d.prefill(torch.tensor([[20, 21, 22, 60, 61]]), None)  # request 2; request 1 is now cached
+    p = d.peek(torch.tensor([[20, 21, 22, 60, 61, 14, 15, 16]]), 5)  # "14 15 16": only in request 1
+    assert (p.source, p.match.length, p.tokens) == ("cache", 3, [17, 18, 19])  # 3 matched -> 3 drafted
+    d.rollback(5)  # committed tokens are final: another continuation needs a rollback first
+    p = d.peek(torch.tensor([[20, 21, 22, 60, 61, 5, 20, 21, 22]]), 5)  # "20 21 22": 3 tokens in both
+    assert (p.source, p.match.length, p.tokens) == ("self", 3, [60, 61, 5])
+    seq = torch.tensor([[20, 21, 22, 60, 61, 5, 20, 21, 22, 61]])  # "61": one token, own text only
+    assert (d.peek(seq, 5).source, d.last.match.length, d.last.tokens) == ("none", 1, [])
+    assert d.propose(seq, 5, SamplingConfig(), None).tokens.shape == (1, 0)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from specquant.loader import load_model

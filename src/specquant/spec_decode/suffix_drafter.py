@@ -24,7 +24,7 @@ from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
 from specquant.spec_decode.config import MAX_DRAFT_LEN
 from specquant.spec_decode.drafter import Draft
-from specquant.spec_decode.suffix_automaton import NO_MATCH, DocumentCache, Match, MatchCursor, SuffixAutomaton
+from specquant.spec_decode.suffix_automaton import DocumentCache, Match, MatchCursor, SuffixAutomaton
 
 
 @dataclass
@@ -68,8 +68,8 @@ class SuffixConfig:
 
 @dataclass(frozen=True)
 class SuffixProposal:
-    match: Match  # the match drafted from (NO_MATCH: none long enough)
-    source: str  # "self", "cache" or "none"
+    match: Match  # the longest match found (NO_MATCH: none at all)
+    source: str  # where the draft comes from: "self", "cache", or "none" (the match is too short to draft)
     tokens: list[int]  # the draft, already cut to the confidence rule's length
 
 
@@ -84,7 +84,7 @@ class SuffixDrafter:
         self.cache = DocumentCache(cfg.cache_tokens, cfg.cache_requests) if cfg.cache_tokens else None
         self.doc: SuffixAutomaton | None = None
         self.cursors: list[tuple[int, MatchCursor]] = []
-        self.last: SuffixProposal | None = None  # the latest proposal (for a hybrid drafter's rule and the bench)
+        self.last: SuffixProposal | None = None  # the latest proposal (for a hybrid drafter's rule, or a bench)
 
     def setup(self, batch: int, max_len: int) -> None:
         if batch != 1:
@@ -114,8 +114,15 @@ class SuffixDrafter:
         elif n > len(self.doc):
             self._extend(tokens[0, len(self.doc) : n].tolist())  # the one host read of the step
 
-    def lookup(self, k: int) -> SuffixProposal:
-        """The draft for the current document: the longest match over all sources, cut to the confidence rule."""
+    def peek(self, tokens: torch.Tensor, k: int) -> SuffixProposal:
+        """What propose would draft after tokens [1, n] (the committed sequence), as host data: the match (also
+        when too short to draft from, for a rule choosing between drafters), its source and the tokens."""
+        self._sync(tokens)
+        self.last = self._lookup(k)
+        return self.last
+
+    def _lookup(self, k: int) -> SuffixProposal:
+        """The longest match over all sources, its continuation cut to the confidence rule's length."""
         best, chosen = self.doc.match, None
         for i, cursor in self.cursors:
             m = cursor.match()
@@ -123,7 +130,7 @@ class SuffixDrafter:
                 best, chosen = m, (i, cursor)
         count = self.config.draft_len(best.length, k)
         if count == 0:
-            return SuffixProposal(NO_MATCH, "none", [])
+            return SuffixProposal(best, "none", [])
         if chosen is None:
             return SuffixProposal(best, "self", self.doc.continuation(best, count))
         self.cache.touch(chosen[0])
@@ -131,9 +138,8 @@ class SuffixDrafter:
 
     def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        self._sync(tokens)
-        self.last = self.lookup(k)
-        return Draft(torch.tensor([self.last.tokens], dtype=torch.long, device=tokens.device))
+        drafted = self.peek(tokens, k).tokens
+        return Draft(torch.tensor([drafted], dtype=torch.long, device=tokens.device))
 
     def accept(self, length: int, target_hidden: torch.Tensor | None = None) -> None:
         # the accepted drafts (and the bonus token) are read from the committed sequence at the next propose
