@@ -52,7 +52,8 @@ def test_longest_match_equals_brute_force_through_rollbacks(depth):
     for seed in range(120):
         rng = random.Random(seed)
         alphabet = rng.randint(1, 4)
-        sam, seq = SuffixAutomaton(recency_depth=depth), []
+        seq = [rng.randrange(alphabet) for _ in range(rng.choice((0, 0, 5, 20)))]
+        sam = SuffixAutomaton(seq, recency_depth=depth)  # a truncate below these tokens rebuilds
         for _ in range(90):
             if seq and rng.random() < 0.12:
                 seq = seq[: rng.randint(0, len(seq))]

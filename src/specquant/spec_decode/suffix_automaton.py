@@ -8,8 +8,8 @@ Terms, used by the suffix drafter (suffix_drafter.py):
   into the sequence's own end; past it the continuation repeats with period n-1-e, which is exactly what the
   sequence would read if the continuation came true.
 
-`SuffixAutomaton` is one document, appended token by token, with `truncate` undoing appends exactly (an undo log),
-so it can follow a committed sequence that is rolled back. The occurrence it reports is the most recent one,
+`SuffixAutomaton` is one document, appended token by token, with `truncate` undoing appends exactly (an undo log;
+below the tokens it was constructed with, a rebuild), so it can follow a committed sequence that is rolled back. The occurrence it reports is the most recent one,
 exactly when `recency_depth` is None; with a bound the `recency_depth` nearest suffix-link ancestors of each new
 state are updated (constant work per token), and a reported occurrence is always a true one but can be an older
 occurrence than the latest (see `_note_recent`). `first` (the earliest occurrence) is always exact.
@@ -50,7 +50,12 @@ class SuffixAutomaton:
     """
 
     def __init__(self, tokens=(), recency_depth: int | None = 8, undo: bool = True):
-        self.recency_depth = recency_depth
+        self.recency_depth, self.undo = recency_depth, undo
+        self._reset(tokens)
+
+    def _reset(self, tokens) -> None:
+        """The automaton of `tokens`, built without undo records: a truncate below them rebuilds instead (a
+        prompt is never rolled back in the loop, and its records would double its build time)."""
         self.next: list[dict[int, int]] = [{}]
         self.link = [-1]
         self.length = [0]
@@ -59,9 +64,11 @@ class SuffixAutomaton:
         self.last = ROOT
         self.tokens: list[int] = []
         self.matches: list[Match] = []  # matches[i]: the match of the prefix S[0..i]
-        self._log: list[tuple] | None = [] if undo else None  # one undo record per append
+        self._log: list[tuple] | None = None
         for t in tokens:
             self.append(int(t))
+        self._log_start = len(self.tokens)  # appends from here on have undo records
+        self._log = [] if self.undo else None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -137,6 +144,9 @@ class SuffixAutomaton:
             return
         if self._log is None:
             raise RuntimeError("this automaton keeps no undo log (undo=False); rebuild it instead")
+        if length < self._log_start:
+            self._reset(self.tokens[:length])
+            return
         nxt, link = self.next, self.link
         while len(self.tokens) > length:
             prev_last, states_before, token, added, redirected, split, changed = self._log.pop()
@@ -157,7 +167,7 @@ class SuffixAutomaton:
 
     def freeze(self) -> "SuffixAutomaton":
         """Drop the undo log: a finished document is never truncated."""
-        self._log = None
+        self._log, self.undo = None, False
         return self
 
     def continuation(self, match: Match, count: int) -> list[int]:

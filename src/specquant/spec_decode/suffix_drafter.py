@@ -96,9 +96,12 @@ class SuffixDrafter:
             raise SpecquantError(f"the suffix drafter takes one prompt (batch 1); got shape {list(prompt_ids.shape)}")
         if self.cache is not None and self.doc is not None:
             self.cache.add(self.doc)
-        self.doc = SuffixAutomaton(recency_depth=self.config.recency_depth)
+        prompt = prompt_ids[0].tolist()
+        self.doc = SuffixAutomaton(prompt, recency_depth=self.config.recency_depth)
         self.cursors = [] if self.cache is None else [(i, MatchCursor(d)) for i, d in self.cache.docs.items()]
-        self._extend(prompt_ids[0].tolist())
+        for _, cursor in self.cursors:
+            for t in prompt:
+                cursor.feed(t)
 
     def _extend(self, tokens: list[int]) -> None:
         for t in tokens:
