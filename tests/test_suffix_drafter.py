@@ -102,6 +102,18 @@ def test_periodic_text_reports_the_latest_period_under_the_bound():
             assert sam.match.end == i - len(period)
 
 
+def test_default_recency_bound_is_exact_on_real_text():
+    """The default bound (SuffixConfig.recency_depth) reports the latest occurrence of every match on the
+    packaged held-out text, as the unbounded walk does; a bound of 1 does not (so the comparison can fail)."""
+    from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer
+
+    heldout = BUNDLED_DIR.parent / "data" / "heldout.txt"
+    ids = load_tokenizer("tiny-target").encode(heldout.read_text()[:40000])[:5000]
+    exact = SuffixAutomaton(ids, recency_depth=None).matches
+    assert SuffixAutomaton(ids, recency_depth=SuffixConfig.recency_depth).matches == exact
+    assert SuffixAutomaton(ids, recency_depth=1).matches != exact
+
+
 def test_continuation_reads_on_past_the_end_as_the_sequence_would():
     for seed in range(40):
         rng = random.Random(seed)
