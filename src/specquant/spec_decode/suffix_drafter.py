@@ -7,7 +7,8 @@ DocumentCache, each matched by a MatchCursor). The longest match wins; on a tie 
 
 The draft length follows the match's confidence: nothing below `min_match` matched tokens, then
 `match_factor` draft tokens per matched token, up to `max_draft_len` (and the loop's k). Drafts are point
-masses: Draft.probs is None, read by the verifier as "the drafted token had probability 1".
+masses: Draft.probs is None, which the verifier (verify.py) reads in sampling mode as "the drafted token had
+probability 1".
 
 Rollback: the automaton holds only committed tokens (propose appends tokens[:, :n] before drafting, drafts are
 never inserted), so the loop's accept never has anything to undo; a rollback below the committed length undoes
@@ -31,11 +32,13 @@ from specquant.spec_decode.suffix_automaton import DocumentCache, Match, MatchCu
 class SuffixConfig:
     # K = 20: the suffix-decoding entry of the leaderboard drafted up to 20 tokens (../shared/PEERS.md)
     max_draft_len: int = field(default=20, metadata={"help": "suffix drafter: the most draft tokens per step"})
-    # a 1-2 token match is mostly chance on real text; 3 keeps drafting on repeats of a few words
+    # a 1-2 token match is often chance on real text; 3 still drafts on repeats of a few words
     min_match: int = field(default=3, metadata={"help": "suffix drafter: draft only when at least this many "
                                                         "tokens of the sequence's end matched earlier text"})
     match_factor: float = field(default=1.0, metadata={
         "help": "suffix drafter: draft tokens per matched token (longer matches draft more)"})
+    # off by default: a bench repeats its prompts, so a cache would measure replay rather than drafting (see the
+    # replay row of benchmarks/suffix.py)
     cache_tokens: int = field(default=0, metadata={
         "help": "suffix drafter: keep earlier requests (least recently used first out, this many tokens in all) "
                 "as draft sources; 0 = the request's own text only"})
