@@ -46,7 +46,8 @@ def summary_table(results: BenchResults) -> str:
         if not r.ok:
             lines.append(f"| {label} | skipped: {r.reason} |" + " |" * (len(head) - 2))
             continue
-        cells = [label, _ms(r.ttft_avg_s), _ms(r.tpot_avg_s), _ms(r.latency_avg_s), _f(r.tokens_per_s_avg, 1)]
+        avg = r.timing_avg
+        cells = [label, _ms(avg.ttft_s), _ms(avg.tpot_s), _ms(avg.latency_s), _f(avg.tokens_per_s, 1)]
         cells += [_x(r.categories[c].speedup) if c in r.categories else "-" for c in cats]
         cells += [_x(r.speedup_avg), _x(r.predicted_speedup_avg)]
         acc = r.acceptance or {}
@@ -125,7 +126,7 @@ def drafter_verdict(results: BenchResults) -> str:
     for kind in ("lm", "block"):
         rows = [r for r in spec if r.drafter == kind]
         if rows:
-            best[kind] = max(rows, key=lambda r: r.tokens_per_s_avg)
+            best[kind] = max(rows, key=lambda r: r.timing_avg.tokens_per_s)
     if len(best) < 2:
         return ""
     cats = list(results.lengths)
@@ -135,8 +136,8 @@ def drafter_verdict(results: BenchResults) -> str:
     for kind, r in best.items():
         c = step_costs(r, cat)
         what = "LM drafter" if kind == "lm" else "block drafter"
-        line = (f"- {what}: best row ({r.id}) {r.name}, {r.tokens_per_s_avg:.1f} tok/s "
-                f"({r.tokens_per_s_avg / base.tokens_per_s_avg:.2f}x row (a))")
+        line = (f"- {what}: best row ({r.id}) {r.name}, {r.timing_avg.tokens_per_s:.1f} tok/s "
+                f"({r.timing_avg.tokens_per_s / base.timing_avg.tokens_per_s:.2f}x row (a))")
         if c:
             line += (f"; per step at the {cat} context, in target one-token steps: {c['forwards']:.0f} draft "
                      f"forward{'s' if c['forwards'] != 1 else ''} x {c['c_forward']:.2f} = {c['draft']:.2f} + verify "
@@ -146,7 +147,7 @@ def drafter_verdict(results: BenchResults) -> str:
                      f"{c['per_token']:.2f} per token")
         lines.append(line)
     lm, blk = best["lm"], best["block"]
-    winner, loser = (blk, lm) if blk.tokens_per_s_avg > lm.tokens_per_s_avg else (lm, blk)
+    winner, loser = (blk, lm) if blk.timing_avg.tokens_per_s > lm.timing_avg.tokens_per_s else (lm, blk)
     cw, cl = step_costs(winner, cat), step_costs(loser, cat)
     why = ""
     if cw and cl:
@@ -156,13 +157,13 @@ def drafter_verdict(results: BenchResults) -> str:
                f"emits {more} tokens per step (MAL {cw['mal']:.2f} vs {cl['mal']:.2f}): {cw['per_token']:.2f} vs "
                f"{cl['per_token']:.2f} target steps per token.")
         if cw["per_token"] > cl["per_token"]:
-            gap = winner.tokens_per_s_avg / loser.tokens_per_s_avg - 1
+            gap = winner.timing_avg.tokens_per_s / loser.timing_avg.tokens_per_s - 1
             why += (f" By those costs the other drafter is cheaper per token there, so this {gap:.1%} lead comes "
                     "from the other length categories or from run-to-run noise.")
     kind = "block drafter" if winner is blk else "LM drafter"
     return ("\n\n## Which drafter wins\n\n" + "\n".join(lines)
-            + f"\n\nThe {kind} wins in this run: ({winner.id}) {winner.tokens_per_s_avg:.1f} vs "
-              f"({loser.id}) {loser.tokens_per_s_avg:.1f} tok/s.{why}")
+            + f"\n\nThe {kind} wins in this run: ({winner.id}) {winner.timing_avg.tokens_per_s:.1f} vs "
+              f"({loser.id}) {loser.timing_avg.tokens_per_s:.1f} tok/s.{why}")
 
 
 def _w4_activations(results: BenchResults) -> str:
@@ -320,7 +321,7 @@ def summary(results: BenchResults, files) -> dict:
     for r in results.rows:
         row = {"id": r.id, "name": r.name, "status": r.status}
         if r.ok:
-            row.update(latency_avg_s=r.latency_avg_s, speedup_avg=r.speedup_avg,
+            row.update(latency_avg_s=r.timing_avg.latency_s, speedup_avg=r.speedup_avg,
                        speedups={c: e.speedup for c, e in r.categories.items()},
                        predicted_speedup_avg=r.predicted_speedup_avg,
                        mean_acceptance_length={s: a.mean_acceptance_length for s, a in (r.acceptance or {}).items()})

@@ -129,20 +129,10 @@ class RowResult:
         return self._mean([e.decode_speedup for e in self.categories.values()])
 
     @property
-    def latency_avg_s(self) -> float:
-        return self._mean([e.timing.latency_s for e in self.categories.values()])
-
-    @property
-    def ttft_avg_s(self) -> float:
-        return self._mean([e.timing.ttft_s for e in self.categories.values()])
-
-    @property
-    def tpot_avg_s(self) -> float:
-        return self._mean([e.timing.tpot_s for e in self.categories.values()])
-
-    @property
-    def tokens_per_s_avg(self) -> float:
-        return self._mean([e.timing.tokens_per_s for e in self.categories.values()])
+    def timing_avg(self) -> Timing:
+        """Each time's mean over the length categories."""
+        return Timing(*(self._mean([getattr(e.timing, f.name) for e in self.categories.values()])
+                        for f in dataclasses.fields(Timing)))
 
     @property
     def predicted_speedup_avg(self) -> float | None:
@@ -162,9 +152,10 @@ class RowResult:
             out["acceptance_all"] = self.acceptance_all.to_dict()
         if self.acceptance_whole_block is not None:
             out["acceptance_whole_block"] = self.acceptance_whole_block.to_dict()
+        avg = self.timing_avg
         out.update(speedup_avg=self.speedup_avg, decode_speedup_avg=self.decode_speedup_avg,
-                   latency_avg_s=self.latency_avg_s, ttft_avg_s=self.ttft_avg_s, tpot_avg_s=self.tpot_avg_s,
-                   tokens_per_s_avg=self.tokens_per_s_avg)
+                   latency_avg_s=avg.latency_s, ttft_avg_s=avg.ttft_s, tpot_avg_s=avg.tpot_s,
+                   tokens_per_s_avg=avg.tokens_per_s)
         if self.predicted_speedup_avg is not None:
             out["predicted_speedup_avg"] = self.predicted_speedup_avg
         return out
