@@ -58,13 +58,14 @@ import time
 import torch
 
 from specquant.bench.measure import environment
-from specquant.bench.predict import predict_row
+from specquant.bench.predict import StepCosts, predict_row
 from specquant.decode.graphs import GraphStepper
 from specquant.errors import SpecquantError
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
 from specquant.quant import QuantConfig, quantize
+from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.device import sync
 from specquant.util.files import atomic_write, claim_out_dir
 
@@ -301,6 +302,13 @@ def seed_acceptance(mal: float = SEED_MAL, k: int = SEED_K, steps: int = 100) ->
     return {"histogram": hist, "drafts": steps, "draft_tokens": k * steps, "k": k, "window": None, "mal": mal}
 
 
+def acceptance_metrics(acc: dict) -> SpecMetrics:
+    """The SpecMetrics predict_row reads, from an acceptance entry (measured or the seed's)."""
+    hist = list(acc["histogram"])
+    return SpecMetrics(num_drafts=acc["drafts"], num_draft_tokens=acc["draft_tokens"],
+                       num_accepted_tokens=sum(a * n for a, n in enumerate(hist)), histogram=hist)
+
+
 # --- A10G projection ------------------------------------------------------------------------------------------
 
 
@@ -324,13 +332,13 @@ def project_a10g(models: dict, shapes: dict, acceptance: dict, verify_ratio: dic
             k = acc["draft_tokens"] / acc["drafts"] if acc["drafts"] else 0.0
             vr = verify_ratio[min(round(k) + 1, max(verify_ratio))]
             tt = t("target", "w4")
-            costs = {"target_step_s": tt, "verify_s": tt * vr, "draft_step_s": t("draft", draft_prec, w),
-                     "baseline_step_s": base}
-            pred = predict_row(acc["histogram"], acc["draft_tokens"], acc["drafts"], costs)
-            rows.append({"category": cat, "row": row, "speedup": pred["speedup"],
-                         "leviathan_speedup": pred["leviathan_speedup"], "k": pred["k"], "c": pred["c"],
-                         "verify_ratio": vr, "mal": pred["expected_tokens"],
-                         "ms_per_token": base * 1e3 / pred["speedup"]})
+            costs = StepCosts(target_step_s=tt, verify_s=tt * vr, draft_step_s=t("draft", draft_prec, w),
+                              baseline_step_s=base)
+            pred = predict_row(acceptance_metrics(acc), costs)
+            rows.append({"category": cat, "row": row, "speedup": pred.speedup,
+                         "leviathan_speedup": pred.leviathan_speedup, "k": pred.k, "c": pred.c,
+                         "verify_ratio": vr, "mal": pred.expected_tokens,
+                         "ms_per_token": base * 1e3 / pred.speedup})
     return rows
 
 

@@ -8,7 +8,7 @@ prompt before the next, so background load hits all alike; latency = median over
 prompts. speedup = target-only latency / config latency (end to end; the prefill is the same for every config).
 
 Beside each measured speedup: the predicted decode speedup from specquant.bench.predict — S = E / (k·c +
-verify_ratio), E from the config's acceptance histogram, c and verify_ratio from forward timings at the mean decode
+verify_ratio), E the config's mean acceptance length, c and verify_ratio from forward timings at the mean decode
 context — the same implementation `specquant bench` uses.
 
 The default draft_len is the k of the fastest fixed-k, full-attention float32 config ("best k" below).
@@ -23,6 +23,7 @@ The last stdout line is one JSON object: {"benchmark": "spec", "best_k": ..., "r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -37,7 +38,7 @@ from decode import checkpoint_dir  # noqa: E402  (the one place that builds the 
 from specquant.bench.config import BenchConfig  # noqa: E402
 from specquant.bench.measure import (Probe, environment, forward_times, hf_assisted,  # noqa: E402
                                      interleaved, ours_speculative, ours_target_only, summarize)
-from specquant.bench.predict import predict_row  # noqa: E402
+from specquant.bench.predict import StepCosts, predict_row  # noqa: E402
 from specquant.bench.prompts import fit_lengths, load_prompts  # noqa: E402
 from specquant.decode.sampling import SamplingConfig  # noqa: E402
 from specquant.model.checkpoint import load_tokenizer  # noqa: E402
@@ -106,17 +107,17 @@ def bench_dtype(dtype_name: str, paths: dict, prompts, args) -> list[dict]:
             out.append(row)
             continue
         t = summarize(samples[r["name"]])
-        row.update(t, speedup=base["latency_s"] / t["latency_s"], decode_speedup=base["tpot_s"] / t["tpot_s"])
+        row.update(dataclasses.asdict(t), speedup=base.latency_s / t.latency_s, decode_speedup=base.tpot_s / t.tpot_s)
         if r["kind"] == "spec":
-            m = SpecMetrics.total(s["spec"] for ss in samples[r["name"]].values() for s in ss)
+            m = SpecMetrics.total(s.spec for ss in samples[r["name"]].values() for s in ss)
             k_eff = m.mean_draft_len or float(r["k"])
-            costs = {"target_step_s": target_t[1], "baseline_step_s": target_t[1],
-                     "verify_s": float(np.interp(k_eff + 1, sizes, [target_t[n] for n in sizes])),
-                     "draft_step_s": draft_t[r["window"]]}
-            pred = predict_row(m.histogram, m.num_draft_tokens, m.num_drafts, costs)
-            row.update(mean_acceptance_length=m.mean_acceptance_length, k_mean=k_eff, alpha=pred["alpha"],
-                       c=pred["c"], verify_ratio=pred["verify_ratio"], predicted_speedup=pred["speedup"],
-                       leviathan_speedup=pred["leviathan_speedup"])
+            costs = StepCosts(target_step_s=target_t[1], baseline_step_s=target_t[1],
+                              verify_s=float(np.interp(k_eff + 1, sizes, [target_t[n] for n in sizes])),
+                              draft_step_s=draft_t[r["window"]])
+            pred = predict_row(m, costs)
+            row.update(mean_acceptance_length=m.mean_acceptance_length, k_mean=k_eff, alpha=pred.alpha, c=pred.c,
+                       verify_ratio=pred.verify_ratio, predicted_speedup=pred.speedup,
+                       leviathan_speedup=pred.leviathan_speedup)
         out.append(row)
     return out
 

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, Probe, environment, forward_times,
-                                     hf_assisted, interleaved, ours_speculative, ours_target_only, summarize)
-from specquant.bench.predict import predict_row
+from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, ForwardKey, Probe, environment,
+                                     forward_times, hf_assisted, interleaved, ours_speculative, ours_target_only,
+                                     summarize)
+from specquant.bench.predict import StepCosts, predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
+from specquant.bench.results import BenchResults, CategoryCosts, CategoryResult, RowResult, SameTokens
 from specquant.drafter_loader import load_block_draft
 from specquant.loader import load_model
 from specquant.quant.linear import resolve_w4_activations
@@ -89,8 +91,8 @@ def _bar(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="call", disable=None, leave=False)
 
 
-def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device) -> dict:
-    """Measure every row; returns the results dict that report.py writes. paths: check_inputs' output plus the
+def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device) -> BenchResults:
+    """Measure every row; returns the results that report.py writes. paths: check_inputs' output plus the
     quantized_target / quantized_draft checkpoints."""
     env = environment(device)  # before the run: the load average it records is the one the run started under
     dtype, sampling = DTYPES[cfg.dtype], cfg.sampling
@@ -143,7 +145,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     samples = interleaved(runners, length_prompts, cfg.warmup + cfg.runs, cfg.warmup, device, transformers_failed)
 
     spec_runners = {r.id: runners[r.id] for r in rows if r.draft is not None and r.impl == "specquant"}
-    acceptance_samples = {rid: {pid: ss[0]["spec"] for pid, ss in per_prompt.items()}  # greedy: one pass suffices
+    acceptance_samples = {rid: {pid: ss[0].spec for pid, ss in per_prompt.items()}  # greedy: one pass suffices
                           for rid, per_prompt in interleaved(spec_runners, content_prompts, 1, 0, device,
                                                              desc="acceptance").items()}
 
@@ -151,7 +153,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     block_rows = [r for r in rows if r.drafter == "block"]
     whole = {r.id: ours_speculative(_engine(cfg, r, models, tokenizer, draft_tokenizer, whole_block=True),
                                     cfg.max_new_tokens, sampling) for r in block_rows}
-    whole_block = {rid: SpecMetrics.total(ss[0]["spec"] for ss in per_prompt.values())
+    whole_block = {rid: SpecMetrics.total(ss[0].spec for ss in per_prompt.values())
                    for rid, per_prompt in interleaved(whole, content_prompts, 1, 0, device,
                                                       desc="acceptance, whole block").items()}
 
@@ -161,22 +163,12 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     results_rows = [_row_result(r, cfg, samples, acceptance_samples, skipped, prompts, lengths, costs)
                     for r in rows]
     for res in results_rows:
-        if res["id"] in whole_block:
-            res["acceptance_whole_block"] = whole_block[res["id"]].to_dict()
+        res.acceptance_whole_block = whole_block.get(res.id)
     _add_speedups(results_rows)
-    return {
-        "benchmark": "specquant bench",
-        "config": cfg.to_json(),
-        "environment": env,
-        "models": {role: str(p) for role, p in paths.items()},
-        "w4_activations": {"target": cfg.w4_activations, "draft": resolve_w4_activations(cfg.draft_w4_activations)},
-        "context": context,
-        "lengths": lengths,
-        "prompts": [p.to_json() for p in prompts],
-        "rows": results_rows,
-        "costs": costs,
-        "draft_latency": curve,
-    }
+    return BenchResults(
+        config=cfg, environment=env, models=dict(paths),
+        w4_activations={"target": cfg.w4_activations, "draft": resolve_w4_activations(cfg.draft_w4_activations)},
+        context=context, lengths=lengths, prompts=prompts, rows=results_rows, costs=costs, draft_latency=curve)
 
 
 def _engine(cfg: BenchConfig, row: Row, models: dict, tokenizer, draft_tokenizer, whole_block: bool = False):
@@ -190,7 +182,7 @@ def _engine(cfg: BenchConfig, row: Row, models: dict, tokenizer, draft_tokenizer
     return SpecEngine(target, BlockDrafter(block, target, spec), spec)
 
 
-def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> dict:
+def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> dict[str, CategoryCosts]:
     """Per length category, forward times at the mean decode context (prompt + max_new_tokens / 2), all timed
     interleaved: each target's one-token step (between other probes, and alone: after its own step) and (k+1)-token
     verify, each draft's one-token step (the W4 draft also with the window); with block rows, each block drafter's
@@ -198,32 +190,33 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> di
     of block_draft_len + 1 tokens."""
     k1 = cfg.spec.draft_len + 1
     targets = [t for t in ("hp", "w4", "qad") if ("target", t) in models]
-    probes = {}
+    probes: dict[ForwardKey, Probe] = {}
     for t in targets:
-        probes[f"target_{t}_step_s"] = Probe(models[("target", t)])
-        probes[f"target_{t}_step_s_alone"] = Probe(models[("target", t)], burst=WARM_BURST)
-        probes[f"target_{t}_verify_s"] = Probe(models[("target", t)], k1)
-    probes.update({"draft_hp_step_s": Probe(models[("draft", "hp")]),
-                   "draft_w4_step_s": Probe(models[("draft", "w4")]),
-                   "draft_w4_step_s_window": Probe(models[("draft", "w4")], window=cfg.spec.draft_window)})
+        probes[ForwardKey("target", t)] = Probe(models[("target", t)])
+        probes[ForwardKey("target", t, alone=True)] = Probe(models[("target", t)], burst=WARM_BURST)
+        probes[ForwardKey("target", t, "verify")] = Probe(models[("target", t)], k1)
+    probes.update({ForwardKey("draft", "hp"): Probe(models[("draft", "hp")]),
+                   ForwardKey("draft", "w4"): Probe(models[("draft", "w4")]),
+                   ForwardKey("draft", "w4", window=True): Probe(models[("draft", "w4")],
+                                                                 window=cfg.spec.draft_window)})
     if ("block", "hp") in models:
         kb = cfg.block_draft_len
         for t in targets:
-            probes[f"target_{t}_verify_block_s"] = Probe(models[("target", t)], kb + 1)
+            probes[ForwardKey("target", t, "verify_block")] = Probe(models[("target", t)], kb + 1)
         for kind in ("hp", "w4"):
             if ("block", kind) not in models:
                 continue
             fwd, acc = BlockForward(models[("block", kind)], kb), BlockAccept(models[("block", kind)])
-            windows = {"": None, "_window": cfg.spec.draft_window} if kind == "w4" else {"": None}
-            for suffix, window in windows.items():
-                probes[f"block_{kind}_step_s{suffix}"] = Probe(fwd, window=window)
+            for windowed in ((False, True) if kind == "w4" else (False,)):
+                window = cfg.spec.draft_window if windowed else None
+                probes[ForwardKey("block", kind, window=windowed)] = Probe(fwd, window=window)
                 for rows in range(1, kb + 2):  # accept after 0 .. kb accepted drafts: 1 .. kb + 1 rows
-                    probes[f"block_{kind}_accept{rows}_s{suffix}"] = Probe(acc, rows, window=window)
+                    probes[ForwardKey("block", kind, "accept", rows, windowed)] = Probe(acc, rows, window=window)
     out = {}
     with _bar(len(lengths), "forward costs") as bar:
         for cat, n in lengths.items():
             ctx = n + cfg.max_new_tokens // 2
-            out[cat] = {"context": ctx, **forward_times(probes, ctx, cfg.cost_reps)}
+            out[cat] = CategoryCosts(ctx, forward_times(probes, ctx, cfg.cost_reps))
             bar.update(1)
     return out
 
@@ -242,93 +235,75 @@ def drafter_curve(cfg: BenchConfig, draft, context: int) -> dict:
     return {"contexts": contexts, "full_s": full, "window_s": windowed, "window": cfg.spec.draft_window}
 
 
-def _costs_for(row: Row, c: dict, block_draft_len: int) -> dict:
+def _costs_for(row: Row, c: CategoryCosts, block_draft_len: int) -> StepCosts:
     """predict_row's costs for a speculative row: its forwards and the block drafter's accept timed between other
     models' forwards (a speculative step alternates models), the baseline's step timed alone (row (a) decodes
     with the baseline target only)."""
-    window = "_window" if row.window else ""
-    own = {"target_step_s": c[f"target_{row.target}_step_s"], "baseline_step_s": c["target_hp_step_s_alone"]}
+    t = c.times
+    own = dict(target_step_s=t[ForwardKey("target", row.target)],
+               baseline_step_s=t[ForwardKey("target", "hp", alone=True)])
     if row.drafter == "block":  # one drafter forward per step, whatever k
-        accept = [c[f"block_{row.draft}_accept{rows}_s{window}"] for rows in range(1, block_draft_len + 2)]
-        return {**own, "verify_s": c[f"target_{row.target}_verify_block_s"],
-                "draft_step_s": c[f"block_{row.draft}_step_s{window}"], "draft_forwards_per_step": 1,
-                "accept_s": accept}
-    return {**own, "verify_s": c[f"target_{row.target}_verify_s"],
-            "draft_step_s": c[f"draft_{row.draft}_step_s{window}"]}
+        accept = tuple(t[ForwardKey("block", row.draft, "accept", rows, row.window)]
+                       for rows in range(1, block_draft_len + 2))
+        return StepCosts(**own, verify_s=t[ForwardKey("target", row.target, "verify_block")],
+                         draft_step_s=t[ForwardKey("block", row.draft, window=row.window)], draft_forwards_per_step=1,
+                         accept_s=accept)
+    return StepCosts(**own, verify_s=t[ForwardKey("target", row.target, "verify")],
+                     draft_step_s=t[ForwardKey("draft", row.draft, window=row.window)])
 
 
 def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped, prompts: list[Prompt],
-                lengths: dict[str, int], costs: dict) -> dict:
-    res = {"id": row.id, "name": row.name, "impl": row.impl, "target": row.target, "draft": row.draft,
-           "drafter": row.drafter if row.draft else None, "draft_window": cfg.spec.draft_window if row.window else None,
-           "draft_len": (cfg.block_draft_len if row.drafter == "block" else cfg.spec.draft_len) if row.draft else None}
+                lengths: dict[str, int], costs: dict[str, CategoryCosts]) -> RowResult:
+    res = RowResult(
+        id=row.id, name=row.name, impl=row.impl, target=row.target, draft=row.draft,
+        drafter=row.drafter if row.draft else None, draft_window=cfg.spec.draft_window if row.window else None,
+        draft_len=(cfg.block_draft_len if row.drafter == "block" else cfg.spec.draft_len) if row.draft else None)
     if row.id in skipped:
-        return {**res, "status": "skipped", "reason": skipped[row.id]}
-    res["status"] = "ok"
-    cats = {}
+        res.status, res.reason = "skipped", skipped[row.id]
+        return res
     for cat in lengths:
         cat_prompts = [p for p in prompts if p.category == cat]
         if not cat_prompts:
             continue
         per_prompt = {p.id: samples[row.id][p.id] for p in cat_prompts}
-        entry = summarize(per_prompt)
-        entry["new_tokens"] = [s["new_tokens"] for ss in per_prompt.values() for s in ss]
-        entry["samples"] = {pid: [{k: s[k] for k in ("latency_s", "ttft_s", "tpot_s")} for s in ss]
-                            for pid, ss in per_prompt.items()}
-        entry["tokens"] = {pid: ss[0]["tokens"] for pid, ss in per_prompt.items() if ss}
+        entry = CategoryResult(per_prompt, summarize(per_prompt))
         if row.draft is not None and row.impl == "specquant":
-            merged = SpecMetrics.total(s["spec"] for ss in per_prompt.values() for s in ss)
-            entry["acceptance"] = merged.to_dict()
-            entry["predicted"] = predict_row(merged.histogram, merged.num_draft_tokens, merged.num_drafts,
-                                             _costs_for(row, costs[cat], cfg.block_draft_len))
+            entry.acceptance = SpecMetrics.total(s.spec for ss in per_prompt.values() for s in ss)
+            entry.prediction = predict_row(entry.acceptance, _costs_for(row, costs[cat], cfg.block_draft_len))
         elif row.draft is None:
-            c = costs[cat]
-            entry["predicted"] = {"speedup": c["target_hp_step_s_alone"] / c[f"target_{row.target}_step_s_alone"]}
-        cats[cat] = entry
-    res["categories"] = cats
+            t = costs[cat].times
+            entry.step_ratio = t[ForwardKey("target", "hp", alone=True)] / t[ForwardKey("target", row.target,
+                                                                                        alone=True)]
+        res.categories[cat] = entry
     if row.id in acceptance_samples:
         sets = {p.category: [] for p in prompts if p.kind == "content"}
         for p in prompts:
             if p.kind == "content":
                 sets[p.category].append(acceptance_samples[row.id][p.id])
-        per_set = {name: SpecMetrics.total(specs) for name, specs in sets.items()}
-        res["acceptance"] = {name: m.to_dict() for name, m in per_set.items()}
-        res["acceptance_all"] = SpecMetrics.total(per_set.values()).to_dict()
+        res.acceptance = {name: SpecMetrics.total(specs) for name, specs in sets.items()}
     return res
 
 
-def _add_speedups(rows: list[dict]):
-    """speedup = baseline latency / row latency per category; decode_speedup the same on TPOT; averages are the
-    mean over categories; same_tokens: the row produced the baseline-precision target's own tokens."""
-    base = next(r for r in rows if r["id"] == BASELINE)
+def _add_speedups(rows: list[RowResult]):
+    """speedup = baseline latency / row latency per category; decode_speedup the same on TPOT (the averages are
+    RowResult's properties); same_tokens_as: the row produced the baseline-precision target's own tokens."""
+    base = next(r for r in rows if r.id == BASELINE)
     own = {"hp": BASELINE, "w4": "b", "qad": QAD_ROW.id}
-    by_id = {r["id"]: r for r in rows}
+    by_id = {r.id: r for r in rows}
     for r in rows:
-        if r["status"] != "ok":
+        if not r.ok:
             continue
-        for cat, e in r["categories"].items():
-            b = base["categories"][cat]
-            e["speedup"] = b["latency_s"] / e["latency_s"]
-            e["decode_speedup"] = b["tpot_s"] / e["tpot_s"] if e["tpot_s"] > 0 else float("nan")
-            ref = by_id.get(own[r["target"]])
-            if ref is not None and ref["status"] == "ok" and r["id"] != ref["id"]:
-                e["same_tokens_as"] = {"row": ref["id"], "match": e["tokens"] == ref["categories"][cat]["tokens"]}
-        cats = list(r["categories"].values())
-        r["speedup_avg"] = sum(e["speedup"] for e in cats) / len(cats)
-        r["decode_speedup_avg"] = sum(e["decode_speedup"] for e in cats) / len(cats)
-        for key, avg_key in (("latency_s", "latency_avg_s"), ("ttft_s", "ttft_avg_s"), ("tpot_s", "tpot_avg_s"),
-                             ("tokens_per_s", "tokens_per_s_avg")):
-            r[avg_key] = sum(e[key] for e in cats) / len(cats)
-        preds = [e["predicted"]["speedup"] for e in cats if "predicted" in e]
-        if len(preds) == len(cats):
-            r["predicted_speedup_avg"] = sum(preds) / len(preds)
-    for r in rows:  # token ids were kept only for the comparison above
-        for e in r.get("categories", {}).values():
-            e.pop("tokens", None)
+        for cat, e in r.categories.items():
+            b = base.categories[cat].timing
+            e.speedup = b.latency_s / e.timing.latency_s
+            e.decode_speedup = b.tpot_s / e.timing.tpot_s if e.timing.tpot_s > 0 else float("nan")
+            ref = by_id.get(own[r.target])
+            if ref is not None and ref.ok and r.id != ref.id:
+                e.same_tokens_as = SameTokens(ref.id, e.tokens == ref.categories[cat].tokens)
 
 
-def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu",
-              log=print, qad_target=None, block_draft=None, quantized_block_draft=None) -> tuple[dict, list[Path]]:
+def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu", log=print,
+              qad_target=None, block_draft=None, quantized_block_draft=None) -> tuple[BenchResults, list[Path]]:
     """The whole bench as one call (`specquant bench` and `specquant demo` only parse and call this): check every
     input, claim the output directory, quantize what was not given, measure every row, write the report.
     block_draft: a block drafter (DFlashDraftModel) for rows (f)-(h); its W4 is GPTQ'd into out/cache when not
@@ -345,5 +320,5 @@ def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.sampling.seed)
     results = run_ablation(cfg, paths, torch.device(device))
-    results["quantized"] = quantized
+    results.quantized = quantized
     return results, write_report(results, Path(cfg.out))

@@ -45,7 +45,8 @@ def demo_config(out: str, quick: bool) -> BenchConfig:
 
 def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-target", draft: str = "tiny-draft",
              log=print, block_draft: str | None = "tiny-block-draft", **overrides) -> dict:
-    """The demo as a function (the tests call it on small random checkpoints); returns the results dict."""
+    """The demo as a function (the tests call it on small random checkpoints); returns results.json's content with
+    the quality gate's verdict added ("quality_gate")."""
     from specquant.bench.ablation import run_bench
     from specquant.bench.report import summary_table
 
@@ -63,13 +64,13 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
     log("[2/3] quality gate: the W4 target against the fp32 target (specquant gate's kl gate)")
     from specquant.gate.kl import demo_gate
 
-    w4 = results["quantized"]["quantized_target"]
-    results["quality_gate"] = demo_gate(w4["path"] if isinstance(w4, dict) else w4, target, quick, log)
+    w4 = results.quantized["quantized_target"]
+    gate = demo_gate(w4["path"] if isinstance(w4, dict) else w4, target, quick, log)
     log(f"[3/3] done in {time.perf_counter() - t0:.0f} s\n")
     log(summary_table(results))
     log(f"\nreport: {Path(cfg.out) / 'report.md'}; numbers: {Path(cfg.out) / 'results.json'}; plots: "
         + ", ".join(f.name for f in files if f.suffix == ".png"))
-    return results
+    return {**results.to_json(), "quality_gate": gate}
 
 
 def run(args) -> int:

@@ -1,5 +1,6 @@
-"""Timing shared by `specquant bench` and benchmarks/*.py: runners (one generate call -> one sample), the one
-interleaved timing loop (`interleaved`), forward probes, summaries, the environment.
+"""Timing shared by `specquant bench` and benchmarks/*.py: runners (one generate call -> one Sample), the one
+interleaved timing loop (`interleaved`), forward probes (named by ForwardKey in bench), summaries (Timing), the
+environment.
 
 A sample is one whole generate call, fixed length (EOS ignored), timed around the call after a device sync:
 latency_s is end to end (cache setup, prefill, decode); ttft_s is the time to the first new token (the prefill
@@ -10,6 +11,7 @@ tokens_per_s as decode.generate defines them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import platform
 import statistics
@@ -21,6 +23,7 @@ import torch
 
 from specquant.decode.generate import generate, tokens_per_s, tpot_s
 from specquant.decode.sampling import SamplingConfig
+from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.device import sync
 
 
@@ -47,16 +50,31 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def sample_from(latency: float, ttft: float, new_tokens: int, tokens: list[int], spec=None) -> dict:
-    """One timed request. spec: its SpecMetrics (speculative rows), kept as an object until the report."""
-    return {"latency_s": latency, "ttft_s": ttft, "tpot_s": tpot_s(new_tokens, latency, ttft), "new_tokens": new_tokens,
-            "tokens_per_s": tokens_per_s(new_tokens, latency), "tokens": tokens, "spec": spec}
+@dataclass(frozen=True)
+class Sample:
+    """One timed request: its times, its new token ids, and its acceptance counters (SpecMetrics, speculative
+    runners only; None otherwise)."""
+
+    latency_s: float
+    ttft_s: float
+    tpot_s: float
+    new_tokens: int
+    tokens_per_s: float
+    tokens: list[int]
+    spec: SpecMetrics | None = None
+
+
+def sample_from(latency: float, ttft: float, new_tokens: int, tokens: list[int], spec=None,
+                decode_tokens: int | None = None) -> Sample:
+    """The Sample of one request; decode_tokens: the tokens TPOT counts (default new_tokens)."""
+    return Sample(latency, ttft, tpot_s(new_tokens if decode_tokens is None else decode_tokens, latency, ttft),
+                  new_tokens, tokens_per_s(new_tokens, latency), tokens, spec)
 
 
 def ours_target_only(model, max_new_tokens: int, sampling: SamplingConfig):
     """A runner: prompt_ids [1, L] -> sample, for the target decoding alone."""
 
-    def run(prompt_ids: torch.Tensor) -> dict:
+    def run(prompt_ids: torch.Tensor) -> Sample:
         sync(prompt_ids.device)
         t0 = time.perf_counter()
         res = generate(model, prompt_ids, max_new_tokens, sampling, stop_on_eos=False)
@@ -70,7 +88,7 @@ def ours_target_only(model, max_new_tokens: int, sampling: SamplingConfig):
 def ours_speculative(engine, max_new_tokens: int, sampling: SamplingConfig):
     """A runner for SpecEngine; the sample carries this request's acceptance counters (a SpecMetrics)."""
 
-    def run(prompt_ids: torch.Tensor) -> dict:
+    def run(prompt_ids: torch.Tensor) -> Sample:
         sync(prompt_ids.device)
         t0 = time.perf_counter()
         res = engine.generate(prompt_ids, max_new_tokens, sampling, stop_on_eos=False)
@@ -113,7 +131,7 @@ def hf_assisted(hf_target, hf_draft, max_new_tokens: int, draft_len: int, sampli
     if not sampling.greedy:
         kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)  # 0 = off in both
 
-    def run(prompt_ids: torch.Tensor) -> dict:
+    def run(prompt_ids: torch.Tensor) -> Sample:
         torch.manual_seed(sampling.seed)
         clock = _FirstTokenClock()
         sync(prompt_ids.device)
@@ -125,16 +143,14 @@ def hf_assisted(hf_target, hf_draft, max_new_tokens: int, draft_len: int, sampli
         new = out[0, prompt_ids.shape[1]:].tolist()
         ttft = (clock.first_time or t1) - t0
         # its first block carried several tokens: TPOT over the rest
-        s = sample_from(t1 - t0, ttft, len(new), new)
-        s["tpot_s"] = tpot_s(len(new) - max(clock.first_count, 1) + 1, t1 - t0, ttft)
-        return s
+        return sample_from(t1 - t0, ttft, len(new), new, decode_tokens=len(new) - max(clock.first_count, 1) + 1)
 
     return run
 
 
-def interleaved(runners: dict[str, Callable[[torch.Tensor], dict]], prompts, repetitions: int, warmup: int,
+def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, repetitions: int, warmup: int,
                 device: torch.device, on_error: Callable[[str, Exception], bool] | None = None,
-                desc: str = "latency") -> dict[str, dict[str, list[dict]]]:
+                desc: str = "latency") -> dict[str, dict[str, list[Sample]]]:
     """{runner name: {prompt id: samples}} from `repetitions` rounds, the first `warmup` of them untimed.
 
     Interleaved: each round runs every runner on a prompt before the next prompt, so load from other processes
@@ -226,6 +242,31 @@ WARM_BURST = 3
 
 
 @dataclass(frozen=True)
+class ForwardKey:
+    """Names one forward that `specquant bench` times (a key of forward_times' probes and of its costs): the model
+    by role and precision, the call, and how it is timed. `name` is its key in results.json.
+
+    role: "target", "draft" (the LM draft) or "block" (a block drafter); precision: "hp", "w4" or "qad";
+    call: "step" (one token; a block drafter's propose), "verify" (draft_len + 1 tokens), "verify_block"
+    (block_draft_len + 1 tokens) or "accept" (a block drafter projecting `rows` rows of target features);
+    window: with the draft's sliding window; alone: timed after its own step (WARM_BURST), as a loop that runs only
+    this model sees it."""
+
+    role: str
+    precision: str
+    call: str = "step"
+    rows: int = 0
+    window: bool = False
+    alone: bool = False
+
+    @property
+    def name(self) -> str:
+        rows = self.rows if self.call == "accept" else ""
+        return (f"{self.role}_{self.precision}_{self.call}{rows}_s" + ("_window" if self.window else "")
+                + ("_alone" if self.alone else ""))
+
+
+@dataclass(frozen=True)
 class Probe:
     """One forward to time: `model` taking n_tokens new tokens after the context; window = a sliding window for
     the draft (None = the checkpoint's own attention, as SpecEngine sets it up); burst = calls in a row per
@@ -239,8 +280,9 @@ class Probe:
 
 
 @torch.no_grad()
-def forward_times(probes: dict[str, Probe], context: int, reps: int) -> dict[str, float]:
-    """Median seconds of each probe's cached forward after `context` earlier tokens.
+def forward_times(probes: dict, context: int, reps: int) -> dict:
+    """Median seconds of each probe's cached forward after `context` earlier tokens: {key: Probe} -> {key: seconds},
+    any hashable key (bench uses ForwardKey).
 
     Interleaved: every repetition times every probe once, so background load hits them alike and ratios between
     them (c, verify ratio, window vs full) are taken side by side. Each (model, window) gets its own prefilled
@@ -264,7 +306,7 @@ def forward_times(probes: dict[str, Probe], context: int, reps: int) -> dict[str
         model = instances[(id(p.model), p.window)]
         x = torch.randint(0, model.config.vocab_size, (1, p.n_tokens), generator=gen)
         calls[name] = (model, x.to(model.model.embed_tokens.weight.device))
-    samples: dict[str, list[float]] = {name: [] for name in probes}
+    samples: dict = {name: [] for name in probes}
     for rep in range(2 + reps):  # two untimed rounds first
         for name, (model, x) in calls.items():
             for _ in range(probes[name].burst - 1):
@@ -284,10 +326,17 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-TIMING_KEYS = ("latency_s", "ttft_s", "tpot_s", "tokens_per_s")
+@dataclass(frozen=True)
+class Timing:
+    """A runner's times over a set of prompts (summarize)."""
+
+    latency_s: float
+    ttft_s: float
+    tpot_s: float
+    tokens_per_s: float
 
 
-def summarize(per_prompt: dict[str, list[dict]]) -> dict:
-    """{prompt id: samples} -> each timing key as the median over a prompt's runs, then the mean over prompts."""
-    return {key: sum(median([s[key] for s in ss]) for ss in per_prompt.values()) / len(per_prompt)
-            for key in TIMING_KEYS}
+def summarize(per_prompt: dict[str, list[Sample]]) -> Timing:
+    """{prompt id: samples} -> each time as the median over a prompt's runs, then the mean over prompts."""
+    return Timing(**{f.name: sum(median([getattr(s, f.name) for s in ss]) for ss in per_prompt.values())
+                     / len(per_prompt) for f in dataclasses.fields(Timing)})

@@ -1,6 +1,7 @@
 """Outputs of a bench run: results.json, report.md (tables), three PNG plots, each written atomically
-(util.files.atomic_write), and the one-line JSON summary. `consistency_problems` re-derives the report's ratios
-from its own raw numbers (the tests use it, and `bench` refuses to write a report that fails it)."""
+(util.files.atomic_write), and the one-line JSON summary. Everything here reads the run's objects (bench/results.py):
+the derived numbers (mean acceptance length, averages, predictions) come from the objects that define them, and
+results.json is BenchResults.to_json()."""
 
 from __future__ import annotations
 
@@ -8,61 +9,10 @@ import json
 import math
 from pathlib import Path
 
-from specquant.errors import SpecquantError
+from specquant.bench.results import BenchResults, RowResult
 from specquant.util.files import atomic_write
 
 FILES = ("results.json", "report.md", "speedup.png", "acceptance_by_position.png", "drafter_latency.png")
-REL_TOL = 1e-9
-
-
-def ok_rows(results: dict) -> list[dict]:
-    return [r for r in results["rows"] if r["status"] == "ok"]
-
-
-def consistency_problems(results: dict) -> list[str]:
-    """Every way the report could disagree with itself; [] when consistent."""
-    problems = []
-    rows = {r["id"]: r for r in results["rows"]}
-    base = rows.get("a")
-    if base is None or base["status"] != "ok":
-        return ["baseline row (a) is missing or was skipped"]
-
-    def close(x, y):
-        return math.isclose(x, y, rel_tol=REL_TOL, abs_tol=1e-12)
-
-    for r in results["rows"]:
-        if r["status"] == "skipped":
-            if not r.get("reason"):
-                problems.append(f"row {r['id']} is skipped without a reason")
-            continue
-        if set(r["categories"]) != set(base["categories"]):
-            problems.append(f"row {r['id']} covers categories {sorted(r['categories'])}, baseline "
-                            f"{sorted(base['categories'])}")
-            continue
-        for cat, e in r["categories"].items():
-            want = base["categories"][cat]["latency_s"] / e["latency_s"]
-            if not close(e["speedup"], want):
-                problems.append(f"row {r['id']} {cat}: speedup {e['speedup']} != baseline latency / latency {want}")
-            acc = e.get("acceptance")
-            if acc:
-                mal = 1 + acc["num_accepted_tokens"] / acc["num_drafts"] if acc["num_drafts"] else 0.0
-                if not close(acc["mean_acceptance_length"], mal):
-                    problems.append(f"row {r['id']} {cat}: mean acceptance length {acc['mean_acceptance_length']} "
-                                    f"!= 1 + num_accepted_tokens/num_drafts {mal}")
-        avg = sum(e["speedup"] for e in r["categories"].values()) / len(r["categories"])
-        if not close(r["speedup_avg"], avg):
-            problems.append(f"row {r['id']}: speedup_avg {r['speedup_avg']} != mean of category speedups {avg}")
-        for name, acc in {**r.get("acceptance", {}), "all": r.get("acceptance_all")}.items():
-            if not acc:
-                continue
-            mal = 1 + acc["num_accepted_tokens"] / acc["num_drafts"] if acc["num_drafts"] else 0.0
-            if not close(acc["mean_acceptance_length"], mal):
-                problems.append(f"row {r['id']} {name}: mean acceptance length {acc['mean_acceptance_length']} "
-                                f"!= 1 + num_accepted_tokens/num_drafts {mal}")
-            if sum(acc["histogram"]) != acc["num_drafts"] or sum(a * n for a, n in enumerate(acc["histogram"])) != \
-                    acc["num_accepted_tokens"]:
-                problems.append(f"row {r['id']} {name}: histogram disagrees with num_drafts/num_accepted_tokens")
-    return problems
 
 
 def _ms(x) -> str:
@@ -77,120 +27,117 @@ def _f(x, digits=2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def content_sets(results: dict) -> list[str]:
+def content_sets(results: BenchResults) -> list[str]:
     seen = []
-    for p in results["prompts"]:
-        if p["kind"] == "content" and p["category"] not in seen:
-            seen.append(p["category"])
+    for p in results.prompts:
+        if p.kind == "content" and p.category not in seen:
+            seen.append(p.category)
     return seen
 
 
-def summary_table(results: dict) -> str:
+def summary_table(results: BenchResults) -> str:
     """The main table (markdown): per row, averages over length categories, speedup per category, acceptance."""
-    cats, sets = list(results["lengths"]), content_sets(results)
+    cats, sets = list(results.lengths), content_sets(results)
     head = (["row", "TTFT ms", "TPOT ms", "latency ms", "tok/s"] + [f"speedup {c}" for c in cats]
             + ["speedup avg", "predicted avg"] + [f"MAL {s}" for s in sets])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results["rows"]:
-        label = f"({r['id']}) {r['name']}"
-        if r["status"] != "ok":
-            lines.append(f"| {label} | skipped: {r['reason']} |" + " |" * (len(head) - 2))
+    for r in results.rows:
+        label = f"({r.id}) {r.name}"
+        if not r.ok:
+            lines.append(f"| {label} | skipped: {r.reason} |" + " |" * (len(head) - 2))
             continue
-        cells = [label, _ms(r["ttft_avg_s"]), _ms(r["tpot_avg_s"]), _ms(r["latency_avg_s"]),
-                 _f(r["tokens_per_s_avg"], 1)]
-        cells += [_x(r["categories"][c]["speedup"]) if c in r["categories"] else "-" for c in cats]
-        cells += [_x(r["speedup_avg"]), _x(r.get("predicted_speedup_avg"))]
-        acc = r.get("acceptance", {})
-        cells += [_f(acc[s]["mean_acceptance_length"]) if s in acc else "-" for s in sets]
+        avg = r.timing_avg
+        cells = [label, _ms(avg.ttft_s), _ms(avg.tpot_s), _ms(avg.latency_s), _f(avg.tokens_per_s, 1)]
+        cells += [_x(r.categories[c].speedup) if c in r.categories else "-" for c in cats]
+        cells += [_x(r.speedup_avg), _x(r.predicted_speedup_avg)]
+        acc = r.acceptance or {}
+        cells += [_f(acc[s].mean_acceptance_length) if s in acc else "-" for s in sets]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def detail_table(results: dict) -> str:
+def detail_table(results: BenchResults) -> str:
     head = ["row", "category", "prompt tokens", "latency ms", "TTFT ms", "TPOT ms", "speedup", "decode speedup",
             "predicted", "Leviathan", "MAL", "alpha", "k", "c", "verify ratio", "accept ratio", "same tokens as"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in ok_rows(results):
-        for cat, e in r["categories"].items():
-            p = e.get("predicted", {})
-            acc = e.get("acceptance")
-            same = e.get("same_tokens_as")
+    for r in results.ok_rows():
+        for cat, e in r.categories.items():
+            p, acc, same = e.prediction, e.acceptance, e.same_tokens_as
             lines.append("| " + " | ".join([
-                f"({r['id']})", cat, str(results["lengths"][cat]), _ms(e["latency_s"]), _ms(e["ttft_s"]),
-                _ms(e["tpot_s"]), _x(e["speedup"]), _x(e["decode_speedup"]), _x(p.get("speedup")),
-                _x(p.get("leviathan_speedup")), _f(acc["mean_acceptance_length"]) if acc else "-",
-                _f(p.get("alpha")), _f(p.get("k"), 1),
-                _f(p.get("c"), 3), _f(p.get("verify_ratio")), _f(p.get("accept_ratio")),
-                f"({same['row']}): {'yes' if same['match'] else 'no'}" if same else "-"]) + " |")
+                f"({r.id})", cat, str(results.lengths[cat]), _ms(e.timing.latency_s), _ms(e.timing.ttft_s),
+                _ms(e.timing.tpot_s), _x(e.speedup), _x(e.decode_speedup), _x(e.predicted_speedup),
+                _x(p and p.leviathan_speedup), _f(acc.mean_acceptance_length) if acc is not None else "-",
+                _f(p and p.alpha), _f(p and p.k, 1),
+                _f(p and p.c, 3), _f(p and p.verify_ratio), _f(p and p.accept_ratio),
+                f"({same.row}): {'yes' if same.match else 'no'}" if same else "-"]) + " |")
     return "\n".join(lines)
 
 
-def _acceptance_lines(rows: list[dict], key: str) -> tuple[int, list[str]]:
-    """Markdown rows of per-position acceptance and MAL for `rows`' `key` entry (acceptance_all or
-    acceptance_whole_block); returns (the longest k, the lines)."""
-    k = max(len(r[key]["acceptance_rate_per_pos"]) for r in rows)
-    head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL (all sets)" if key == "acceptance_all" else "MAL"]
+def _acceptance_lines(rows: list[RowResult], whole_block: bool) -> tuple[int, list[str]]:
+    """Markdown rows of per-position acceptance and MAL for `rows`' merged content-set acceptance, or (whole_block)
+    their whole-block acceptance; returns (the longest k, the lines)."""
+    accs = [(r, r.acceptance_whole_block if whole_block else r.acceptance_all) for r in rows]
+    k = max(len(acc.acceptance_rate_per_pos) for _, acc in accs)
+    head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL" if whole_block else "MAL (all sets)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        acc = r[key]
-        rates = acc["acceptance_rate_per_pos"]
-        lines.append("| " + " | ".join([f"({r['id']}) {r['name']}"] + [_f(x) for x in rates]
-                                        + ["-"] * (k - len(rates)) + [_f(acc["mean_acceptance_length"])]) + " |")
+    for r, acc in accs:
+        rates = acc.acceptance_rate_per_pos
+        lines.append("| " + " | ".join([f"({r.id}) {r.name}"] + [_f(x) for x in rates]
+                                        + ["-"] * (k - len(rates)) + [_f(acc.mean_acceptance_length)]) + " |")
     return k, lines
 
 
-def position_table(results: dict) -> str:
-    spec = [r for r in ok_rows(results) if r.get("acceptance_all")]
+def position_table(results: BenchResults) -> str:
+    spec = [r for r in results.ok_rows() if r.acceptance is not None]
     if not spec:
         return "(no speculative row ran on the content sets)"
-    return "\n".join(_acceptance_lines(spec, "acceptance_all")[1])
+    return "\n".join(_acceptance_lines(spec, whole_block=False)[1])
 
 
-def whole_block_table(results: dict) -> str:
+def whole_block_table(results: BenchResults) -> str:
     """Block rows with the whole block verified (k = block_size - 1): acceptance at every block position."""
-    rows = [r for r in ok_rows(results) if r.get("acceptance_whole_block")]
+    rows = [r for r in results.ok_rows() if r.acceptance_whole_block is not None]
     if not rows:
         return ""
-    k, lines = _acceptance_lines(rows, "acceptance_whole_block")
+    k, lines = _acceptance_lines(rows, whole_block=True)
     return ("\n\n## Block drafter, whole block verified\n\nThe block rows again on the content sets with k = "
             f"block_size - 1 = {k} (untimed, greedy): acceptance at every block position. The timed rows use "
-            f"k = {results['config']['block_draft_len']}.\n\n" + "\n".join(lines))
+            f"k = {results.config.block_draft_len}.\n\n" + "\n".join(lines))
 
 
-def step_costs(row: dict, cat: str) -> dict | None:
-    """A speculative row's cost per verify step in units of its target's one-token step, from the predicted
-    entry: draft (forwards x c per forward) + verify + the block drafter's accept, and per emitted token
-    (step / MAL)."""
-    p = row["categories"].get(cat, {}).get("predicted")
-    if not p or "verify_ratio" not in p:
+def step_costs(row: RowResult, cat: str) -> dict | None:
+    """A speculative row's cost per verify step in units of its target's one-token step, from its prediction:
+    draft (forwards x c per forward) + verify + the block drafter's accept, and per emitted token (step / MAL)."""
+    e = row.categories.get(cat)
+    p = e.prediction if e is not None else None
+    if p is None:
         return None
-    draft = p["draft_forwards_per_step"] * p["c_forward"]
-    accept = p.get("accept_ratio", 0.0)
-    step = draft + p["verify_ratio"] + accept
-    return {"k": p["k"], "forwards": p["draft_forwards_per_step"], "c_forward": p["c_forward"], "draft": draft,
-            "verify": p["verify_ratio"], "accept": accept, "step": step, "mal": p["expected_tokens"],
-            "per_token": step / p["expected_tokens"]}
+    draft = p.draft_forwards_per_step * p.c_forward
+    step = draft + p.verify_ratio + p.accept_ratio
+    return {"k": p.k, "forwards": p.draft_forwards_per_step, "c_forward": p.c_forward, "draft": draft,
+            "verify": p.verify_ratio, "accept": p.accept_ratio, "step": step, "mal": p.expected_tokens,
+            "per_token": step / p.expected_tokens}
 
 
-def drafter_verdict(results: dict) -> str:
+def drafter_verdict(results: BenchResults) -> str:
     """Which drafter kind wins in this run (best tok/s row of each) and why, from the per-step costs."""
-    spec = [r for r in ok_rows(results) if r.get("drafter") and r["impl"] == "specquant"]
+    spec = [r for r in results.ok_rows() if r.drafter and r.impl == "specquant"]
     best = {}
     for kind in ("lm", "block"):
-        rows = [r for r in spec if r["drafter"] == kind]
+        rows = [r for r in spec if r.drafter == kind]
         if rows:
-            best[kind] = max(rows, key=lambda r: r["tokens_per_s_avg"])
+            best[kind] = max(rows, key=lambda r: r.timing_avg.tokens_per_s)
     if len(best) < 2:
         return ""
-    cats = list(results["lengths"])
+    cats = list(results.lengths)
     cat = "medium" if "medium" in cats else cats[len(cats) // 2]
-    base = next(r for r in results["rows"] if r["id"] == "a")
+    base = results.row("a")
     lines = []
     for kind, r in best.items():
         c = step_costs(r, cat)
         what = "LM drafter" if kind == "lm" else "block drafter"
-        line = (f"- {what}: best row ({r['id']}) {r['name']}, {r['tokens_per_s_avg']:.1f} tok/s "
-                f"({r['tokens_per_s_avg'] / base['tokens_per_s_avg']:.2f}x row (a))")
+        line = (f"- {what}: best row ({r.id}) {r.name}, {r.timing_avg.tokens_per_s:.1f} tok/s "
+                f"({r.timing_avg.tokens_per_s / base.timing_avg.tokens_per_s:.2f}x row (a))")
         if c:
             line += (f"; per step at the {cat} context, in target one-token steps: {c['forwards']:.0f} draft "
                      f"forward{'s' if c['forwards'] != 1 else ''} x {c['c_forward']:.2f} = {c['draft']:.2f} + verify "
@@ -200,7 +147,7 @@ def drafter_verdict(results: dict) -> str:
                      f"{c['per_token']:.2f} per token")
         lines.append(line)
     lm, blk = best["lm"], best["block"]
-    winner, loser = (blk, lm) if blk["tokens_per_s_avg"] > lm["tokens_per_s_avg"] else (lm, blk)
+    winner, loser = (blk, lm) if blk.timing_avg.tokens_per_s > lm.timing_avg.tokens_per_s else (lm, blk)
     cw, cl = step_costs(winner, cat), step_costs(loser, cat)
     why = ""
     if cw and cl:
@@ -210,36 +157,36 @@ def drafter_verdict(results: dict) -> str:
                f"emits {more} tokens per step (MAL {cw['mal']:.2f} vs {cl['mal']:.2f}): {cw['per_token']:.2f} vs "
                f"{cl['per_token']:.2f} target steps per token.")
         if cw["per_token"] > cl["per_token"]:
-            gap = winner["tokens_per_s_avg"] / loser["tokens_per_s_avg"] - 1
+            gap = winner.timing_avg.tokens_per_s / loser.timing_avg.tokens_per_s - 1
             why += (f" By those costs the other drafter is cheaper per token there, so this {gap:.1%} lead comes "
                     "from the other length categories or from run-to-run noise.")
     kind = "block drafter" if winner is blk else "LM drafter"
     return ("\n\n## Which drafter wins\n\n" + "\n".join(lines)
-            + f"\n\nThe {kind} wins in this run: ({winner['id']}) {winner['tokens_per_s_avg']:.1f} vs "
-              f"({loser['id']}) {loser['tokens_per_s_avg']:.1f} tok/s.{why}")
+            + f"\n\nThe {kind} wins in this run: ({winner.id}) {winner.timing_avg.tokens_per_s:.1f} vs "
+              f"({loser.id}) {loser.timing_avg.tokens_per_s:.1f} tok/s.{why}")
 
 
-def _w4_activations(results: dict) -> str:
+def _w4_activations(results: BenchResults) -> str:
     """What the W4 rows' 4-bit layers ran on, when it is not float throughout (W4A8: docs/SHAPES.md)."""
-    act = results.get("w4_activations", {})
+    act = results.w4_activations
     parts = [f"W4 {role}s on int8" for role in ("target", "draft") if act.get(role) == "int8"]
     return f" ({', '.join(parts)} activations: W4A8)" if parts else ""
 
 
-def markdown(results: dict) -> str:
-    cfg, env = results["config"], results["environment"]
-    lengths = ", ".join(f"{c} {n}" for c, n in results["lengths"].items())
-    quant = results.get("quantized", {})
+def markdown(results: BenchResults) -> str:
+    cfg, env = results.config, results.environment
+    lengths = ", ".join(f"{c} {n}" for c, n in results.lengths.items())
+    quant = results.quantized or {}
     qlines = "\n".join(f"- {role}: `{q['path']}` ({q['method']}, "
                        f"{'produced in this run' if q['produced'] else 'reused from the cache'})"
                        if isinstance(q, dict) else f"- {role}: `{q}` (given)" for role, q in quant.items())
     return f"""# specquant bench
 
-Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['dtype']} activations{_w4_activations(results)};
-{'greedy' if cfg['sampling']['temperature'] == 0 else f"temperature {cfg['sampling']['temperature']}"}; {cfg['max_new_tokens']} new tokens
-per prompt with EOS ignored; {cfg['warmup']} warm-up + {cfg['runs']} timed runs per prompt and row, interleaved;
-k = {cfg['spec']['draft_len']} draft tokens per step (block drafter rows: k = {cfg.get('block_draft_len')}, one drafter
-forward per step); draft window {cfg['spec']['draft_window']} (rows e, h).
+Target `{results.models['target']}`, draft `{results.models['draft']}`; {cfg.dtype} activations{_w4_activations(results)};
+{'greedy' if cfg.sampling.temperature == 0 else f"temperature {cfg.sampling.temperature}"}; {cfg.max_new_tokens} new tokens
+per prompt with EOS ignored; {cfg.warmup} warm-up + {cfg.runs} timed runs per prompt and row, interleaved;
+k = {cfg.spec.draft_len} draft tokens per step (block drafter rows: k = {cfg.block_draft_len}, one drafter
+forward per step); draft window {cfg.spec.draft_window} (rows e, h).
 Prompt lengths (target tokens): {lengths}.
 
 {qlines}
@@ -281,7 +228,7 @@ Plots: `speedup.png`, `acceptance_by_position.png`, `drafter_latency.png`. All n
 """
 
 
-def _plots(results: dict) -> dict[str, bytes]:
+def _plots(results: BenchResults) -> dict[str, bytes]:
     import io
 
     import matplotlib
@@ -297,30 +244,31 @@ def _plots(results: dict) -> dict[str, bytes]:
         plt.close(fig)
         out[name] = buf.getvalue()
 
-    rows = ok_rows(results)
-    cats = list(results["lengths"])
+    rows = results.ok_rows()
+    cats = list(results.lengths)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / (len(cats) + 1)
     for j, cat in enumerate(cats + ["avg"]):
-        values = [r["speedup_avg"] if cat == "avg" else r["categories"][cat]["speedup"] for r in rows]
+        values = [r.speedup_avg if cat == "avg" else r.categories[cat].speedup for r in rows]
         ax.bar([i + j * width for i in range(len(rows))], values, width, label=f"measured {cat}")
-    predicted = [r.get("predicted_speedup_avg", float("nan")) for r in rows]
+    predicted = [float("nan") if r.predicted_speedup_avg is None else r.predicted_speedup_avg for r in rows]
     ax.scatter([i + len(cats) * width for i in range(len(rows))], predicted, color="black", marker="_", s=400,
                zorder=3, label="predicted avg (decode)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([i + len(cats) * width / 2 for i in range(len(rows))])
-    ax.set_xticklabels([f"({r['id']})" for r in rows])
+    ax.set_xticklabels([f"({r.id})" for r in rows])
     ax.set_ylabel("speedup vs (a)")
     ax.set_title("End-to-end speedup per row and length category")
     ax.legend(fontsize=8)
     save(fig, "speedup.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    rates_of = {r.id: r.acceptance_all.acceptance_rate_per_pos if r.acceptance is not None else [] for r in rows}
     for r in rows:
-        rates = (r.get("acceptance_all") or {}).get("acceptance_rate_per_pos")
+        rates = rates_of[r.id]
         if rates:
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"({r['id']}) {r['name']}")
-    longest = max((len((r.get("acceptance_all") or {}).get("acceptance_rate_per_pos") or []) for r in rows), default=0)
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"({r.id}) {r.name}")
+    longest = max((len(rates) for rates in rates_of.values()), default=0)
     ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / steps (cumulative)")
@@ -330,7 +278,7 @@ def _plots(results: dict) -> dict[str, bytes]:
         ax.legend(fontsize=8)
     save(fig, "acceptance_by_position.png")
 
-    curve = results["draft_latency"]
+    curve = results.draft_latency
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(curve["contexts"], [t * 1e3 for t in curve["full_s"]], marker="o", label="full attention")
     ax.plot(curve["contexts"], [t * 1e3 for t in curve["window_s"]], marker="s",
@@ -355,12 +303,9 @@ def _finite(obj):
     return obj
 
 
-def write_report(results: dict, out: Path) -> list[Path]:
+def write_report(results: BenchResults, out: Path) -> list[Path]:
     """Write every output file into `out` (created if needed); returns their paths."""
-    problems = consistency_problems(results)
-    if problems:  # an error, not an assert: the check must survive python -O
-        raise SpecquantError("the report disagrees with itself, nothing written: " + "; ".join(problems))
-    files = {"results.json": (json.dumps(_finite(results), indent=1) + "\n").encode(),
+    files = {"results.json": (json.dumps(_finite(results.to_json()), indent=1) + "\n").encode(),
              "report.md": markdown(results).encode(), **_plots(results)}
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -370,18 +315,17 @@ def write_report(results: dict, out: Path) -> list[Path]:
     return written
 
 
-def summary(results: dict, files) -> dict:
+def summary(results: BenchResults, files) -> dict:
     """The one JSON line `specquant bench --json` prints: per row, averages, speedups and acceptance."""
     rows = []
-    for r in results["rows"]:
-        row = {"id": r["id"], "name": r["name"], "status": r["status"]}
-        if r["status"] == "ok":
-            row.update(latency_avg_s=r["latency_avg_s"], speedup_avg=r["speedup_avg"],
-                       speedups={c: e["speedup"] for c, e in r["categories"].items()},
-                       predicted_speedup_avg=r.get("predicted_speedup_avg"),
-                       mean_acceptance_length={s: a["mean_acceptance_length"]
-                                               for s, a in r.get("acceptance", {}).items()})
+    for r in results.rows:
+        row = {"id": r.id, "name": r.name, "status": r.status}
+        if r.ok:
+            row.update(latency_avg_s=r.timing_avg.latency_s, speedup_avg=r.speedup_avg,
+                       speedups={c: e.speedup for c, e in r.categories.items()},
+                       predicted_speedup_avg=r.predicted_speedup_avg,
+                       mean_acceptance_length={s: a.mean_acceptance_length for s, a in (r.acceptance or {}).items()})
         else:
-            row["reason"] = r["reason"]
+            row["reason"] = r.reason
         rows.append(row)
     return {"benchmark": "bench", "out": str(Path(files[0]).parent), "files": [str(f) for f in files], "rows": rows}

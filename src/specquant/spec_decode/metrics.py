@@ -5,14 +5,14 @@ num_accepted_tokens: draft tokens kept; num_accepted_tokens_per_pos[i]: drafts w
 was kept — cumulative, so num_accepted_tokens_per_pos[i] / num_drafts ≈ alpha^(i+1) for i.i.d. acceptance.
 Derived as vLLM derives them: mean acceptance length = 1 + num_accepted_tokens / num_drafts (tokens emitted per
 verify step, the recovered or bonus token included); acceptance rate = num_accepted_tokens / num_draft_tokens.
-Our addition: histogram[a] = drafts that accepted exactly a tokens (the Leviathan prediction uses it).
+These properties are the one definition of both: the engine's stats, bench's report, its JSON and its prediction
+(bench/predict.py's E) all read them from here.
+Our addition: histogram[a] = drafts that accepted exactly a tokens (the prediction weighs per-step costs by it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "histogram")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class SpecMetrics:
 
     @property
     def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step that carried a draft; 0.0 when none did."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     @property
@@ -84,11 +85,6 @@ class SpecMetrics:
         d.update(mean_acceptance_length=self.mean_acceptance_length, acceptance_rate=self.acceptance_rate,
                  acceptance_rate_per_pos=self.acceptance_rate_per_pos)
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SpecMetrics":
-        """Inverse of to_dict (derived rates are recomputed, not read)."""
-        return cls(**{k: list(d[k]) if isinstance(d[k], list) else d[k] for k in COUNTERS})
 
 
 def _grow(lst: list[int], n: int):
