@@ -181,8 +181,8 @@ def test_layer_types_are_validated_and_round_trip():
 def test_nothing_outside_model_names_the_kv_cache():
     """The seam: code outside model/ reaches caches through the Transformer's methods only."""
     src = Path(__file__).resolve().parent.parent / "src"
-    res = subprocess.run(["git", "grep", "-n", "--untracked", "-e", "KVCache", "-e", "self_attn.cache", "--", "."], cwd=src,
-                         capture_output=True, text=True, check=False)
+    res = subprocess.run(["git", "grep", "-n", "--untracked", "-e", "KVCache", "-e", "self_attn.cache", "--", "."],
+                         cwd=src, capture_output=True, text=True, check=False)
     if res.returncode > 1:
         pytest.skip(f"git grep unavailable: {res.stderr.strip()[:200]}")
     outside = [line for line in res.stdout.splitlines() if not line.startswith("specquant/model/")]

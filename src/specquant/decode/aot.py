@@ -15,11 +15,11 @@ This file knows nothing of what a cache holds: it goes through the Transformer's
 
 Staleness: the package file name is a hash of everything the compiled code depends on (`package_key`): the model
 config, every parameter / buffer name, shape and dtype (fused or not, quantized layouts), every module's settings
-(extra_repr: a W4 layer's backend and activations), the source of every module class in the model and of this file,
-torch's version, the step shape, the caches' own layouts (`Transformer.cache_layout`: every layer's kind,
-buffers and settings), and the thread count. Before keying,
-`settle` runs one eager step so that lazily prepared state (a W4 layer's kernel layout) exists in every process.
-Changing any of them looks up another file; nothing is ever invalidated in place. Files are written atomically.
+(extra_repr: a W4 layer's backend and activations), the source of every module class in the model, of its caches
+and of this file, torch's version, the step shape, the caches' own layouts (`Transformer.cache_layout`: every
+layer's cache kind, buffers and settings), and the thread count. Before keying, `settle` runs one eager step so
+that lazily prepared state (a W4 layer's kernel layout) exists in every process. Changing any of them looks up
+another file; nothing is ever invalidated in place. Files are written atomically.
 """
 
 from __future__ import annotations
