@@ -144,7 +144,7 @@ def measure_model(model: Transformer, device, context: int, new_tokens: int, max
     """Decode tokens/s and T-token step times (T = 1..max_t) through captured steps over one static cache."""
     stepper = GraphStepper(model, compile=compile)
     stepper.setup(1, context + new_tokens + max_t)
-    capacity = model.model.layers[0].self_attn.cache.capacity
+    capacity = model.cache_capacity()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=gen).to(device)
     t0 = time.perf_counter()

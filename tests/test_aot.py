@@ -76,7 +76,7 @@ def test_packaged_step_matches_eager(cache_dir):
     stepper = Stepper(model, aot="cached")
     logits, tokens = _step_logits(stepper, model)
     assert stepper.aot_steps, "the package built by the fixture was not found"
-    assert model.static_cache and model.model.layers[0].self_attn.cache.capacity == aot.MIN_CAPACITY
+    assert model.static_cache and model.cache_capacity() == aot.MIN_CAPACITY
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     # the same through generate, twice on one stepper (the second request reuses the loaded package and cache)
@@ -92,7 +92,7 @@ def test_package_reads_the_models_own_weights_and_cache(cache_dir):
     other.setup_cache(1, 1024, static=True)
     stepper = Stepper(other, aot="cached")
     logits, tokens = _step_logits(stepper, other)
-    assert stepper.aot_steps and other.model.layers[0].self_attn.cache.capacity == aot.MIN_CAPACITY
+    assert stepper.aot_steps and other.cache_capacity() == aot.MIN_CAPACITY
     ref_logits, ref_tokens = _step_logits(Stepper(other), other)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
@@ -133,7 +133,7 @@ def test_cached_mode_with_an_unloadable_package_warns_and_runs_eagerly(tmp_path,
     monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
     model = _model(0)
     need = PROMPT.shape[1] + 8
-    layout = {"batch": 1, "cache": model.cache_layout(aot.capacity_for(need, CFG["max_position_embeddings"]))}
+    layout = model.cache_layout(1, aot.capacity_for(need, CFG["max_position_embeddings"]), static=True)
     path = aot.package_path(aot.package_key(model, 1, True, layout))
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a zip archive")
@@ -176,13 +176,14 @@ def test_a_fresh_process_only_loads_the_package(cache_dir):
 
 def test_package_key_covers_what_the_compiled_code_depends_on(monkeypatch):
     model = _model(0)
-    layout = {"batch": 1, "cache": model.cache_layout(256)}
+    layout = model.cache_layout(1, 256, static=True)
     key = aot.package_key(model, 1, True, layout)
     assert aot.package_key(_model(3), 1, True, layout) == key  # weights are bound at load, not compiled in
     others = [aot.package_key(model, 2, True, layout), aot.package_key(model, 1, False, layout),
-              aot.package_key(model, 1, True, {"batch": 1, "cache": model.cache_layout(512)}),
-              aot.package_key(model, 1, True, {"batch": 1, "cache": model.cache_layout(256, window=8)}),
-              aot.package_key(model, 1, True, {"batch": 2, "cache": model.cache_layout(256)}),
+              aot.package_key(model, 1, True, model.cache_layout(1, 512, static=True)),
+              aot.package_key(model, 1, True, model.cache_layout(1, 256, window=8, static=True)),
+              aot.package_key(model, 1, True, model.cache_layout(2, 256, static=True)),
+              aot.package_key(model, 1, True, model.cache_layout(1, 256, dtype=torch.bfloat16, static=True)),
               aot.package_key(_model(0, rms_norm_eps=1e-5), 1, True, layout),  # config
               aot.package_key(Transformer(ModelConfig(**CFG)).eval(), 1, True, layout)]  # unfused layout
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # inductor bakes the thread count into kernels
@@ -247,7 +248,7 @@ def test_w4_activations_are_part_of_the_package_key():
     model = randomize_(Transformer(ModelConfig(**CFG)), 0).eval()
     quantize(model, QuantConfig(method="rtn", bits=4, group_size=32))
     fuse_projections(model)
-    layout = {"batch": 1, "cache": model.cache_layout(256)}
+    layout = model.cache_layout(1, 256, static=True)
     keys = set()
     for mode in ("float", "int8", "float"):
         set_w4_activations(model, mode)

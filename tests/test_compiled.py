@@ -56,11 +56,11 @@ def test_kv_cache_is_allocated_once_and_grown_only_when_needed():
     engine = SpecEngine(target, draft, SpecConfig(draft_len=3, draft_window=8))
     long_prompt = torch.randint(0, 80, (1, 40), generator=torch.Generator().manual_seed(4))
     first = engine.generate(long_prompt, 16, stop_on_eos=False).token_ids
-    caches = [m.model.layers[0].self_attn.cache for m in (target, draft)]
-    buffers = [(c.k.data_ptr(), c.v.data_ptr()) for c in caches]
+    caches = [m.caches() for m in (target, draft)]
+    buffers = [[b.data_ptr() for c in cs for b in c.buffers()] for cs in caches]
     short = engine.generate(long_prompt[:, :9], 16, stop_on_eos=False).token_ids  # fits: same buffers
-    assert [m.model.layers[0].self_attn.cache for m in (target, draft)] == caches
-    assert [(c.k.data_ptr(), c.v.data_ptr()) for c in caches] == buffers
+    assert all(a is b for cs, m in zip(caches, (target, draft)) for a, b in zip(cs, m.caches()))
+    assert [[b.data_ptr() for c in cs for b in c.buffers()] for cs in caches] == buffers
     assert engine.generate(long_prompt, 16, stop_on_eos=False).token_ids == first  # stale K/V never read
     target.clear_cache()
     draft.clear_cache()
@@ -68,10 +68,10 @@ def test_kv_cache_is_allocated_once_and_grown_only_when_needed():
         long_prompt[:, :9], 16, stop_on_eos=False).token_ids == short
     longer = torch.randint(0, 80, (1, 100), generator=torch.Generator().manual_seed(5))
     engine.generate(long_prompt, 16, stop_on_eos=False)
-    ring = draft.model.layers[0].self_attn.cache
+    ring = draft.caches()
     engine.generate(longer, 16, stop_on_eos=False)  # needs more positions: the target's cache grows
-    assert target.model.layers[0].self_attn.cache.capacity >= 100 + 16
-    assert draft.model.layers[0].self_attn.cache is ring  # the windowed draft's ring: one size for any length
+    assert target.cache_capacity() >= 100 + 16
+    assert all(a is b for a, b in zip(draft.caches(), ring))  # the windowed draft's ring: one size for any length
 
 
 CACHE_CHILD = r"""

@@ -67,7 +67,7 @@ def test_step_output_is_a_static_buffer(device):
     with torch.no_grad():
         stepper = GraphStepper(model)
         stepper.setup(1, 100)
-        assert model.rope_cos.shape[0] >= SEQ_ROUND and model.model.layers[0].self_attn.cache.capacity == SEQ_ROUND
+        assert model.rope_cos.shape[0] >= SEQ_ROUND and model.cache_capacity() == SEQ_ROUND
         tok = torch.tensor([[3, 4]], device=device)
         stepper(tok, 0, False)
         first = stepper(tok[:, :1], 2, True)

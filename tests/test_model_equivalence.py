@@ -184,7 +184,7 @@ def test_ring_cache_matches_masked_reference(windowed, window_reference, blocks)
     ids = tokens(2, 24, seed=7)
     max_block = 4
     ours.setup_cache(2, 24, max_block=max_block)
-    capacity = ours.model.layers[0].self_attn.cache.capacity
+    capacity = ours.cache_capacity()
     ours.clear_cache()
     assert capacity == WINDOW + max_block - 1 < 24 / 2  # a ring, not a full cache in disguise
     got = cached_logits(ours, ids, blocks, max_block=max_block)

@@ -5,19 +5,21 @@ more than a short request's decode), so it cannot pay in a fresh process. An AOT
 inductor code compiled into a shared library ahead of time (`torch.export` + `aoti_compile_and_package`): a later
 process only dlopens it (milliseconds), no tracing, no Python wrapper code.
 
-What a package holds: the graph of one step shape (T tokens, last_only) over a static KV cache of one capacity,
-for this process's thread count (inductor bakes the OpenMP thread count into its kernels). The weights and the KV
-cache buffers are NOT in it (`aot_inductor.package_constants_in_so=False`): at load the step is bound to the
+What a package holds: the graph of one step shape (T tokens, last_only) over the model's static caches of one
+capacity, for this process's thread count (inductor bakes the OpenMP thread count into its kernels). The weights
+and the cache buffers are NOT in it (`aot_inductor.package_constants_in_so=False`): at load the step is bound to the
 model's own tensors (`load_constants(user_managed=True)`: the library reads and writes them in place, no copy), so
 one package serves every checkpoint with the same layout, and the eager prefill and the compiled steps share one
 cache. Capacities are rounded up to a power of two (`capacity_for`) so few packages cover all request lengths.
+This file knows nothing of what a cache holds: it goes through the Transformer's cache methods only.
 
 Staleness: the package file name is a hash of everything the compiled code depends on (`package_key`): the model
 config, every parameter / buffer name, shape and dtype (fused or not, quantized layouts), every module's settings
-(extra_repr: a W4 layer's backend and activations), the source of every module class in the model and of this file,
-torch's version, the step shape, the cache's batch, capacity and window, and the thread count. Before keying,
-`settle` runs one eager step so that lazily prepared state (a W4 layer's kernel layout) exists in every process.
-Changing any of them looks up another file; nothing is ever invalidated in place. Files are written atomically.
+(extra_repr: a W4 layer's backend and activations), the source of every module class in the model, of its caches
+and of this file, torch's version, the step shape, the caches' own layouts (`Transformer.cache_layout`: every
+layer's cache kind, buffers and settings), and the thread count. Before keying, `settle` runs one eager step so
+that lazily prepared state (a W4 layer's kernel layout) exists in every process. Changing any of them looks up
+another file; nothing is ever invalidated in place. Files are written atomically.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from specquant.model.rope import apply_rope
 
 log = logging.getLogger(__name__)
 
-MIN_CAPACITY = 256  # smallest KV capacity a package is built for (requests of up to this many positions share it)
+MIN_CAPACITY = 256  # smallest cache capacity a package is built for (requests of up to this many positions share it)
 AOT_MODES = ("off", "cached", "build")  # Stepper(aot=...): never / when a package is on disk / build missing ones
 
 
@@ -60,7 +62,7 @@ class AotConfig:
 
 
 def capacity_for(need: int, max_positions: int) -> int:
-    """KV capacity of a request needing `need` positions: the next power of two >= MIN_CAPACITY, at most the
+    """Cache capacity of a request needing `need` positions: the next power of two >= MIN_CAPACITY, at most the
     model's context (and never less than need), so requests of similar length share one package."""
     cap = MIN_CAPACITY
     while cap < need:
@@ -75,9 +77,13 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _source_digest(model: nn.Module) -> str:
+def _source_digest(model: Transformer) -> str:
     """Hash of the source files of every module class in the model (decoder, rope via decoder's import, ...)."""
-    files = {inspect.getsourcefile(type(m)) for m in model.modules()} | {__file__, inspect.getsourcefile(apply_rope)}
+    # the caches' classes whether or not caches are set up yet (made on the meta device: no memory), so the key
+    # computed before setup_cache equals the one computed after it
+    caches = model.make_caches(1, 1, device="meta")
+    modules = [*model.modules(), *(c for c in caches if c is not None)]
+    files = {inspect.getsourcefile(type(m)) for m in modules} | {__file__, inspect.getsourcefile(apply_rope)}
     h = hashlib.sha256()
     for f in sorted(p for p in files if p):
         h.update(f.encode())
@@ -86,14 +92,18 @@ def _source_digest(model: nn.Module) -> str:
 
 
 def package_key(model: Transformer, t: int, last_only: bool, cache: dict) -> str:
-    """Hash of everything a compiled step depends on (see the module docstring). cache: the static cache's layout
-    (batch, and Transformer.cache_layout's capacity, window, dtype, device), so the key is known before the cache
-    exists; the cache buffers themselves are left out of `layout` for the same reason."""
+    """Hash of everything a compiled step depends on (see the module docstring). cache: the static caches' layout
+    (Transformer.cache_layout), so the key is known before the caches exist; the installed caches' buffers and
+    modules are left out of the model's own layout and settings for the same reason."""
+    installed = [c for c in model.caches() if c is not None]
+    cache_tensors = {id(b) for c in installed for b in c.buffers()}
+    cache_modules = {id(m) for c in installed for m in c.modules()}
     layout = sorted((n, tuple(x.shape), str(x.dtype), x.device.type) for n, x in _tensors(model).items()
-                    if ".cache." not in n)
+                    if id(x) not in cache_tensors)
     # module settings that change the traced graph without changing any tensor (a W4 layer's activations and
-    # backend are in its extra_repr; a KV cache has none, so whether one exists yet does not move the key)
-    settings = [f"{n}: {m.extra_repr()}" for n, m in model.named_modules() if m.extra_repr()]
+    # backend are in its extra_repr)
+    settings = [f"{n}: {m.extra_repr()}" for n, m in model.named_modules()
+                if id(m) not in cache_modules and m.extra_repr()]
     spec = {"config": dataclasses.asdict(model.config), "layout": layout, "modules": settings,
             "source": _source_digest(model),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "t": t, "last_only": last_only,
@@ -133,7 +143,7 @@ def build_package(model: Transformer, t: int, last_only: bool, path: Path) -> Pa
 
     use_compile_cache()  # inductor's own caches (precompiled headers, FX graphs) beside the packages
 
-    batch = model.model.layers[0].self_attn.cache.k.shape[0]
+    batch = model.cache_batch()
     device = model.model.embed_tokens.weight.device
     example = (torch.zeros(batch, t, dtype=torch.long, device=device), torch.arange(t, device=device))
     try:
@@ -195,7 +205,7 @@ def settle(model: Transformer, batch: int) -> None:
     """One eager one-token forward, so that modules which prepare state lazily on their first call have done it
     before a package is keyed, built or bound: a W4 layer permutes its codes into its native kernel's layout and
     packs its scales (QuantLinear.native_scales), and a package reads those buffers as they are. Without it a fresh
-    process would bind a package to codes still in the checkpoint's layout. Its K/V write is reset by
+    process would bind a package to codes still in the checkpoint's layout. What it writes to a cache is reset by
     setup_cache."""
     device = model.model.embed_tokens.weight.device
     with torch.no_grad():
@@ -211,14 +221,13 @@ def prepare(model: Transformer, shapes: tuple[tuple[int, bool], ...], batch: int
     settle(model, batch)
     capacity = capacity_for(max_seq_len, model.config.max_position_embeddings)
     # keyed on the buffers setup_cache will make, so equal layouts asked for differently share a package
-    layout = {"batch": batch, "cache": model.cache_layout(capacity, **cache_kw)}
+    layout = model.cache_layout(batch, capacity, static=True, **cache_kw)
     paths = {shape: package_path(package_key(model, *shape, layout)) for shape in shapes}
     if not build and not all(p.exists() for p in paths.values()):
         return {}
     model.setup_cache(batch, capacity, static=True, **cache_kw)
-    cache = model.model.layers[0].self_attn.cache
-    if cache.window is None and cache.capacity != capacity:  # a larger cache kept from an earlier request
-        model.clear_cache()
+    if [None if c is None else c.layout() for c in model.caches()] != layout["layers"]:
+        model.clear_cache()  # a larger cache kept from an earlier request: the package's is exactly `layout`
         model.setup_cache(batch, capacity, static=True, **cache_kw)
     steps = {}
     for shape, path in paths.items():
@@ -236,6 +245,5 @@ def prepare(model: Transformer, shapes: tuple[tuple[int, bool], ...], batch: int
                 return {}
         steps[shape] = loaded[path.name]
         steps[shape].bind(model)
-    for layer in model.model.layers:  # a new request: no slot holds a position yet
-        layer.self_attn.cache.reset()
+    model.reset_cache()  # a new request: no slot holds a position yet
     return steps

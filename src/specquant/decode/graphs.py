@@ -1,4 +1,4 @@
-"""CUDA-graph steps over the static KV cache: the decode (1 token) and verify (k+1 tokens) forwards replayed whole.
+"""CUDA-graph steps over the static caches: the decode (1 token) and verify (k+1 tokens) forwards replayed whole.
 
 A decode step of a 4B model launches ~700 small kernels; at batch 1 on a GPU their launch cost, not the weight
 reads, sets the pace (eager transformers reached 5% of the HBM floor on an H200, see docs/GPU.md). A CUDA graph
@@ -99,19 +99,19 @@ class GraphStepper:
         similar length share them."""
         max_seq_len = -(-max_seq_len // SEQ_ROUND) * SEQ_ROUND
         key = (batch, max_seq_len, tuple(sorted(kw.items())))
-        if key == self._key and all(x is y for x, y in zip(self._bufs, self._current_bufs())):
-            for layer in self.model.model.layers:
-                cache = layer.self_attn.cache
-                cache.slot_pos.fill_(-1)
-                cache.length = 0
+        bufs = self._current_bufs()
+        if key == self._key and len(bufs) == len(self._bufs) and all(x is y for x, y in zip(self._bufs, bufs)):
+            self.model.reset_cache()
             return
         self.model.setup_cache(batch, max_seq_len, static=True, **kw)
         self.graphs.clear()
         self._key, self._bufs = key, self._current_bufs()
 
     def _current_bufs(self) -> tuple:
-        """Identities of what the graphs read by address (held, so a freed object's id is never reused)."""
-        return (self.model.model.layers[0].self_attn.cache, self.model.rope_cos, self.model.rope_sin)
+        """What the graphs read by address: every cache buffer and the RoPE tables (held, so a freed tensor's id
+        is never reused)."""
+        caches = [c for c in self.model.caches() if c is not None]
+        return (*(b for c in caches for b in c.buffers()), self.model.rope_cos, self.model.rope_sin)
 
     def replay(self, tokens: torch.Tensor, input_pos: torch.Tensor, last_only: bool,
                hidden_layers: tuple[int, ...] = ()):

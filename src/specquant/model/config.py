@@ -16,6 +16,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"qkv_bias": None, "qk_norm": True},
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+DEFAULT_LAYER_TYPE = "full_attention"  # the layer kind of a dense decoder's every layer
 # config.json keys that are not dataclass fields but are interpreted by from_hf or written by to_hf
 # (quantization_config describes the weights, not the architecture: the loader hands it to Transformer.quantization)
 _INTERPRETED_KEYS = ("architectures", "hidden_act", "attention_bias", "mlp_bias", "rope_parameters",
@@ -42,9 +43,29 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = True
     sliding_window: int | None = None  # attend to the last W positions only (ring-buffer KV cache)
+    # the layer kind of each layer (model/layers.py's LAYER_KINDS), as config.json's `layer_types`; empty: every
+    # layer is DEFAULT_LAYER_TYPE (kept empty then, so that changing num_hidden_layers needs no list)
+    layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = 0
     extra: dict = field(default_factory=dict)  # config.json keys we keep but do not interpret
+
+    def __post_init__(self):
+        # imported here: layers.py imports the mixers, and they import this module
+        from specquant.model.layers import LAYER_KINDS
+
+        self.layer_types = tuple(self.layer_types)
+        unknown = sorted(set(self.layer_types) - set(LAYER_KINDS))
+        if unknown:
+            raise SpecquantError(f"layer_types has unknown layer kinds {unknown}; supported: {', '.join(LAYER_KINDS)}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise SpecquantError(f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
+                                 f"{self.num_hidden_layers}; give one kind per layer")
+
+    @property
+    def per_layer_types(self) -> tuple[str, ...]:
+        """The layer kind of every layer (layer_types, or the default for each)."""
+        return self.layer_types or (DEFAULT_LAYER_TYPE,) * self.num_hidden_layers
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -80,6 +101,9 @@ class ModelConfig:
         # Keys read above or rewritten by to_hf() are not "extra": keeping them there made from_hf(to_hf(c)) != c.
         known = {f.name for f in dataclasses.fields(cls)} | set(_INTERPRETED_KEYS)
         extra = {k: v for k, v in hf.items() if k not in known}
+        layer_types = tuple(hf.get("layer_types") or ())
+        if layer_types and len(layer_types) == hf["num_hidden_layers"] and set(layer_types) == {DEFAULT_LAYER_TYPE}:
+            layer_types = ()  # the default, spelled out (transformers writes it for every Qwen config)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -99,6 +123,7 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=fam["qk_norm"],
             sliding_window=window,
+            layer_types=layer_types,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             extra=extra,
@@ -135,6 +160,8 @@ class ModelConfig:
             hf["mlp_bias"] = self.mlp_bias
         if self.sliding_window:
             hf["specquant_sliding_window"] = self.sliding_window
+        if self.layer_types:
+            hf["layer_types"] = list(self.layer_types)
         return hf
 
     @property

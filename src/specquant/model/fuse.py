@@ -5,7 +5,7 @@ RoPE call on q and k together: each output column is the same dot product as bef
 GEMMs may sum in another order). Why: at small sizes every call costs framework overhead comparable to the
 arithmetic; measured by benchmarks/fuse.py (docs/BENCH.md).
 
-Fusing is polymorphic: each linear kind concatenates itself with its `concat(mods)` classmethod (model.decoder's
+Fusing is polymorphic: each linear kind concatenates itself with its `concat(mods)` classmethod (model.modules'
 Linear here; quant.linear.QuantLinear brings its own), so this file knows no quantized layer. A fused model is for
 decoding only: its state dict no longer has HF's names, so saving and quantizing it are refused.
 """
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from specquant.errors import SpecquantError
+from specquant.model.attention import Attention
 from specquant.model.decoder import Transformer
 
 
@@ -31,8 +32,8 @@ def fuse_projections(model: Transformer) -> int:
     """Fuse q/k/v and gate/up in every layer where possible, in place; returns the number of fused modules."""
     n = 0
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is None:
+        attn, mlp = layer.mixer, layer.mlp
+        if isinstance(attn, Attention) and attn.qkv_proj is None:  # other layer kinds keep their projections
             fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
             if fused is not None:
                 attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = fused, None, None, None

@@ -1,0 +1,143 @@
+"""Attention, the "full_attention" layer kind: GQA over a KVCache (full or ring), with RoPE and optional q/k norms.
+
+A mixer of model/layers.py: it makes its own cache (`make_cache`), plans what every attention layer of one step
+shares (`plan`: the mask, whether to fold), and is called as `mixer(x, cos, sin, start_pos, input_pos, plan)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specquant.model.cache import KVCache
+from specquant.model.config import ModelConfig
+from specquant.model.modules import Linear, RMSNorm
+from specquant.model.rope import apply_rope
+
+
+FOLD_MAX_ROWS = 16  # Attention: cached CPU steps of up to this many queries fold the GQA group into the queries,
+FOLD_MIN_ROWS = {torch.float32: 1, torch.bfloat16: 2}  # from this many, in these dtypes (others: never)
+
+
+def attention_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None, device,
+                   groups: int = 1) -> torch.Tensor | None:
+    """Boolean [groups * t, k_len] mask: query at q_start+i sees key at k_start+j iff causal and inside the window.
+
+    groups > 1: the [t, k_len] mask repeated group-major (row r is query r % t), the row order of folded
+    attention (Attention.fold).
+    """
+    if t == 1 and (window is None or k_len <= window):
+        return None  # a single query sees every key handed to it
+    qpos = torch.arange(q_start, q_start + t, device=device)
+    qpos = (qpos.repeat(groups) if groups > 1 else qpos)[:, None]
+    kpos = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.n_heads * d, h, bias=cfg.o_bias)
+        self.qkv_proj = None  # model.fuse.fuse_projections: q/k/v in one matmul (inference only)
+        # with qkv_proj, q_norm and k_norm run as one normalization with this [heads + kv_heads, head_dim] weight
+        self.register_buffer("qk_norm_weight", None, persistent=False)
+        self.eps = cfg.rms_norm_eps
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.sliding_window = cfg.sliding_window  # the config's; a cache may be made with another (setup_cache)
+        self.cache: KVCache | None = None  # installed by Transformer.setup_cache
+        self.fold_enabled = True  # False: always the reference path (SDPA with enable_gqa); tests compare the two
+
+    @property
+    def window(self) -> int | None:
+        """The window this layer attends over: its cache's, else the config's (cache-free forwards)."""
+        return self.sliding_window if self.cache is None else self.cache.window
+
+    def make_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, window: int | None,
+                   static: bool) -> KVCache:
+        return KVCache(batch, self.n_kv, capacity, self.head_dim, dtype, device, window, static)
+
+    def fold(self, t: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a cached step of t queries runs folded: one SDPA per KV head whose queries are
+        the group's g query heads x t positions ([batch, kv_heads, g*t, d] against [batch, kv_heads, k_len, d]),
+        so K and V are read once per KV head instead of once per query head, and the mask is built once per step.
+
+        CPU, GQA, sliced caches, FOLD_MIN_ROWS..FOLD_MAX_ROWS queries: measured with
+        benchmarks/few_query_attention.py (torch 2.13, 1 thread, interleaved, docs/SHAPES.md) at the Qwen3-0.6B
+        and bundled-target shapes over 64-1024 keys. fp32: folded took 0.74-1.00x of SDPA-with-enable_gqa's time
+        at 2..16 queries and 0.77-1.07x at one (the 1.07x: 13.4 vs 12.5 us, tiny-target, 64 keys). bf16:
+        0.71-0.99x at 2..16 queries (one 1.09x: tiny-target, 256 keys, 8 queries) but 1.09-1.36x at one, so
+        bf16 decode steps keep SDPA. Longer blocks (prefill), other dtypes and devices were not measured and keep
+        the reference path; so does the static cache (one masked SDPA over the whole buffer, shape-static for
+        compiled steps).
+        """
+        return (self.fold_enabled and self.n_kv < self.n_heads and device.type == "cpu"
+                and FOLD_MIN_ROWS.get(dtype, FOLD_MAX_ROWS + 1) <= t <= FOLD_MAX_ROWS)
+
+    def plan(self, start_pos: int, t: int, dtype: torch.dtype, device: torch.device
+             ) -> tuple[torch.Tensor | None, bool]:
+        """(mask, folded) for a sliced-cache or cache-free step; the same for every attention layer of a model
+        (one cache layout and window), so Transformer.forward builds it once per step and hands it to each."""
+        if self.cache is None:
+            return attention_mask(start_pos, t, start_pos, t, self.window, device), False
+        k_start = self.cache.key_start(start_pos)
+        k_len = start_pos + t - k_start
+        folded = self.fold(t, dtype, device)
+        groups = self.n_heads // self.n_kv if folded else 1
+        return attention_mask(start_pos, t, k_start, k_len, self.window, device, groups), folded
+
+    def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None,
+                plan: tuple[torch.Tensor | None, bool] | None = None):
+        b, t, _ = x.shape
+        if self.qkv_proj is not None:  # fused: q and k are normalized and rotated together, as one tensor
+            y, d, nqk = self.qkv_proj(x), self.head_dim, self.n_heads + self.n_kv
+            qk = y[..., : nqk * d].view(b, t, nqk, d)
+            v = y[..., nqk * d :].view(b, t, self.n_kv, d).transpose(1, 2)
+            if self.qk_norm_weight is not None:  # RMSNorm's math, with q_norm's / k_norm's weight per head
+                qk = self.qk_norm_weight * F.rms_norm(qk.float(), (d,), None, self.eps).to(qk.dtype)
+            qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, t, head_dim]
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+        else:
+            q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+            k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+            v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
+            k = apply_rope(k.transpose(1, 2), cos, sin)
+        folded = False
+        if self.cache is not None and self.cache.static:
+            keys, values, mask = self.cache.update_static(input_pos, k, v)
+        else:
+            if plan is None or (plan[1] and not self.fold_enabled):  # the step's plan is the first layer's choice
+                plan = self.plan(start_pos, t, x.dtype, x.device)
+            mask, folded = plan
+            if self.cache is None:  # training / cache-free scoring: the whole sequence is in this call
+                keys, values = k, v
+            else:
+                keys, values, _ = self.cache.update(start_pos, k, v)
+        out = self.attend(q, keys, values, mask, folded, causal=mask is None and self.cache is None and t > 1)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def attend(self, q, keys, values, mask, folded: bool, causal: bool = False) -> torch.Tensor:
+        """q [b, heads, t, d] over keys/values [b, kv_heads, S, d] -> [b, heads, t, d]; folded: see fold()."""
+        if folded:
+            b, _, t, d = q.shape
+            q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv * t, d)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(b, self.n_heads, t, d)
+        gqa = self.n_kv != self.n_heads
+        if causal:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
