@@ -154,7 +154,8 @@ class QuantLinear(nn.Module):
     def invalidate(self):
         """Drop backend caches (after the buffers change)."""
         self._cache.clear()
-        self._buffers.pop("native_scales", None)  # a native kernel's packed scales: rebuilt on its next call
+        for name in DERIVED_BUFFERS:  # rebuilt from the checkpoint buffers on a backend's next call
+            self._buffers.pop(name, None)
 
     def _apply(self, fn, recurse=True):
         self.invalidate()
@@ -199,11 +200,30 @@ def _reference(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w, None if m.bias is None else m.bias.to(x.dtype))
 
 
+# Tensors a backend derives once from the checkpoint buffers (a kernel's repacked codes, its scales, a dense
+# weight). They are kept as non-persistent buffers, not plain attributes, because a torch.compile'd or exported
+# graph reads a module's tensors by buffer name: a plain attribute would be baked into an AOT package as a
+# constant that cannot be bound to the model's own tensors. Never saved; dropped by invalidate().
+DERIVED_BUFFERS = ("native_scales", "dense_weight", "int4pack_weight", "int4pack_scale_and_zeros", "int8pack_weight",
+                   "int8pack_scale")
+
+
+def _derived(m: QuantLinear, name: str, key, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The derived buffer `name`, (re)built when missing or made for another key (an activation dtype)."""
+    if name not in m._buffers or m._cache.get(("derived", name)) != key:
+        _register_derived(m, name, key, build)  # under torch.export, aot.settle has run it eagerly before
+    return getattr(m, name)  # by attribute: what a graph being traced sees as the module's buffer
+
+
+@torch.compiler.disable  # registers a buffer: never traced into a graph
+def _register_derived(m: QuantLinear, name: str, key, build: Callable[[], torch.Tensor]) -> None:
+    m.register_buffer(name, build(), persistent=False)
+    m._cache[("derived", name)] = key
+
+
 def _dequant_cached(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    key = ("dense", x.dtype, x.device)
-    w = m._cache.get(key)
-    if w is None:
-        w = m._cache[key] = m.dequantized_weight().to(device=x.device, dtype=x.dtype)
+    w = _derived(m, "dense_weight", (x.dtype, x.device),
+                 lambda: m.dequantized_weight().to(device=x.device, dtype=x.dtype))
     return F.linear(x, w, None if m.bias is None else m.bias.to(x.dtype))
 
 
@@ -221,23 +241,35 @@ def _int4pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:
 def _int4pack_cpu(m: QuantLinear, x: torch.Tensor, kernel_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) with the int4 kernel run in kernel_dtype (default x's dtype); result in x's dtype."""
     kd = kernel_dtype or x.dtype
-    packed = m._cache.get("int4pack")
-    if packed is None:
-        unsigned = m.codes().to(torch.int32) + 8  # [out, in] in 0..15
-        packed = m._cache["int4pack"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
-    key = ("int4pack_sz", kd)
-    scale_and_zeros = m._cache.get(key)
-    if scale_and_zeros is None:
+    packed = _derived(m, "int4pack_weight", None, lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        m.codes().to(torch.int32) + 8, 1))  # unsigned codes [out, in] in 0..15
+
+    def scale_and_zeros_for_kd() -> torch.Tensor:
         scale = m.weight_scale.float()
         zp = m.zero_point()
         zero = torch.zeros_like(scale) if zp is None else -zp.float() * scale
-        scale_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(kd).contiguous()  # [groups, out, 2]
-        m._cache[key] = scale_and_zeros
+        return torch.stack([scale.t(), zero.t()], dim=-1).to(kd).contiguous()  # [groups, out, 2]
+
+    scale_and_zeros = _derived(m, "int4pack_scale_and_zeros", kd, scale_and_zeros_for_kd)
     x2 = x.reshape(-1, m.in_features).to(kd).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, m.group_size, scale_and_zeros).to(x.dtype)
+    mm = int4pack_mm_op if torch.compiler.is_compiling() else torch.ops.aten._weight_int4pack_mm_for_cpu
+    y = mm(x2, packed, m.group_size, scale_and_zeros).to(x.dtype)
     if m.bias is not None:
         y = y + m.bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], m.out_features)
+
+
+@torch.library.custom_op("specquant::int4pack_mm", mutates_args=())
+def int4pack_mm_op(x: torch.Tensor, packed: torch.Tensor, group: int, scale_and_zeros: torch.Tensor) -> torch.Tensor:
+    """torch's int4 CPU kernel as an opaque operator for torch.compile / torch.export. Why: inductor's own lowering
+    of the aten op adds the group size as a tensor constant of the graph, which an AOT package built without its
+    constants (decode/aot.py) cannot bind to any of the model's tensors."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_and_zeros)
+
+
+@int4pack_mm_op.register_fake
+def _(x, packed, group, scale_and_zeros):
+    return x.new_empty(x.shape[0], scale_and_zeros.shape[1])  # [rows, out]
 
 
 def _int4pack_cpu_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -301,13 +333,8 @@ def _int8pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:
 
 def _int8pack_cpu(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """torch's W8 per-channel CPU kernel (aten._weight_int8pack_mm): int8 weight [out, in], scales [out]."""
-    codes = m._cache.get("int8")
-    if codes is None:
-        codes = m._cache["int8"] = m.codes().contiguous()
-    key = ("int8_scale", x.dtype)
-    scale = m._cache.get(key)
-    if scale is None:
-        scale = m._cache[key] = m.weight_scale.reshape(-1).to(x.dtype).contiguous()
+    codes = _derived(m, "int8pack_weight", None, lambda: m.codes().contiguous())
+    scale = _derived(m, "int8pack_scale", x.dtype, lambda: m.weight_scale.reshape(-1).to(x.dtype).contiguous())
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, m.in_features).contiguous(), codes, scale)
     if m.bias is not None:
         y = y + m.bias.to(x.dtype)
