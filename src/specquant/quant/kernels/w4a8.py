@@ -1,5 +1,6 @@
-"""W4A8 on CPU: symmetric int4 weights against int8-quantized activations (GGUF's Q4_0 x Q8_0), for decode and
-verify steps. The kernel is kernels/w4a8_vnni.cpp (AVX-512 VNNI), built and loaded by quant/native.py.
+"""The w4a8 family, W4A8 on CPU: symmetric int4 weights against int8-quantized activations (GGUF's Q4_0 x Q8_0),
+for decode and verify steps. QuantLinear's `native_w4a8` backend; its variants are listed in VARIANTS (the layout
+and numerics comment is in w4a8_avx512_vnni.cpp), built and loaded by kernels/build.py.
 
 What it computes (the kernel's numerics comment has the detail): each activation row is cut into blocks of 32 and
 rounded to int8 with one fp32 scale per block (`quantize_activations`), the weight codes stay exact, the dot of
@@ -10,18 +11,27 @@ with `--w4-activations int8`, W4 drafters default to it); benchmarks/w4a8.py mea
 agreement against the W4A16 model, beside the speed it buys.
 
 `reference_gemm` is the plain torch version of the same arithmetic (blockwise integer dots in float64, exact),
-which tests/test_native_w4a8.py compares the kernel with; `quantize_activations` must match the kernel's
+which tests/test_native_w4a8.py compares every variant with; `quantize_activations` must match the kernel's
 quantization bit for bit.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from specquant.quant import native
+from specquant.quant.kernels.build import Variant
+from specquant.quant.kernels.family import GEMM_ARGS, TILE, Family, Layout, pack_scales, run_gemm
 
 BLOCK = 32  # activations: one scale per 32 inputs (Q8_0's block)
-TILE = native.TILE
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
+VARIANTS = (  # best first
+    Variant("avx512_vnni", "w4a8_avx512_vnni.cpp", (*_AVX512, "-mavx512vnni"),
+            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+)
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+FUNCTIONS = {"specquant_w4a8_gemm": GEMM_ARGS, "specquant_q8_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR]}
 
 
 def supports(bits: int, group_size: int, symmetric: bool, in_features: int, out_features: int) -> bool:
@@ -29,13 +39,9 @@ def supports(bits: int, group_size: int, symmetric: bool, in_features: int, out_
             and in_features % group_size == 0)
 
 
-def library():
-    return native.library("w4a8_vnni")
-
-
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """codes int8 [N, K] in [-8, 7] -> uint8 [N/16, K/8, 64]: byte 4j + t of a (tile, k8) chunk holds
-    u[o_j, 8·k8 + t] | u[o_j, 8·k8 + 4 + t] << 4 with u = c + 8 (the layout comment in kernels/w4a8_vnni.cpp)."""
+    u[o_j, 8·k8 + t] | u[o_j, 8·k8 + 4 + t] << 4 with u = c + 8 (the layout comment in w4a8_avx512_vnni.cpp)."""
     n, k = codes.shape
     u = (codes.to(torch.int16) + 8).to(torch.uint8).view(n // TILE, TILE, k // 8, 2, 4)  # [tile, j, k8, half, t]
     b = u[..., 0, :] | (u[..., 1, :] << 4)  # [tile, j, k8, t]
@@ -75,16 +81,17 @@ def reference_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) ->
     return (dots * factor).sum(-1).float()
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """x [..., K] (any float dtype; used as fp32) -> fp32 [..., N] with the packed weight and native.pack_scales'
-    scales (leading dims passed through, as native.run_gemm)."""
+def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
+         variant: Variant | None = None) -> torch.Tensor:
+    """x [..., K] (any float dtype; used as fp32) -> fp32 [..., N] with the packed weight and pack_scales' scales
+    (leading dims passed through, as family.run_gemm), on the chosen variant (or the one named)."""
     xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    return native.run_gemm(library().specquant_w4a8_gemm, xf, packed, scales, group)
+    return run_gemm(FAMILY.lib_for(variant).specquant_w4a8_gemm, xf, packed, scales, group)
 
 
 @torch.library.custom_op("specquant::w4a8_gemm", mutates_args=())
 def gemm_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """`gemm` as a torch operator for torch.compile (as native.gemm_op)."""
+    """`gemm` as a torch operator for torch.compile (as w4_bf16.gemm_op)."""
     return gemm(x, packed, scales, group)
 
 
@@ -93,13 +100,18 @@ def _(x, packed, scales, group):
     return x.new_empty(*x.shape[:-1], packed.shape[0] * TILE, dtype=torch.float32)
 
 
-def kernel_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's own activation quantization (q, d, integer block sums), for the tests."""
+def kernel_quantize(x: torch.Tensor, variant: Variant | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """A variant's own activation quantization (q, d, integer block sums), for the tests."""
     xf = x.float().contiguous()
     m, k = xf.shape
     q = torch.empty(m, k, dtype=torch.int8)
     d = torch.empty(m, k // BLOCK, dtype=torch.float32)
     qsum = torch.empty(m, k // BLOCK, dtype=torch.int32)
-    if library().specquant_q8_quantize(xf.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), qsum.data_ptr()):
+    if FAMILY.lib_for(variant).specquant_q8_quantize(xf.data_ptr(), m, k, q.data_ptr(), d.data_ptr(),
+                                                     qsum.data_ptr()):
         raise ValueError(f"native W4A8 quantization rejected K={k} (needs a multiple of {BLOCK})")
     return q, d, qsum
+
+
+FAMILY = Family("w4a8", VARIANTS, FUNCTIONS, Layout(pack_codes, unpack_codes, pack_scales), supports, gemm, gemm_op)
