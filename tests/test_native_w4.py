@@ -196,3 +196,15 @@ def test_no_instruction_set_outside_the_variants():
     common = (build.KERNEL_DIR / "common.h").read_text()
     assert "immintrin" not in common and "_mm" not in common
     assert not [f for f in build.BASE_FLAGS if f.startswith("-m")]
+
+
+def test_the_fma_variants_give_the_same_bits():
+    """The AVX2 and portable variants sum with fused multiply-adds in k order (kernels/w4_bf16_entry.h): the same
+    bits from both. (The AVX-512 BF16 variant sums pairs in vdpbf16ps: equal to them only to fp32 rounding.)"""
+    fma = [v for v in FAMILY.variants if v.name in ("avx2", "portable") and FAMILY.load(v)[0] is not None]
+    if len(fma) < 2:
+        pytest.skip(f"the AVX2 and portable variants do not both load here ({FAMILY.why()})")
+    codes, scale, g = weights(48, 256, 32, scale_dtype=torch.bfloat16)
+    packed, scales = w4_bf16.pack(codes, scale)
+    x = torch.randn(10, 256, generator=g)
+    assert torch.equal(w4_bf16.gemm(x, packed, scales, 32, fma[0]), w4_bf16.gemm(x, packed, scales, 32, fma[1]))

@@ -28,8 +28,9 @@ from pathlib import Path
 from specquant.errors import SpecquantError
 
 KERNEL_DIR = Path(__file__).resolve().parent
-# no instruction-set flag here: those belong to each variant (a portable variant is built with none)
-BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+# no instruction-set flag here: those belong to each variant (a portable variant is built with none).
+# -ffp-contract=off: every fused multiply-add is written out, so variants that promise the same bits get them
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
 SWITCH = "SPECQUANT_NATIVE"
 OFF, ON = ("off", "0"), ("", "on", "1", "auto")
 

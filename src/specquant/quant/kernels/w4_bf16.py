@@ -14,6 +14,8 @@ _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 VARIANTS = (  # best first
     Variant("avx512_bf16", "w4_bf16_avx512.cpp", (*_AVX512, "-mavx512bf16"),
             ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    Variant("avx2", "w4_bf16_avx2.cpp", ("-mavx2", "-mfma"), ("avx2", "fma")),
+    Variant("portable", "w4_bf16_portable.cpp", (), ()),  # any CPU g++ targets (NEON: not yet)
 )
 FUNCTIONS = {"specquant_w4_bf16_gemm": GEMM_ARGS}
 

@@ -10,8 +10,8 @@ which is why QuantLinear runs it only for layers set to int8 activations (linear
 with `--w4-activations int8`, W4 drafters default to it); benchmarks/w4a8.py measures the cost in KL and top-1
 agreement against the W4A16 model, beside the speed it buys.
 
-`reference_gemm` is the plain torch version of the same arithmetic (blockwise integer dots in float64, exact),
-which tests/test_native_w4a8.py compares every variant with; `quantize_activations` must match the kernel's
+`reference_gemm` is the plain torch version of the same arithmetic, bit for bit (blockwise integer dots, fp32
+fused multiply-adds in k order), which tests/test_native_w4a8.py compares every variant with; `quantize_activations` must match the kernel's
 quantization bit for bit.
 """
 
@@ -29,6 +29,8 @@ _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 VARIANTS = (  # best first
     Variant("avx512_vnni", "w4a8_avx512_vnni.cpp", (*_AVX512, "-mavx512vnni"),
             ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    Variant("avx2", "w4a8_avx2.cpp", ("-mavx2", "-mfma"), ("avx2", "fma")),
+    Variant("portable", "w4a8_portable.cpp", (), ()),  # any CPU g++ targets (NEON: not yet)
 )
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 FUNCTIONS = {"specquant_w4a8_gemm": GEMM_ARGS, "specquant_q8_quantize": [_PTR, _I64, _I64, _PTR, _PTR, _PTR]}
@@ -68,17 +70,37 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's result, computed plainly: x [M, K], codes int8 [N, K], scale [N, K/group] -> fp32 [M, N].
-    Per (row, output, block) the integer dot in float64 (exact), times weight scale · activation scale, summed over
-    blocks in float64: it differs from the kernel only by the kernel's fp32 rounding of those products and sums."""
+    """The kernel's result, computed plainly and bit for bit: x [M, K], codes int8 [N, K], scale [N, K/group] ->
+    fp32 [M, N]. Per (row, output, block of 32) the integer dot (exact in float64), times (weight scale · activation
+    scale) rounded to fp32, accumulated over the blocks in k order by one fp32 fused multiply-add each (fma32)."""
     q, d = quantize_activations(x)
     m, k = q.shape
     n, blocks = codes.shape[0], k // BLOCK
     dots = torch.einsum("mbk,nbk->mnb", q.double().reshape(m, blocks, BLOCK),
                         codes.double().reshape(n, blocks, BLOCK))
     sw = scale.float().repeat_interleave(k // scale.shape[1] // BLOCK, dim=1)  # [N, blocks]
-    factor = (sw.unsqueeze(0) * d.unsqueeze(1)).double()  # [M, N, blocks], fp32 products as the kernel forms them
-    return (dots * factor).sum(-1).float()
+    factor = sw.unsqueeze(0) * d.unsqueeze(1)  # [M, N, blocks]: the fp32 products the kernel forms
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    for b in range(blocks):
+        acc = fma32(dots[..., b], factor[..., b].double(), acc)
+    return acc
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add, round(a·b + c) once to fp32, for float64 a, b whose product is exact in float64 (here
+    an integer below 2^15 times an fp32 value) and fp32 c. torch has no fp32 fma, so: the float64 sum s plus its exact
+    error e (TwoSum), rounded to fp32; a double rounding can go wrong only where s falls exactly halfway between two
+    fp32 values while e != 0, and there e says which way the exact sum lies."""
+    p, c64 = a * b, c.double()
+    s = p + c64
+    bp = s - c64  # TwoSum: e = (p - bp) + (c - (s - bp)) exactly
+    e = (p - bp) + (c64 - (s - bp))
+    r = s.float()
+    other = torch.nextafter(r, torch.where(s > r.double(), torch.full_like(r, float("inf")),
+                                           torch.full_like(r, float("-inf"))))
+    halfway = (s != r.double()) & ((r.double() + other.double()) / 2 == s) & (e != 0)
+    toward_other = torch.sign(e) == torch.sign(other.double() - s)
+    return torch.where(halfway & toward_other, other, r)
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
