@@ -22,13 +22,16 @@ from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
 from specquant.quant.config import HEAD_PRECISIONS
 from specquant.quant.head import set_lm_head
+from specquant.quant.linear import DERIVED_BUFFERS
 from specquant.quant.quality import compare, heldout_tokens, logprobs
 
 HELDOUT = Path(__file__).resolve().parent.parent / "src" / "specquant" / "data" / "heldout.txt"
 
 
 def head_bytes(head: torch.nn.Module) -> int:
-    seen = {id(t): t for t in list(head.parameters()) + list(head.buffers())}
+    """The head's checkpoint bytes: parameters and buffers, not those a QuantLinear backend derives from them."""
+    seen = {id(t): t for t in list(head.parameters()) + [b for n, b in head.named_buffers()
+                                                          if n.rsplit(".", 1)[-1] not in DERIVED_BUFFERS]}
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 

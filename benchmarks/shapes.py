@@ -18,7 +18,7 @@ embedding, Python).
 
 W4 = RTN, 4 bits, group 32, symmetric (GGUF Q4_0's grid), bf16 scales (as `specquant quantize` writes them for a
 Qwen3 checkpoint), activations in the model dtype (float32); w4a8 = the same weights with int8 activations
-(set_w4_activations: the native VNNI kernel, GGUF's Q4_0 x Q8_0, which is also what llama.cpp's Q4_0 column runs);
+(set_w4_activations: the native W4A8 kernel, GGUF's Q4_0 x Q8_0, which is also what llama.cpp's Q4_0 column runs);
 the head's precision is --lm-head (dense: the model's fp32 matrix, tied to the embedding; bf16 / w8 / w4: see
 specquant.quant.head).
 
@@ -50,6 +50,7 @@ from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
+from specquant.quant.linear import DERIVED_BUFFERS
 
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -120,10 +121,11 @@ def layer_linears(model: Transformer) -> list[torch.nn.Module]:
 
 
 def module_bytes(mod: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, without the native W4 kernels' packed copy of the scales
-    (QuantLinear.native_scales: a step reads it instead of weight_scale, which has as many or more bytes)."""
+    """Bytes of a module's parameters and buffers, without the tensors a QuantLinear backend derives from them
+    (linear.DERIVED_BUFFERS, e.g. the native kernels' packed scales: a step reads one instead of weight_scale,
+    which has as many or more bytes)."""
     seen = {id(t): t for t in list(mod.parameters()) + [b for n, b in mod.named_buffers() if
-                                                         not n.endswith("native_scales")]}
+                                                         n.rsplit(".", 1)[-1] not in DERIVED_BUFFERS]}
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 

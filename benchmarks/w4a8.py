@@ -3,7 +3,7 @@
 Quality: for each model (bundled names or W4 checkpoint dirs; a bundled name is quantized here with RTN, 4 bits,
 --group, symmetric), the fp32 unquantized model is the reference and three versions of the W4 model are compared
 with it on --samples held-out blocks of --seq-len tokens: float activations (W4A16; the reference backend, fp32),
-bf16 activations (the native BF16 kernel's arithmetic; what decode steps run by default on AVX-512 BF16 CPUs) and
+bf16 activations (the native w4_bf16 kernel's arithmetic; what decode steps run by default where it builds) and
 int8 activations (the W4A8 kernel, set_w4_activations). Reported: KL(fp32 || model) in nats per position, top-1
 agreement with fp32 and perplexity. For a W4 checkpoint dir, --reference names its unquantized model.
 
@@ -30,7 +30,8 @@ import torch
 
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer, read_hf_config, resolve
-from specquant.quant import QuantConfig, native, quantize, w4a8
+from specquant.quant import QuantConfig, quantize
+from specquant.quant.kernels import w4_bf16, w4a8
 from specquant.quant.linear import set_backend, set_w4_activations
 from specquant.quant.quality import compare, heldout_tokens, logprobs
 
@@ -55,7 +56,8 @@ def quality(models: list[str], reference: str | None, group: int, samples: int, 
         tokens = heldout_tokens(load_tokenizer(ref_name), HELDOUT, samples, seq_len)
         ref = logprobs(load_model(ref_name), tokens)
         model = w4_model(name, group)
-        backends = {"float": "reference", "bf16": "native_w4_bf16" if native.library() else "int4pack_cpu_bf16",
+        bf16 = "native_w4_bf16" if w4_bf16.FAMILY.library() else "int4pack_cpu_bf16"
+        backends = {"float": "reference", "bf16": bf16,
                     "int8": "auto"}  # auto: the W4A8 kernel once the layers are set to int8 activations
         for label, backend in backends.items():
             set_w4_activations(model, "int8" if label == "int8" else "float")
@@ -76,9 +78,9 @@ def speed(layers: int, reps: int) -> dict:
         for n, k in LAYER:
             codes = torch.randint(-8, 8, (n, k), dtype=torch.int8)
             scale = (torch.rand(n, k // 32) * 0.01).to(torch.bfloat16)  # as checkpoints store them
-            stack.append((k, native.pack_codes(codes), w4a8.pack_codes(codes), native.pack_scales(scale)))
+            stack.append((k, w4_bf16.pack_codes(codes), w4a8.pack_codes(codes), w4a8.pack_scales(scale)))
     nbytes = sum(p.numel() + s.numel() * s.element_size() for _, p, _, s in stack)
-    kernels = {"bf16": lambda x, pb, pv, s: native.gemm(x, pb, s, 32),
+    kernels = {"bf16": lambda x, pb, pv, s: w4_bf16.gemm(x, pb, s, 32),
                "int8": lambda x, pb, pv, s: w4a8.gemm(x, pv, s, 32)}
     samples = {(kern, r): [] for kern in kernels for r in ROWS}
     for rep in range(reps + 1):  # the first repetition warms up and is dropped
@@ -118,9 +120,9 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if w4a8.library() is None or native.library() is None:
-        raise SystemExit(f"needs both native kernels: w4a8_vnni ({native.build('w4a8_vnni')[1]}), w4_bf16 "
-                         f"({native.build('w4_bf16')[1]})")
+    if w4a8.FAMILY.library() is None or w4_bf16.FAMILY.library() is None:
+        raise SystemExit(f"needs both native kernel families: w4a8 ({w4a8.FAMILY.why()}), w4_bf16 "
+                         f"({w4_bf16.FAMILY.why()})")
     result = {"benchmark": "w4a8"}
     with torch.inference_mode():
         if not args.skip_quality:

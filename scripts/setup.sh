@@ -17,9 +17,9 @@ if [ ! -f "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
   .venv/bin/python -m specquant.gate.plugin
   touch "$marker"
 fi
-# the native W4 kernels (a second each, no network; without g++ or a CPU extension each says why, and QuantLinear
-# uses its other backends)
-.venv/bin/python -c "from specquant.quant.native import main; main()"
+# the native W4 kernels, every variant this CPU runs (a second each, no network; a skipped variant says why, and
+# without any QuantLinear uses its other backends)
+.venv/bin/python -c "from specquant.quant.kernels import main; main()"
 # llama.cpp's tools (export / bench --engine llama.cpp tests), built once per machine into
 # ${SPECQUANT_CACHE:-~/.cache/specquant}/llama.cpp-<version>; SPECQUANT_SKIP_LLAMA_CPP=1 skips it deliberately
 # (the tests that need the binaries then skip instead of failing).

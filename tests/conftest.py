@@ -118,3 +118,29 @@ def load_benchmark(script: str):
     finally:
         sys.path.remove(str(BENCHMARKS))
     return mod
+
+
+@pytest.fixture(params=["native", "fallback"])
+def native_kernels(request, monkeypatch):
+    """Runs a test twice: with the native kernels this machine builds, and with SPECQUANT_NATIVE=off, the path every
+    CPU without them takes (torch's int4 kernel), so both are tested on every machine in one pytest run."""
+    from specquant.quant import kernels
+
+    if request.param == "fallback":
+        monkeypatch.setenv("SPECQUANT_NATIVE", "off")
+    kernels.reset()  # the families cache their choice: read the switch again
+    yield request.param
+    kernels.reset()
+
+
+def need_kernel(family, variant=None):
+    """Skip the calling test, with the reason, unless the family's chosen variant (or the one named) loads here."""
+    lib, why = (family.library(), family.why()) if variant is None else family.load(variant)
+    if lib is None:
+        pytest.skip(f"native {family.name} kernel{' ' + variant.name if variant else ''} unavailable: {why}")
+    return lib
+
+
+def kernel_variants(family):
+    """Parameters for a test to run on every variant of a kernel family (each one skips where it does not load)."""
+    return [pytest.param(v, id=v.name) for v in family.variants]

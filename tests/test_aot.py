@@ -204,15 +204,17 @@ def test_capacity_buckets_and_bad_modes():
 
 
 @pytest.mark.parametrize("activations", ["float", "int8"])
-def test_w4_model_packages_with_its_native_kernel(tmp_path, monkeypatch, activations):
+def test_w4_model_packages_with_its_native_kernel(tmp_path, monkeypatch, activations, native_kernels):
     """A W4 model's step packages too: the build runs it once eagerly (a QuantLinear prepares its kernel layout
     lazily, which a trace cannot), and the package calls the native kernel as a torch operator on the model's own
-    codes and scales. Packaged logits match eager; tokens are the same."""
-    from specquant.quant import QuantConfig, quantize, w4a8
+    codes and scales, or, without native kernels (native_kernels == "fallback"), torch's int4 kernel on the
+    layer's derived buffers. Packaged logits match eager; tokens are the same."""
+    from specquant.quant import QuantConfig, quantize
+    from specquant.quant.kernels import w4a8
     from specquant.quant.linear import set_w4_activations
 
-    if activations == "int8" and w4a8.library() is None:
-        pytest.skip("W4A8 kernel unavailable")
+    if activations == "int8" and w4a8.FAMILY.library() is None:
+        pytest.skip(f"W4A8 kernel unavailable: {w4a8.FAMILY.why()}")
     monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
 
     def w4_model():
@@ -243,7 +245,11 @@ def test_w4_activations_are_part_of_the_package_key():
     """A W4 model's float- and int8-activation steps are different graphs over the same tensors: different keys,
     so one is never loaded for the other."""
     from specquant.quant import QuantConfig, quantize
+    from specquant.quant.kernels import w4a8
     from specquant.quant.linear import set_w4_activations
+
+    if w4a8.FAMILY.library() is None:  # int8 activations exist only on the W4A8 kernel
+        pytest.skip(f"W4A8 kernel unavailable: {w4a8.FAMILY.why()}")
 
     model = randomize_(Transformer(ModelConfig(**CFG)), 0).eval()
     quantize(model, QuantConfig(method="rtn", bits=4, group_size=32))
@@ -255,3 +261,30 @@ def test_w4_activations_are_part_of_the_package_key():
         aot.settle(model, 1)
         keys.add(aot.package_key(model, 1, True, layout))
     assert len(keys) == 2
+
+
+def test_native_and_fallback_w4_steps_have_different_package_keys(monkeypatch):
+    """A package built where the native W4 kernel runs reads other buffers (the kernel's layout) than one built on
+    torch's int4 fallback (SPECQUANT_NATIVE=off, or a CPU without the kernel): different keys, never mixed up."""
+    from specquant.quant import QuantConfig, kernels, quantize
+    from specquant.quant.kernels import w4_bf16
+
+    if w4_bf16.FAMILY.library() is None:
+        pytest.skip(f"native W4 kernel unavailable: {w4_bf16.FAMILY.why()}")
+
+    def key():
+        model = randomize_(Transformer(ModelConfig(**CFG)), 0).eval()
+        quantize(model, QuantConfig(method="rtn", bits=4, group_size=32))
+        fuse_projections(model)
+        aot.settle(model, 1)
+        return aot.package_key(model, 1, True, {"batch": 1, "cache": model.cache_layout(256)})
+
+    native = key()
+    monkeypatch.setenv("SPECQUANT_NATIVE", "off")
+    kernels.reset()
+    try:
+        assert key() != native
+    finally:
+        monkeypatch.undo()
+        kernels.reset()
+    assert key() == native

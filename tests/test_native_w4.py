@@ -1,21 +1,25 @@
-"""The native AVX-512 BF16 W4 kernel (specquant.quant.native) against the dequantize-then-matmul reference.
+"""The w4_bf16 kernel family (quant/kernels/w4_bf16.py), every variant this CPU runs, against the
+dequantize-then-matmul reference.
 
 The kernel rounds activations to bf16 and is otherwise fp32 arithmetic on exact int4 weights, so the reference here
 is `bf16(x).float() @ dequant(W).T` in fp32. What is left is fp32 summation order plus the 136·sum(x) offset the
-kernel adds and removes per group (see kernels/w4_bf16.cpp): a few fp32 ulps of sum|x·w| per group, observed
-<= 3e-6 of max |y|; REL_TOL leaves 3x headroom. Kernel tests skip on CPUs without AVX-512 BF16 or without g++.
+kernel adds and removes per group (see kernels/w4_bf16_avx512.cpp): a few fp32 ulps of sum|x·w| per group, observed
+<= 3e-6 of max |y|; REL_TOL leaves 3x headroom. A variant's tests skip, with the reason, where it does not build
+(its CPU extension missing, no g++, SPECQUANT_NATIVE=off).
 """
 
 import pytest
 import torch
+from conftest import kernel_variants, need_kernel
 
-from specquant.quant import native
+from specquant.quant.kernels import Family, build, w4_bf16
 from specquant.quant.config import QuantConfig
 from specquant.quant.grid import dequantize, quantize_weight
 from specquant.quant.linear import QuantLinear, auto_backend
 
 REL_TOL = 1e-5
-needs_kernel = pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.build()[1]}")
+FAMILY = w4_bf16.FAMILY
+VARIANTS = kernel_variants(FAMILY)
 
 
 def weights(out, inp, group, seed=0, scale_dtype=torch.float32):
@@ -32,7 +36,7 @@ def reference(x, codes, scale):
 
 def test_pack_layout_puts_each_code_where_the_kernel_reads_it():
     codes, scale, _ = weights(32, 64, 32)
-    packed, scales = native.pack(codes, scale)
+    packed, scales = w4_bf16.pack(codes, scale)
     assert packed.shape == (2, 8, 64) and scales.shape == (2, 2, 16)
     u = codes.to(torch.int16) + 8
     for t, k8, lane, half, i, second in [(0, 0, 0, 0, 0, 0), (1, 7, 3, 1, 3, 1), (0, 3, 2, 1, 1, 0)]:
@@ -42,42 +46,52 @@ def test_pack_layout_puts_each_code_where_the_kernel_reads_it():
     assert torch.equal(scales[1, 1], scale[16:32, 1].float())
 
 
-@needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("out,inp,group", [(16, 64, 32), (128, 384, 32), (1024, 384, 128), (48, 1024, 64),
                                            (64, 256, 256), (32, 96, 96)])
-def test_kernel_matches_reference(out, inp, group):
+def test_kernel_matches_reference(out, inp, group, variant):
+    need_kernel(FAMILY, variant)
     codes, scale, g = weights(out, inp, group)
-    packed, scales = native.pack(codes, scale)
+    packed, scales = w4_bf16.pack(codes, scale)
     for rows in (1, 2, 3, 7, 8, 9, 16, 20):
         x = torch.randn(rows, inp, generator=g) * 3
         ref = reference(x, codes, scale)
-        got = native.gemm(x, packed, scales, group)
+        got = w4_bf16.gemm(x, packed, scales, group, variant)
         err = (got - ref).abs().max() / ref.abs().max()
         assert err <= REL_TOL, f"{out}x{inp} g{group} rows={rows}: rel err {err:.2e}"
 
 
-@needs_kernel
-def test_rows_are_batch_invariant():
-    """Each row sums in the same order whatever M is: a verify step's row i equals the one-row step bit for bit."""
-    codes, scale, g = weights(64, 256, 32)
-    packed, scales = native.pack(codes, scale)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rows_are_batch_and_thread_invariant(variant):
+    """Each row sums in the same order whatever M or the thread count: a verify step's row i equals the one-row
+    step bit for bit."""
+    need_kernel(FAMILY, variant)
+    codes, scale, g = weights(256, 256, 32)
+    packed, scales = w4_bf16.pack(codes, scale)
     x = torch.randn(13, 256, generator=g)
-    batch = native.gemm(x, packed, scales, 32)
+    batch = w4_bf16.gemm(x, packed, scales, 32, variant)
     for i in range(13):
-        assert torch.equal(native.gemm(x[i : i + 1], packed, scales, 32), batch[i : i + 1])
+        assert torch.equal(w4_bf16.gemm(x[i : i + 1], packed, scales, 32, variant), batch[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(w4_bf16.gemm(x, packed, scales, 32, variant), batch)
+    finally:
+        torch.set_num_threads(threads)
 
 
-@needs_kernel
-def test_kernel_handles_bf16_scales_and_activations():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_handles_bf16_scales_and_activations(variant):
+    need_kernel(FAMILY, variant)
     codes, scale, g = weights(32, 128, 32, scale_dtype=torch.bfloat16)
-    packed, scales = native.pack(codes, scale)
+    packed, scales = w4_bf16.pack(codes, scale)
     x = torch.randn(4, 128, generator=g).to(torch.bfloat16)
     ref = reference(x, codes, scale)
-    assert (native.gemm(x, packed, scales, 32) - ref).abs().max() <= REL_TOL * ref.abs().max()
+    assert (w4_bf16.gemm(x, packed, scales, 32, variant) - ref).abs().max() <= REL_TOL * ref.abs().max()
 
 
-@needs_kernel
 def test_quant_linear_uses_it_by_default_for_few_rows():
+    need_kernel(FAMILY)
     codes, scale, g = weights(64, 256, 32)
     m = QuantLinear.from_codes(codes, scale, None, 4, torch.randn(64, generator=g))
     x = torch.randn(2, 3, 256, generator=g)
@@ -89,13 +103,13 @@ def test_quant_linear_uses_it_by_default_for_few_rows():
 
 def test_unpack_inverts_pack():
     codes = torch.randint(-8, 8, (48, 96), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
-    assert torch.equal(native.unpack_codes(native.pack_codes(codes)), codes)
+    assert torch.equal(w4_bf16.unpack_codes(w4_bf16.pack_codes(codes)), codes)
 
 
-@needs_kernel
 def test_one_copy_of_the_codes_in_memory_and_checkpoint_tensors_unchanged():
     """The native kernel permutes weight_packed in place (no second packed copy); codes(), state_dict(), .to()
     and load_state_dict() still see the compressed-tensors layout, bit for bit."""
+    need_kernel(FAMILY)
     codes, scale, g = weights(64, 256, 32)
     m = QuantLinear.from_codes(codes, scale, None, 4)
     saved = {k: v.clone() for k, v in m.state_dict().items()}
@@ -121,21 +135,76 @@ def test_one_copy_of_the_codes_in_memory_and_checkpoint_tensors_unchanged():
 
 
 def test_unsupported_layers_are_declined():
-    assert not native.supports(8, 32, True, 256, 64)  # 8 bits
-    assert not native.supports(4, 32, False, 256, 64)  # zero points
-    assert not native.supports(4, 32, True, 256, 40)  # out not a multiple of 16
-    assert native.supports(4, 32, True, 256, 64)
+    assert not w4_bf16.supports(8, 32, True, 256, 64)  # 8 bits
+    assert not w4_bf16.supports(4, 32, False, 256, 64)  # zero points
+    assert not w4_bf16.supports(4, 32, True, 256, 40)  # out not a multiple of 16
+    assert w4_bf16.supports(4, 32, True, 256, 64)
 
 
 def test_disabled_or_missing_compiler_falls_back_with_a_reason(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPECQUANT_NATIVE", "0")
-    assert native.build() == (None, "disabled by SPECQUANT_NATIVE=0")
-    monkeypatch.setenv("SPECQUANT_NATIVE", "1")
+    best = FAMILY.variants[0]
+    for off in ("off", "0"):
+        monkeypatch.setenv("SPECQUANT_NATIVE", off)
+        assert build.build("w4_bf16", best) == (None, f"disabled by SPECQUANT_NATIVE={off}")
+    monkeypatch.setenv("SPECQUANT_NATIVE", "on")
     monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
-    monkeypatch.setattr(native, "_cpu_problem", lambda needed: None)
-    path, why = native.build()
+    monkeypatch.setattr(build, "cpu_problem", lambda needed: None)
+    path, why = build.build("w4_bf16", best)
     assert path is None and "build failed" in why
+    assert not list((tmp_path / "kernels").iterdir())  # no temporary file left behind
     monkeypatch.delenv("CXX")
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
-    assert native.build() == (None, "no C++ compiler (g++/c++) on PATH; install g++ or set CXX")
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    assert build.build("w4_bf16", best) == (None, "no C++ compiler (g++/c++) on PATH; install g++ or set CXX")
+
+
+def test_an_unknown_switch_value_is_one_line(monkeypatch):
+    from specquant.errors import SpecquantError
+
+    monkeypatch.setenv("SPECQUANT_NATIVE", "maybe")
+    with pytest.raises(SpecquantError, match="SPECQUANT_NATIVE='maybe' is not understood; use off"):
+        build.disabled()
+
+
+def test_auto_takes_the_first_variant_that_loads_and_says_why_when_none_does(monkeypatch):
+    """`auto` walks the variants in their listed (best-first) order: one that fails is passed over for the next;
+    with none, every variant's reason is kept."""
+    monkeypatch.delenv("SPECQUANT_NATIVE", raising=False)
+    first, second = (build.Variant("a", "x.cpp", (), ()), build.Variant("b", "x.cpp", (), ()))
+    fam = Family("t", (first, second), {}, FAMILY.layout, w4_bf16.supports, w4_bf16.gemm, w4_bf16.gemm_op)
+    results = {"a": (None, "CPU lacks avx9"), "b": ("lib-b", "loaded")}
+    monkeypatch.setattr(fam, "load", lambda v: results[v.name])
+    assert fam.variant() is second and fam.library() == "lib-b" and fam.why() == "variant b"
+    fam.reset()
+    results["b"] = (None, "g++ failed: boom")
+    assert fam.library() is None and fam.why() == "a: CPU lacks avx9; b: g++ failed: boom"
+
+
+def test_the_switch_disables_every_family(native_kernels):
+    from specquant.quant.kernels import FAMILIES
+
+    if native_kernels == "fallback":
+        assert all(f.library() is None and f.why() == "disabled by SPECQUANT_NATIVE=off" for f in FAMILIES.values())
+    elif not build.disabled():  # each family has its best variant this CPU runs, or says why not
+        for f in FAMILIES.values():
+            runs = f.supported_variants()
+            assert f.variant() in runs[:1] or f.library() is None
+
+
+def test_no_instruction_set_outside_the_variants():
+    """The shared header and the base flags carry no ISA: each variant brings its own (a portable one, none)."""
+    common = (build.KERNEL_DIR / "common.h").read_text()
+    assert "immintrin" not in common and "_mm" not in common
+    assert not [f for f in build.BASE_FLAGS if f.startswith("-m")]
+
+
+def test_the_fma_variants_give_the_same_bits():
+    """The AVX2 and portable variants sum with fused multiply-adds in k order (kernels/w4_bf16_entry.h): the same
+    bits from both. (The AVX-512 BF16 variant sums pairs in vdpbf16ps: equal to them only to fp32 rounding.)"""
+    fma = [v for v in FAMILY.variants if v.name in ("avx2", "portable") and FAMILY.load(v)[0] is not None]
+    if len(fma) < 2:
+        pytest.skip(f"the AVX2 and portable variants do not both load here ({FAMILY.why()})")
+    codes, scale, g = weights(48, 256, 32, scale_dtype=torch.bfloat16)
+    packed, scales = w4_bf16.pack(codes, scale)
+    x = torch.randn(10, 256, generator=g)
+    assert torch.equal(w4_bf16.gemm(x, packed, scales, 32, fma[0]), w4_bf16.gemm(x, packed, scales, 32, fma[1]))

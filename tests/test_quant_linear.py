@@ -72,10 +72,11 @@ def test_eight_bit_layer_round_trips_and_runs():
     assert torch.equal(m(x), ref)  # 8 bits: auto picks dequant_cached
 
 
-def test_auto_policy_follows_measurement():
-    from specquant.quant import native
+def test_auto_policy_follows_measurement(native_kernels):
+    from specquant.quant.kernels import w4_bf16
 
-    few = "native_w4_bf16" if native.library() is not None else "int4pack_cpu_bf16"
+    few = "native_w4_bf16" if w4_bf16.FAMILY.library() is not None else "int4pack_cpu_bf16"
+    assert (few == "int4pack_cpu_bf16") == (native_kernels == "fallback" or w4_bf16.FAMILY.library() is None)
     m, _ = make(True, torch.bfloat16)
     assert auto_backend(m, torch.zeros(1, 256, dtype=torch.bfloat16)) == few
     assert auto_backend(m, torch.zeros(1, 256, dtype=torch.float32)) == few
@@ -133,3 +134,24 @@ def test_bad_backend_names_raise():
     odd.backend = "int4pack_cpu"
     with pytest.raises(SpecquantError, match="cannot run this layer"):
         odd(torch.zeros(1, 256))
+
+
+@pytest.mark.parametrize("backend", ["int4pack_cpu_bf16", "int4pack_cpu", "int8pack_cpu", "dequant_cached"])
+def test_torch_export_sees_the_fallback_backends_inputs_as_named_buffers(backend):
+    """What an AOTInductor package binds by name (decode/aot.py): on the torch backends too, the exported graph
+    reads only the layer's buffers (the derived ones are non-persistent buffers, never saved) and no lifted constant;
+    the int4 kernel is one opaque operator, so inductor adds no group-size constant of its own."""
+    m, g = make(True, torch.bfloat16, bits=8 if backend == "int8pack_cpu" else 4,
+                group=256 if backend == "int8pack_cpu" else 32)
+    m.backend = backend
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    eager = m(x)
+    ep = torch.export.export(m, (x,), strict=False)
+    assert not ep.graph_signature.lifted_tensor_constants
+    derived = set(ep.graph_signature.inputs_to_buffers.values()) - set(m.state_dict())
+    assert derived and derived <= set(m._buffers) and not derived & set(m.state_dict())
+    if backend.startswith("int4pack"):
+        assert "specquant.int4pack_mm" in str(ep.graph)
+    assert torch.equal(ep.module()(x), eager)
+    m.invalidate()  # the derived buffers go with the rest of the backend state
+    assert not derived & set(m._buffers)

@@ -5,9 +5,8 @@ Buffers (names = checkpoint names, so `state_dict()` is the pack-quantized check
   weight_scale       [out, in/group] model dtype
   weight_zero_point  int32 [ceil(out·bits/32), in/group]  asymmetric only, packed along dim 0
   weight_shape       int64 [2] = (out, in)
-Once a native kernel runs a layer, `weight_packed` holds the same bytes permuted into that kernel's layout
-(native.pack_codes or w4a8.pack_codes; `native_layout` then names the kernel) instead of a second copy: one copy of
-the codes in memory.
+Once a native kernel runs a layer, `weight_packed` holds the same bytes permuted into that kernel family's layout
+(quant/kernels: `native_layout` then names the family) instead of a second copy: one copy of the codes in memory.
 `codes()` reads either layout, and `state_dict()` / `.to()` restore the compressed-tensors layout first, so
 saving, exporting and moving see the checkpoint tensors as they are.
 
@@ -27,17 +26,19 @@ against `reference` (tests/test_quant_linear.py):
                   the same kernel fed bf16 activations (and bf16 scale_and_zeros), the result cast back to x's
                   dtype: the kernel's fast path, since its fp32 path is much slower (docs/BENCH.md). For fp32 models this rounds
                   the activations entering each quantized Linear to bf16 (relative error <= 2^-9 per element).
-  native_w4_bf16  specquant.quant.native's AVX-512 BF16 kernel (kernels/w4_bf16.cpp, built by scripts/setup.sh
-                  or on first use with g++): same numerics contract as int4pack_cpu_bf16 (bf16 activations, exact
-                  int4 weights, fp32 sums), symmetric 4-bit only, out % 16 == 0; rows are batch-invariant.
-  native_w4a8     quant/w4a8.py's AVX-512 VNNI kernel (kernels/w4a8_vnni.cpp): activations rounded to int8 per
+  native_w4_bf16  the w4_bf16 kernel family (quant/kernels/w4_bf16.py; its best variant for this CPU, built by
+                  scripts/setup.sh or on first use with g++): same numerics contract as int4pack_cpu_bf16 (bf16
+                  activations, exact int4 weights, fp32 sums), symmetric 4-bit only, out % 16 == 0; rows are
+                  batch-invariant.
+  native_w4a8     the w4a8 kernel family (quant/kernels/w4a8.py): activations rounded to int8 per
                   block of 32 (GGUF's Q4_0 x Q8_0), exact integer dots, fp32 scales and sums; batch-invariant. Not
                   W4A16, so `auto` takes it only for layers whose `activations` is "int8" (set_w4_activations), and
                   then for every row count, prefill included, so a model runs one arithmetic throughout.
   triton_w4       quant/triton_w4.py: a Triton W4A16/W8A16 GEMM reading these buffers as they are (CUDA; tested on
                   CPU under TRITON_INTERPRET=1). Imported only when triton is installed and the input is on CUDA.
 
-`backend="auto"` (default) follows the measurement in benchmarks/quant_backends.py; see `auto_backend`.
+`backend="auto"` (default) takes the first row of AUTO_ORDER that applies (benchmarks/quant_backends.py's
+measurement); a native backend runs its family's best variant for this CPU (quant/kernels).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.quant import native, w4a8
+from specquant.quant.kernels import FAMILIES, TILE, w4a8
 from specquant.quant.config import DRAFT_W4_ACTIVATIONS
 from specquant.quant.grid import dequantize
 from specquant.quant.pack import pack_codes, packed_cols, unpack_codes
@@ -119,20 +120,20 @@ class QuantLinear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         if self.native_layout:
-            return NATIVE_KERNELS[self.native_layout].unpack_codes(self._native_view())
+            return FAMILIES[self.native_layout].layout.unpack_codes(self._native_view())
         return unpack_codes(self.weight_packed, self.bits, self.in_features)  # int8 [out, in]
 
     def _native_view(self) -> torch.Tensor:
-        """weight_packed's bytes as a native kernel's uint8 [out/16, in/8, 64] (no copy; both kernels' shape)."""
-        return self.weight_packed.view(torch.uint8).view(self.out_features // native.TILE, self.in_features // 8, 64)
+        """weight_packed's bytes as a kernel family's uint8 [out/16, in/8, 64] (no copy; every family's shape)."""
+        return self.weight_packed.view(torch.uint8).view(self.out_features // TILE, self.in_features // 8, 64)
 
-    def to_native_layout(self, kernel: str = "w4_bf16") -> None:
-        """Permute weight_packed in place into a native kernel's layout (a no-op when it already is)."""
-        if self.native_layout == kernel:
+    def to_native_layout(self, family: str = "w4_bf16") -> None:
+        """Permute weight_packed in place into a kernel family's layout (a no-op when it already is)."""
+        if self.native_layout == family:
             return
-        permuted = NATIVE_KERNELS[kernel].pack_codes(self.codes())
+        permuted = FAMILIES[family].layout.pack_codes(self.codes())
         self._native_view().copy_(permuted)
-        self.native_layout = kernel
+        self.native_layout = family
 
     def to_standard_layout(self) -> None:
         """Back to the compressed-tensors layout (a no-op when it already is)."""
@@ -154,7 +155,8 @@ class QuantLinear(nn.Module):
     def invalidate(self):
         """Drop backend caches (after the buffers change)."""
         self._cache.clear()
-        self._buffers.pop("native_scales", None)  # a native kernel's packed scales: rebuilt on its next call
+        for name in DERIVED_BUFFERS:  # rebuilt from the checkpoint buffers on a backend's next call
+            self._buffers.pop(name, None)
 
     def _apply(self, fn, recurse=True):
         self.invalidate()
@@ -199,11 +201,30 @@ def _reference(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w, None if m.bias is None else m.bias.to(x.dtype))
 
 
+# Tensors a backend derives once from the checkpoint buffers (a kernel's repacked codes, its scales, a dense
+# weight). They are kept as non-persistent buffers, not plain attributes, because a torch.compile'd or exported
+# graph reads a module's tensors by buffer name: a plain attribute would be baked into an AOT package as a
+# constant that cannot be bound to the model's own tensors. Never saved; dropped by invalidate().
+DERIVED_BUFFERS = ("native_scales", "dense_weight", "int4pack_weight", "int4pack_scale_and_zeros", "int8pack_weight",
+                   "int8pack_scale")
+
+
+def _derived(m: QuantLinear, name: str, key, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The derived buffer `name`, (re)built when missing or made for another key (an activation dtype)."""
+    if name not in m._buffers or m._cache.get(("derived", name)) != key:
+        _register_derived(m, name, key, build)  # under torch.export, aot.settle has run it eagerly before
+    return getattr(m, name)  # by attribute: what a graph being traced sees as the module's buffer
+
+
+@torch.compiler.disable  # registers a buffer: never traced into a graph
+def _register_derived(m: QuantLinear, name: str, key, build: Callable[[], torch.Tensor]) -> None:
+    m.register_buffer(name, build(), persistent=False)
+    m._cache[("derived", name)] = key
+
+
 def _dequant_cached(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    key = ("dense", x.dtype, x.device)
-    w = m._cache.get(key)
-    if w is None:
-        w = m._cache[key] = m.dequantized_weight().to(device=x.device, dtype=x.dtype)
+    w = _derived(m, "dense_weight", (x.dtype, x.device),
+                 lambda: m.dequantized_weight().to(device=x.device, dtype=x.dtype))
     return F.linear(x, w, None if m.bias is None else m.bias.to(x.dtype))
 
 
@@ -221,60 +242,68 @@ def _int4pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:
 def _int4pack_cpu(m: QuantLinear, x: torch.Tensor, kernel_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) with the int4 kernel run in kernel_dtype (default x's dtype); result in x's dtype."""
     kd = kernel_dtype or x.dtype
-    packed = m._cache.get("int4pack")
-    if packed is None:
-        unsigned = m.codes().to(torch.int32) + 8  # [out, in] in 0..15
-        packed = m._cache["int4pack"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
-    key = ("int4pack_sz", kd)
-    scale_and_zeros = m._cache.get(key)
-    if scale_and_zeros is None:
+    packed = _derived(m, "int4pack_weight", None, lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        m.codes().to(torch.int32) + 8, 1))  # unsigned codes [out, in] in 0..15
+
+    def scale_and_zeros_for_kd() -> torch.Tensor:
         scale = m.weight_scale.float()
         zp = m.zero_point()
         zero = torch.zeros_like(scale) if zp is None else -zp.float() * scale
-        scale_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(kd).contiguous()  # [groups, out, 2]
-        m._cache[key] = scale_and_zeros
+        return torch.stack([scale.t(), zero.t()], dim=-1).to(kd).contiguous()  # [groups, out, 2]
+
+    scale_and_zeros = _derived(m, "int4pack_scale_and_zeros", kd, scale_and_zeros_for_kd)
     x2 = x.reshape(-1, m.in_features).to(kd).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, m.group_size, scale_and_zeros).to(x.dtype)
+    mm = int4pack_mm_op if torch.compiler.is_compiling() else torch.ops.aten._weight_int4pack_mm_for_cpu
+    y = mm(x2, packed, m.group_size, scale_and_zeros).to(x.dtype)
     if m.bias is not None:
         y = y + m.bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], m.out_features)
+
+
+@torch.library.custom_op("specquant::int4pack_mm", mutates_args=())
+def int4pack_mm_op(x: torch.Tensor, packed: torch.Tensor, group: int, scale_and_zeros: torch.Tensor) -> torch.Tensor:
+    """torch's int4 CPU kernel as an opaque operator for torch.compile / torch.export. Why: inductor's own lowering
+    of the aten op adds the group size as a tensor constant of the graph, which an AOT package built without its
+    constants (decode/aot.py) cannot bind to any of the model's tensors."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_and_zeros)
+
+
+@int4pack_mm_op.register_fake
+def _(x, packed, group, scale_and_zeros):
+    return x.new_empty(x.shape[0], scale_and_zeros.shape[1])  # [rows, out]
 
 
 def _int4pack_cpu_bf16(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return _int4pack_cpu(m, x, torch.bfloat16)
 
 
-# The native CPU kernels by layout name: each module has supports(), library(), pack_codes/unpack_codes (its
-# weight layout), gemm (ctypes) and gemm_op (the same as a torch operator, for torch.compile).
-NATIVE_KERNELS = {"w4_bf16": native, "w4a8_vnni": w4a8}
-
-
-def _native_supports(kernel: str) -> Callable[[QuantLinear, torch.Tensor], bool]:
-    mod = NATIVE_KERNELS[kernel]
+def _native_supports(family: str) -> Callable[[QuantLinear, torch.Tensor], bool]:
+    fam = FAMILIES[family]
 
     def supports(m: QuantLinear, x: torch.Tensor) -> bool:
         return (x.device.type == "cpu" and x.dtype in INT4PACK_DTYPES
-                and mod.supports(m.bits, m.group_size, m.symmetric, m.in_features, m.out_features)
-                and mod.library() is not None)
+                and fam.supports(m.bits, m.group_size, m.symmetric, m.in_features, m.out_features)
+                and fam.library() is not None)
 
     return supports
 
 
-def _native_forward(kernel: str) -> Callable[[QuantLinear, torch.Tensor], torch.Tensor]:
-    """Run a native kernel's gemm on weight_packed permuted (once, in place) into that kernel's layout. The
-    kernel's view of the codes and its scales are prepared once (a decode step makes ~100 of these calls, so
-    per-call Python work counts), and re-prepared whenever the layout was changed for the other kernel. Under
-    torch.compile the kernel runs as its torch operator (no graph break). The result comes back in x's dtype."""
-    mod = NATIVE_KERNELS[kernel]
+def _native_forward(family: str) -> Callable[[QuantLinear, torch.Tensor], torch.Tensor]:
+    """Run a kernel family's gemm (its chosen variant) on weight_packed permuted (once, in place) into that
+    family's layout. The kernel's view of the codes and its scales are prepared once (a decode step makes ~100 of
+    these calls, so per-call Python work counts), and re-prepared whenever the layout was changed for the other
+    family. Under torch.compile the kernel runs as its torch operator (no graph break). The result comes back in
+    x's dtype."""
+    fam = FAMILIES[family]
 
     def forward(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        prepared = m._cache.get(("native", kernel))
-        if prepared is None or m.native_layout != kernel:
-            prepared = _prepare_native(m, kernel)
+        prepared = m._cache.get(("native", family))
+        if prepared is None or m.native_layout != family:
+            prepared = _prepare_native(m, family)
         if torch.compiler.is_compiling():  # torch.compile / torch.export: buffers only, so the graph reads them
-            y = mod.gemm_op(x, m._native_view(), m.native_scales, m.group_size)
+            y = fam.gemm_op(x, m._native_view(), m.native_scales, m.group_size)
         else:
-            y = mod.gemm(x, *prepared, m.group_size)
+            y = fam.gemm(x, *prepared, m.group_size)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if m.bias is not None:
@@ -285,12 +314,12 @@ def _native_forward(kernel: str) -> Callable[[QuantLinear, torch.Tensor], torch.
 
 
 @torch.compiler.disable  # permutes a buffer in place: never traced into a graph
-def _prepare_native(m: QuantLinear, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Permute the codes into the kernel's layout and pack its scales, kept as the non-persistent buffer
+def _prepare_native(m: QuantLinear, family: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permute the codes into the family's layout and pack its scales, kept as the non-persistent buffer
     `native_scales` (so a compiled or exported graph finds it among the module's buffers, by name)."""
-    m.to_native_layout(kernel)
-    m.register_buffer("native_scales", native.pack_scales(m.weight_scale), persistent=False)
-    prepared = m._cache[("native", kernel)] = (m._native_view(), m.native_scales)
+    m.to_native_layout(family)
+    m.register_buffer("native_scales", FAMILIES[family].layout.pack_scales(m.weight_scale), persistent=False)
+    prepared = m._cache[("native", family)] = (m._native_view(), m.native_scales)
     return prepared
 
 
@@ -301,13 +330,8 @@ def _int8pack_supports(m: QuantLinear, x: torch.Tensor) -> bool:
 
 def _int8pack_cpu(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """torch's W8 per-channel CPU kernel (aten._weight_int8pack_mm): int8 weight [out, in], scales [out]."""
-    codes = m._cache.get("int8")
-    if codes is None:
-        codes = m._cache["int8"] = m.codes().contiguous()
-    key = ("int8_scale", x.dtype)
-    scale = m._cache.get(key)
-    if scale is None:
-        scale = m._cache[key] = m.weight_scale.reshape(-1).to(x.dtype).contiguous()
+    codes = _derived(m, "int8pack_weight", None, lambda: m.codes().contiguous())
+    scale = _derived(m, "int8pack_scale", x.dtype, lambda: m.weight_scale.reshape(-1).to(x.dtype).contiguous())
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, m.in_features).contiguous(), codes, scale)
     if m.bias is not None:
         y = y + m.bias.to(x.dtype)
@@ -337,17 +361,17 @@ BACKENDS: dict[str, Backend] = {
     "dequant_cached": Backend(_dequant_cached, lambda m, x: True),
     "int4pack_cpu": Backend(_int4pack_cpu, _int4pack_supports),
     "int4pack_cpu_bf16": Backend(_int4pack_cpu_bf16, _int4pack_supports),
-    # bf16 activations (as int4pack_cpu_bf16), exact int4 weights, fp32 sums and scales (kernels/w4_bf16.cpp)
+    # bf16 activations (as int4pack_cpu_bf16), exact int4 weights, fp32 sums and scales (quant/kernels/w4_bf16.py)
     "native_w4_bf16": Backend(_native_forward("w4_bf16"), _native_supports("w4_bf16")),
-    # int8 activations per block of 32, exact integer dots, fp32 scales and sums (quant/w4a8.py)
-    "native_w4a8": Backend(_native_forward("w4a8_vnni"), _native_supports("w4a8_vnni")),
+    # int8 activations per block of 32, exact integer dots, fp32 scales and sums (quant/kernels/w4a8.py)
+    "native_w4a8": Backend(_native_forward("w4a8"), _native_supports("w4a8")),
     "int8pack_cpu": Backend(_int8pack_cpu, _int8pack_supports),
     "triton_w4": Backend(_triton_forward, _triton_supports),
 }
 
 
 def register_backend(name: str, backend: Backend):
-    """Add a kernel (e.g. a future Triton CUDA W4A16 GEMM); `auto_backend` must be taught when to pick it."""
+    """Add a kernel (e.g. a future Triton CUDA W4A16 GEMM); a row in AUTO_ORDER says when `auto` picks it."""
     BACKENDS[name] = backend
 
 
@@ -356,38 +380,54 @@ def _log_choice(choice: str, why: str):
     log.info("QuantLinear backend: %s (%s)", choice, why)  # lru_cache: logged once per distinct decision
 
 
+@dataclass(frozen=True)
+class AutoRule:
+    """One row of AUTO_ORDER: `backend` is taken when `when(layer, x, rows)` holds and the backend supports the
+    layer and input; `why` (formatted with rows, dtype, device, variant) is logged with the choice."""
+
+    backend: str
+    when: Callable[[QuantLinear, torch.Tensor, int], bool]
+    why: str
+
+
+def _always(m: QuantLinear, x: torch.Tensor, rows: int) -> bool:
+    return True
+
+
+def _float_or_bf16(m: QuantLinear, x: torch.Tensor, rows: int) -> bool:
+    return x.dtype in (torch.float32, torch.bfloat16)
+
+
+# `auto`, first match wins; follows benchmarks/quant_backends.py's measurement (numbers in docs/BENCH.md, weights
+# streamed from memory as in a forward pass). int8 activations run the W4A8 kernel at every row count, prefill
+# included, so one model runs one arithmetic. From LARGE_ROWS rows on (prompt prefill), dequantizing per call and
+# one dense GEMM beats the few-row kernels, without a dense copy. On CUDA, decode and verify shapes go to the Triton
+# kernel when triton is installed (it streams the packed weight; benchmarks/gpu.py, docs/GPU.md). For few rows on
+# CPU the native W4 kernel beat torch's int4 kernel on bf16 activations, which beat the dense GEMM in either dtype
+# (fp32 goes through a bf16 cast); layers neither can take (8 bits, odd shapes) use dequant_cached.
+AUTO_ORDER: tuple[AutoRule, ...] = (
+    AutoRule("native_w4a8", lambda m, x, rows: m.activations == "int8",
+             "int8 activations asked for: the native W4A8 kernel ({variant}) at every row count"),
+    AutoRule("reference", lambda m, x, rows: rows >= LARGE_ROWS,
+             "{rows} rows (>= " + str(LARGE_ROWS) + "): dequantize per call, then one dense GEMM"),
+    AutoRule("triton_w4", _always, "{dtype} activations on CUDA: the Triton W4A16 kernel on the packed weight"),
+    AutoRule("int8pack_cpu", _always, "{dtype} activations on CPU, 8-bit per-channel: the int8 kernel"),
+    AutoRule("native_w4_bf16", _float_or_bf16, "{dtype} activations on CPU: the native W4 kernel ({variant})"),
+    AutoRule("int4pack_cpu_bf16", _float_or_bf16, "{dtype} activations on CPU: the int4 kernel on bf16 activations"),
+    AutoRule("dequant_cached", _always, "{dtype} activations on {device}: dense GEMM on cached weights"),
+)
+NATIVE_BACKENDS = {"native_w4a8": "w4a8", "native_w4_bf16": "w4_bf16"}  # backend -> the kernel family it runs
+
+
 def auto_backend(m: QuantLinear, x: torch.Tensor) -> str:
-    """Pick the backend for this layer and input, following benchmarks/quant_backends.py's measurement (numbers in
-    docs/BENCH.md, with weights streamed from memory as in a forward pass): for decode and verify steps (few rows)
-    the int4 kernel on bf16 activations beat the dense GEMM in either dtype, so fp32 and bf16 inputs both go to it
-    (fp32 through a bf16 cast); layers it cannot take (8 bits, odd shapes) use dequant_cached. From LARGE_ROWS rows
-    on (prompt prefill), dequantizing per call + one dense GEMM catches up and wins, without a dense copy.
-    On CUDA, decode and verify shapes go to the Triton kernel when triton is installed (it streams the packed
-    weight, a quarter of the bf16 bytes at 4 bits; benchmarks/gpu.py measures whether that pays, docs/GPU.md);
-    without triton, CUDA uses dequant_cached.
-    The choice depends on dtype, device, layer and whether rows >= LARGE_ROWS; each layer caches it per key.
-    Where the native kernel builds (AVX-512 BF16 CPU, a C++ compiler) it takes symmetric 4-bit layers first:
-    benchmarks/quant_backends.py on the Qwen3-0.6B shapes, streamed, 1 thread, interleaved (loaded box, +-10%):
-    1 row 1.3-1.4x faster than int4pack_cpu_bf16 (2048->1024: 153 vs 198 us; lm_head 1024->151936: 9.1 vs
-    12.8 ms), 4 rows 1.05x, 8-16 rows 1.1-1.2x.
-    """
+    """The backend `auto` picks for this layer and input: the first row of AUTO_ORDER that applies. The choice
+    depends on dtype, device, layer and whether rows >= LARGE_ROWS; each layer caches it per key."""
     rows = x.numel() // m.in_features
-    if m.activations == "int8" and BACKENDS["native_w4a8"].supports(m, x):
-        choice, why = "native_w4a8", "int8 activations asked for: the native W4A8 kernel at every row count"
-    elif rows >= LARGE_ROWS:
-        choice, why = "reference", f"{rows} rows (>= {LARGE_ROWS}): dequantize per call, then one dense GEMM"
-    elif _triton_supports(m, x):
-        choice, why = "triton_w4", f"{x.dtype} activations on CUDA: the Triton W4A16 kernel on the packed weight"
-    elif _int8pack_supports(m, x):  # W8 per channel (the W8 lm_head): torch's int8 kernel, no dense copy
-        choice, why = "int8pack_cpu", f"{x.dtype} activations on CPU, 8-bit per-channel: the int8 kernel"
-    elif x.dtype in (torch.float32, torch.bfloat16) and BACKENDS["native_w4_bf16"].supports(m, x):
-        choice, why = "native_w4_bf16", f"{x.dtype} activations on CPU: the native AVX-512 BF16 W4 kernel"
-    elif x.dtype in (torch.float32, torch.bfloat16) and _int4pack_supports(m, x):
-        choice, why = "int4pack_cpu_bf16", f"{x.dtype} activations on CPU: the int4 kernel on bf16 activations"
-    else:
-        choice, why = "dequant_cached", f"{x.dtype} activations on {x.device.type}: dense GEMM on cached weights"
-    _log_choice(choice, why)
-    return choice
+    rule = next(r for r in AUTO_ORDER if r.when(m, x, rows) and BACKENDS[r.backend].supports(m, x))
+    family = NATIVE_BACKENDS.get(rule.backend)
+    _log_choice(rule.backend, rule.why.format(rows=rows, dtype=x.dtype, device=x.device.type,
+                                              variant=FAMILIES[family].why() if family else ""))
+    return rule.backend
 
 
 def resolve_backend(m: QuantLinear, x: torch.Tensor) -> str:
@@ -419,13 +459,13 @@ def set_backend(model: nn.Module, name: str) -> int:
 def resolve_w4_activations(mode: str) -> str:
     """"auto" -> "int8" where the W4A8 kernel runs, else "float"; other modes as they are."""
     if mode == "auto":
-        return "int8" if w4a8.library() is not None else "float"
+        return "int8" if w4a8.FAMILY.library() is not None else "float"
     return mode
 
 
 def set_w4_activations(model: nn.Module, mode: str) -> int:
     """Run the model's symmetric 4-bit layers on float (W4A16: the checkpoint's arithmetic, default) or int8
-    activations (W4A8, GGUF's Q4_0 x Q8_0: the native VNNI kernel, at every row count, so decode, verify and
+    activations (W4A8, GGUF's Q4_0 x Q8_0: the w4a8 kernel family, at every row count, so decode, verify and
     prefill share one arithmetic); "auto" (for drafters, DRAFT_W4_ACTIVATIONS) is int8 where the kernel runs and
     float elsewhere. Layers the W4A8 kernel cannot take (8 bits, zero points, odd shapes) keep float activations.
     Returns how many layers run int8; raises when int8 is asked for and the kernel is unavailable."""
@@ -433,9 +473,9 @@ def set_w4_activations(model: nn.Module, mode: str) -> int:
         raise SpecquantError(f"w4 activations {mode!r} is not supported; use one of "
                              f"{', '.join(DRAFT_W4_ACTIVATIONS)}")
     mode = resolve_w4_activations(mode)
-    if mode == "int8" and w4a8.library() is None:
+    if mode == "int8" and w4a8.FAMILY.library() is None:
         raise SpecquantError(f"int8 W4 activations need the native W4A8 kernel, which is unavailable here "
-                             f"({native.build('w4a8_vnni')[1]}); use float activations")
+                             f"({w4a8.FAMILY.why()}); use float activations")
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear):

@@ -1,10 +1,9 @@
-// What both native W4 kernels (w4_bf16.cpp, w4a8_vnni.cpp) share: the weight stream's prefetch distance, the scale
-// loads, and the loop that hands every 16-output tile and block of rows to a kernel's register tile. Each kernel is
-// still its own translation unit and library (each needs its own CPU extension); quant/native.py hashes this header
-// into both builds, so an edit here rebuilds both.
+// What every native W4 kernel variant shares, with no instruction set in it (each variant's .cpp brings its own
+// intrinsics, or none: the portable variants): the weight stream's prefetch distance and the loop that hands every
+// 16-output tile and block of rows to a variant's register tile. quant/kernels/build.py hashes every header here
+// into every build, so an edit rebuilds them all.
 #pragma once
 
-#include <immintrin.h>
 #include <stdint.h>
 
 namespace specquant {
@@ -13,12 +12,14 @@ namespace specquant {
 // fetching ahead of the hardware prefetcher kept the streamed one-row case at the int4pack kernel's speed or better.
 constexpr int64_t PREFETCH = 4096;
 
-// Scales of 16 outputs as fp32: stored fp32, or bf16 (the checkpoints' usual dtype; widening is exact, and half the
-// bytes: at group 32 the scales are a fifth of what one step streams).
-inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_scales(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// The fp32 value of bf16 bits (exact).
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &wide, 4);
+  return f;
 }
 
 // run(t, m, mr) for every tile t of 16 outputs and every block of mr <= 8 rows starting at row m. Tiles are split

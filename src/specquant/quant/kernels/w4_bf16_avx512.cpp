@@ -11,8 +11,8 @@
 //   * each group's fp32 sum is scaled by its fp32 scale and accumulated in fp32.
 // So the only rounding beyond fp32 summation order is the bf16 rounding of the activations.
 //
-// Packed weight layout (built once by specquant.quant.native.pack): for every tile of 16 output rows (o_j, j < 16)
-// and every 8 input columns k0..k7, 64 bytes. Output j = 4L + i (L = 128-bit lane, i < 4) owns bytes
+// Packed weight layout (the w4_bf16 family's pack_codes, quant/kernels/w4_bf16.py): for every tile of 16 output
+// rows (o_j, j < 16) and every 8 input columns k0..k7, 64 bytes. Output j = 4L + i (L = 128-bit lane, i < 4) owns bytes
 // 16L+2i, 16L+2i+1 (pairs k0,k1 / low nibble and k4,k5 / high nibble) and 16L+8+2i, 16L+8+2i+1 (k2,k3 / k6,k7),
 // each weight as its unsigned code u = c + 8. vpunpck{l,h}bw of the low / high nibbles with the byte 0x43 then
 // makes, in dword j, the bf16 pair (128 + u[o_j, ka], 128 + u[o_j, kb]) that vdpbf16ps multiplies with the
@@ -24,6 +24,7 @@
 
 #include <vector>
 
+#include "avx512.h"
 #include "common.h"
 
 namespace {
@@ -45,7 +46,7 @@ inline void tile(const uint16_t* __restrict x, int64_t ldx, int64_t K, const uin
     const uint8_t* wg = wt + g * steps * 64;
     const uint16_t* xg = x + g * group;
     for (int64_t s = 0; s < steps; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(wg + s * 64 + PREFETCH), _MM_HINT_T0);
+      specquant::prefetch(wg + s * 64 + PREFETCH);
       const __m512i b = _mm512_loadu_si512(wg + s * 64);
       const __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
       const __m512bh w01 = (__m512bh)_mm512_unpacklo_epi8(lo, magic), w23 = (__m512bh)_mm512_unpackhi_epi8(lo, magic);
@@ -101,10 +102,7 @@ int specquant_w4_bf16_gemm(const uint16_t* x, int64_t M, int64_t K, const uint8_
   for (int64_t i = 0; i < M * groups; ++i) {
     float s = 0.0f;
     for (int64_t k = 0; k < group; ++k) {
-      const uint32_t bits = static_cast<uint32_t>(x[i * group + k]) << 16;
-      float f;
-      __builtin_memcpy(&f, &bits, 4);
-      s += f;
+      s += specquant::bf16_to_float(x[i * group + k]);
     }
     xsum[i] = s;
   }

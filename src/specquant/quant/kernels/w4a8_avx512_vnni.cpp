@@ -1,6 +1,6 @@
 // W4 x int8-activation GEMM for few rows (decode / verify steps) on AVX-512 VNNI CPUs: GGUF's Q4_0 x Q8_0 route.
 //
-// Why a second kernel beside w4_bf16.cpp: from about 4 rows a verify step is compute-bound there, because
+// Why a second kernel family beside w4_bf16: from about 4 rows a verify step is compute-bound there, because
 // vdpbf16ps does 32 multiply-adds per instruction at about half of vpdpbusd's throughput (64 u8 x s8 multiply-adds
 // per instruction), measured on this machine's CPU: the int8 route does about 3x the multiply-adds per second,
 // which is what lets an 8-row verify step cost little more than a 1-row decode step that streams the weights.
@@ -9,8 +9,8 @@
 // Numerics (tests/test_native_w4a8.py checks each step):
 //   * activations: each row is cut into blocks of 32; per block d = max|x| / 127 (fp32), q = rint(x · (1/d)) in
 //     [-127, 127] (round half to even), so x ≈ d · q. This is the only approximation beyond fp32 rounding, the
-//     same one as GGUF's Q8_0 (which stores d in fp16; here it stays fp32). specquant.quant.w4a8.quantize_activations
-//     is the torch reference and must give the same q and d bit for bit.
+//     same one as GGUF's Q8_0 (which stores d in fp16; here it stays fp32). quant/kernels/w4a8.py's
+//     quantize_activations is the torch reference and must give the same q and d bit for bit.
 //   * weights: the exact codes c in [-8, 7], stored unsigned u = c + 8 (vpdpbusd multiplies u8 by s8).
 //   * per (row, output, block of 32): the integer dot sum c·q = sum u·q - 8·sum q, exact in int32.
 //   * that integer, converted to fp32 (exact: |sum| < 2^15), times (weight scale · d) in fp32, accumulated over the
@@ -19,16 +19,17 @@
 // batch-invariant: a verify step's row i equals the decode step on the same prefix bit for bit, which is what keeps
 // speculative decoding exact when decode and verify run this kernel.
 //
-// Packed weight layout (specquant.quant.w4a8.pack_codes): for every tile of 16 outputs o_j (j < 16) and every 8
-// input columns k0..k7, 64 bytes; byte 4j + t holds u[o_j, k0+t] in its low nibble and u[o_j, k4+t] in its high
-// nibble. A 64-byte load masked with 0x0F is then, in dword j, the 4 codes u[o_j, k0..k3] that vpdpbusd multiplies
-// with the broadcast activations q[k0..k3]; shifted right by 4, the codes for k4..k7. Same N·K/2 bytes as the
-// checkpoint's packing. Scales: [N/16][K/group][16], fp32 or bf16, as w4_bf16.cpp.
+// Packed weight layout (the w4a8 family's pack_codes, quant/kernels/w4a8.py): for every tile of 16 outputs o_j
+// (j < 16) and every 8 input columns k0..k7, 64 bytes; byte 4j + t holds u[o_j, k0+t] in its low nibble and
+// u[o_j, k4+t] in its high nibble. A 64-byte load masked with 0x0F is then, in dword j, the 4 codes u[o_j, k0..k3]
+// that vpdpbusd multiplies with the broadcast activations q[k0..k3]; shifted right by 4, the codes for k4..k7. Same
+// N·K/2 bytes as the checkpoint's packing. Scales: [N/16][K/group][16], fp32 or bf16, as w4_bf16_avx512.cpp.
 #include <immintrin.h>
 #include <stdint.h>
 
 #include <vector>
 
+#include "avx512.h"
 #include "common.h"
 
 namespace {
@@ -67,7 +68,7 @@ inline void tile(const int8_t* __restrict q, int64_t ldq, const float* __restric
     const uint8_t* wb = wt + b * 256;
     __m512i w[8];
     for (int s = 0; s < 4; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + 64 * s + PREFETCH), _MM_HINT_T0);
+      specquant::prefetch(wb + 64 * s + PREFETCH);
       const __m512i v = _mm512_loadu_si512(wb + 64 * s);
       w[2 * s] = _mm512_and_si512(v, low4);
       w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);

@@ -1,0 +1,47 @@
+"""The native CPU kernels QuantLinear runs W4 layers on: a table of kernel families, each with its weight layout and
+its variants in instruction-set order (best first).
+
+  family   arithmetic                                       variants, best first (each module's VARIANTS)
+  w4_bf16  bf16 activations x exact int4 weights, fp32 sums   avx512_bf16, avx2 (+FMA), portable
+  w4a8     int8 activations per block of 32 x int4 weights    avx512_vnni, avx2 (+FMA), portable
+           (GGUF's Q4_0 x Q8_0); every variant bit-equal to w4a8.reference_gemm
+
+The portable variants are plain C++ built with no instruction-set flag, for CPUs without AVX2 (old x86, ARM); a
+NEON variant (and an AVX-VNNI one for the w4a8 family) would each be one more .cpp and row.
+
+build.py probes the CPU, compiles and loads a variant; family.py picks, for each family, the first variant the CPU
+runs (`auto`, logged). A new variant is one .cpp file in this folder plus one row in its family's VARIANTS; a new
+family is one module plus one row below. `main()` builds every variant and prints what was built or why not;
+scripts/setup.sh calls it through `python -c` (the package imports this module before `python -m` would run it).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from specquant.quant.kernels import build, w4_bf16, w4a8
+from specquant.quant.kernels.family import TILE, Family
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (w4_bf16.FAMILY, w4a8.FAMILY)}
+
+__all__ = ["FAMILIES", "TILE", "Family", "build", "main", "reset", "w4_bf16", "w4a8"]
+
+
+def reset() -> None:
+    """Forget every loaded variant and choice, so the next use reads SPECQUANT_NATIVE again (tests)."""
+    for family in FAMILIES.values():
+        family.reset()
+
+
+def main() -> int:
+    for family in FAMILIES.values():
+        for variant in family.variants:
+            path, why = build.build(family.name, variant)
+            print(f"native {family.name} {variant.name}: {path} ({why})" if path
+                  else f"native {family.name} {variant.name} not built: {why}")
+        print(f"native {family.name} kernel: {'auto picks ' if family.library() else 'none: '}{family.why()}")
+    return 0  # a missing kernel is not an error: QuantLinear keeps its other backends
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""A kernel family: one arithmetic and one weight layout, built as variants in instruction-set order (best first).
+
+A family's variants all export the same C functions and read the same packed layout, so QuantLinear prepares a
+layer once per family whichever variant runs it; `auto` (the only policy) takes the first variant this CPU supports
+that builds and loads, and logs the choice. What is shared by both W4 families lives here too: tiles of 16 outputs,
+the packed scales, and the ctypes call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specquant.quant.kernels import build
+from specquant.quant.kernels.build import Variant
+
+log = logging.getLogger(__name__)
+
+TILE = 16  # output rows per tile in every family's packed layout (one zmm, two ymm of fp32 results)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a family holds a weight: codes int8 [N, K] <-> uint8 [N/16, K/8, 64] (the checkpoint's N·K/2 bytes,
+    permuted, so QuantLinear keeps one copy in one buffer), and scales [N, K/group] -> [N/16, groups, 16]."""
+
+    pack_codes: Callable[[torch.Tensor], torch.Tensor]
+    unpack_codes: Callable[[torch.Tensor], torch.Tensor]
+    pack_scales: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(eq=False)
+class Family:
+    name: str
+    variants: tuple[Variant, ...]  # best first; adding one is a .cpp file and a row here
+    functions: dict  # exported C function -> ctypes argtypes, the same in every variant
+    layout: Layout
+    supports: Callable[[int, int, bool, int, int], bool]  # (bits, group, symmetric, in, out): can it take a layer
+    gemm: Callable  # (x [..., K], packed, scales, group, variant=None) -> fp32 [..., N], through ctypes
+    gemm_op: Callable  # the same as a torch operator, for torch.compile / torch.export
+    _loaded: dict = field(default_factory=dict, repr=False)  # variant name -> (library or None, reason)
+    _choice: tuple | None = field(default=None, repr=False)  # (variant or None, library or None, reason)
+
+    def load(self, variant: Variant) -> tuple[ctypes.CDLL | None, str]:
+        """Build (or find cached) and load one variant; (library or None, why not)."""
+        if variant.name not in self._loaded:
+            path, why = build.build(self.name, variant)
+            self._loaded[variant.name] = build.load(path, self.functions) if path else (None, why)
+        return self._loaded[variant.name]
+
+    def supported_variants(self) -> list[Variant]:
+        """The variants this CPU can run (whether or not they build here)."""
+        return [v for v in self.variants if build.cpu_problem(v.cpu_flags) is None]
+
+    def choose(self) -> tuple[Variant | None, ctypes.CDLL | None, str]:
+        """`auto`: the first variant that this CPU supports and that builds and loads (logged once)."""
+        if self._choice is None:
+            reasons = []
+            for v in self.variants:
+                lib, why = self.load(v)
+                if lib is not None:
+                    self._choice = (v, lib, f"variant {v.name}")
+                    log.info("native %s kernel: variant %s (the first of %s this CPU runs)", self.name, v.name,
+                             ", ".join(x.name for x in self.variants))
+                    break
+                reasons.append(f"{v.name}: {why}")
+            else:
+                if build.disabled():
+                    why = f"disabled by {build.SWITCH}={os.environ[build.SWITCH]}"
+                else:
+                    why = "; ".join(reasons) or "no variant listed"
+                log.info("native %s kernel unavailable (%s); QuantLinear uses its other backends", self.name, why)
+                self._choice = (None, None, why)
+        return self._choice
+
+    def library(self) -> ctypes.CDLL | None:
+        return self.choose()[1]
+
+    def variant(self) -> Variant | None:
+        return self.choose()[0]
+
+    def why(self) -> str:
+        """The chosen variant, or why there is none."""
+        return self.choose()[2]
+
+    def lib_for(self, variant: Variant | None = None) -> ctypes.CDLL:
+        """The chosen variant's library, or the named variant's (tests run every variant the CPU supports)."""
+        lib, why = (self.library(), self.why()) if variant is None else self.load(variant)
+        if lib is None:
+            raise RuntimeError(f"native {self.name} kernel unavailable: {why}")
+        return lib
+
+    def reset(self) -> None:
+        """Forget the loaded variants and the choice (after SPECQUANT_NATIVE changes: tests)."""
+        self._loaded.clear()
+        self._choice = None
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """scale [N, K/group] -> [N/16, groups, 16] in bf16 when every scale is a bf16 value (every variant widens them
+    exactly, and they are half the bytes: at group 32 a fifth of what a step streams), else fp32. A bf16 checkpoint
+    loaded into an fp32 model holds its bf16 scales widened to fp32, so the test is on the values, not the dtype."""
+    n = scale.shape[0]
+    as_bf16 = scale.to(torch.bfloat16)
+    packed = as_bf16 if torch.equal(as_bf16.to(scale.dtype), scale) else scale.float()
+    return packed.view(n // TILE, TILE, -1).transpose(1, 2).contiguous()
+
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# int f(x, M, K, packed, scales, N, group, scale_bf16, y, threads): both families' GEMM entry point
+GEMM_ARGS = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR, ctypes.c_int]
+
+
+def run_gemm(fn, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """Call a native GEMM (GEMM_ARGS) on x [..., K] already in its input format: fp32 [..., N], leading dims
+    passed through without reshapes (a decode step makes ~100 of these calls, and each torch reshape costs ~2 us of
+    Python)."""
+    k = x.shape[-1]
+    m = x.numel() // k
+    n = packed.shape[0] * TILE
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    if fn(x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, group, scales.dtype == torch.bfloat16,
+          y.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"native kernel {fn.__name__} rejected shape M={m} K={k} N={n} group={group}")
+    return y
