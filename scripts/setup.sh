@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Idempotent setup of .venv in the repo root: CPU torch 2.13.0 unless a torch is already there (GPU users:
 # create .venv and install your CUDA torch first, this script keeps it), then specquant with its test extras.
+#   bash scripts/setup.sh          what the main job (specquant demo) needs
+#   bash scripts/setup.sh --test   also llama.cpp's tools, for the llama.cpp tests (what CI runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  "" | --test) ;;
+  *) echo "scripts/setup.sh: unknown argument '$1'; pass nothing (main job) or --test (the test suite)" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
@@ -20,9 +26,10 @@ fi
 # the native W4 kernels, every variant this CPU runs (a second each, no network; a skipped variant says why, and
 # without any QuantLinear uses its other backends)
 .venv/bin/python -c "from specquant.quant.kernels import main; main()"
-# llama.cpp's tools (export / bench --engine llama.cpp tests), built once per machine into
-# ${SPECQUANT_CACHE:-~/.cache/specquant}/llama.cpp-<version>; SPECQUANT_SKIP_LLAMA_CPP=1 skips it deliberately
-# (the tests that need the binaries then skip instead of failing).
-if [ "${SPECQUANT_SKIP_LLAMA_CPP:-0}" != 1 ]; then
-  PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh >/dev/null
+# --test: llama.cpp's tools for tests/test_export_llama_cpp.py, built once per machine (a long build with progress
+# on stderr; reused after) into ${SPECQUANT_CACHE:-~/.cache/specquant}/llama.cpp-<version>. Without --test they
+# are built on first use by `specquant bench --engine llama.cpp`. SPECQUANT_SKIP_LLAMA_CPP=1 skips the build
+# deliberately (the tests that need the binaries then skip instead of failing).
+if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_LLAMA_CPP:-0}" != 1 ]; then
+  .venv/bin/python -m specquant.export.llama_cpp_build >/dev/null
 fi

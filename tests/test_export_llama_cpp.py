@@ -1,7 +1,7 @@
 """llama.cpp itself on our exports: its tokenizer gives our ids, its greedy decoding our tokens, its tools our rows.
 
-The binaries come from scripts/build_llama_cpp.sh (scripts/setup.sh runs it, so CI has them). A missing build is a
-failure; it is a skip only when SPECQUANT_SKIP_LLAMA_CPP=1 says the build was skipped deliberately.
+The binaries come from export/llama_cpp_build.py (`scripts/setup.sh --test` runs it, so CI has them). A missing build
+is a failure; it is a skip only when SPECQUANT_SKIP_LLAMA_CPP=1 says the build was skipped deliberately.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def bin_dir() -> Path:
     if missing:
         if os.environ.get("SPECQUANT_SKIP_LLAMA_CPP") == "1":
             pytest.skip(f"llama.cpp build skipped deliberately (SPECQUANT_SKIP_LLAMA_CPP=1); {missing} not in {base}")
-        pytest.fail(f"llama.cpp tools {missing} missing from {base}: run `bash scripts/build_llama_cpp.sh` "
-                    "(scripts/setup.sh does), or set SPECQUANT_SKIP_LLAMA_CPP=1 to skip these tests deliberately")
+        pytest.fail(f"llama.cpp tools {missing} missing from {base}: run `bash scripts/setup.sh --test` (or "
+                    "`python -m specquant.export.llama_cpp_build`), or set SPECQUANT_SKIP_LLAMA_CPP=1 to skip these "
+                    "tests deliberately")
     return base
 
 

@@ -34,7 +34,7 @@ def add_parser(sub):
     p.add_argument("--engine", choices=("specquant", "llama.cpp"), default="specquant",
                    help="engine that runs the rows: ours, or llama.cpp's tools on the exported GGUF files")
     p.add_argument("--llama-cpp", default=None, metavar="DIR",
-                   help="llama.cpp binaries for --engine llama.cpp (default: scripts/build_llama_cpp.sh's cache)")
+                   help="llama.cpp binaries for --engine llama.cpp (default: the build cache, built on first use)")
     return p
 
 

@@ -258,9 +258,9 @@ def run_bench(cfg, target, draft, quantized_target=None, quantized_draft=None, b
 
     if cfg.sampling.temperature != 0:
         raise SpecquantError(f"--temperature {cfg.sampling.temperature}: the llama.cpp rows are greedy; use 0")
-    for tool in ("llama-completion", "llama-speculative-simple", "llama-quantize"):
-        find_tool(tool, bin_dir)
     paths = validate(cfg, target, draft, quantized_target, quantized_draft, "cpu")
+    for tool in ("llama-completion", "llama-speculative-simple", "llama-quantize"):  # bad input fails before a build
+        find_tool(tool, bin_dir)
     out = claim_out_dir(cfg.out, cfg.overwrite)
     prepare_quantized(cfg, paths, log)
     threads = cfg.threads or os.cpu_count() or 1

@@ -31,6 +31,15 @@ def _print_llama_cpp(report: dict):
               f"max |error| quantized {r['max_abs_error_quantized']:.3g}, dense {r['max_abs_error_dense']:.3g}")
     for name, cmd in report["commands"].items():
         print(f"\n{name}:\n  {cmd}")
+    # the export itself needs no llama.cpp binary (gguf-py writes the files), so it builds none; it says where
+    # they are, or how to get them, for the commands above
+    from specquant.export import llama_cpp_build
+
+    bin_dir = llama_cpp_build.install_dir() / "bin"
+    if llama_cpp_build.missing_tools(bin_dir):
+        print(f"\nllama.cpp's tools are not built here: {llama_cpp_build.HOW} into {bin_dir} (or use your own)")
+    else:
+        print(f"\nllama.cpp's tools: {bin_dir}")
 
 
 def _print_vllm(report: dict):

@@ -1,5 +1,5 @@
-"""llama.cpp export: target (and draft) as GGUF files, the command lines that serve them, and where the binaries
-built by scripts/build_llama_cpp.sh live."""
+"""llama.cpp export: target (and draft) as GGUF files, the command lines that serve them, and where llama.cpp's
+tools are (built on first use by export/llama_cpp_build.py)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,32 @@ import shlex
 from pathlib import Path
 
 from specquant.errors import SpecquantError
+from specquant.export import llama_cpp_build
 from specquant.export.config import ExportConfig, check_out, write_marker
 from specquant.export.gguf import source_from_checkpoint, write_gguf
 from specquant.model.checkpoint import read_hf_config, resolve
 from specquant.util.files import atomic_dir
 
-LLAMA_CPP_VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp scripts/build_llama_cpp.sh builds
-BUILD_SCRIPT = "scripts/build_llama_cpp.sh"
-
 
 def default_bin_dir() -> Path:
-    """Where scripts/build_llama_cpp.sh puts the binaries (its SPECQUANT_CACHE root, default ~/.cache/specquant)."""
-    root = os.environ.get("SPECQUANT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specquant")
-    return Path(root) / f"llama.cpp-{LLAMA_CPP_VERSION}" / "bin"
+    """Where llama_cpp_build puts the binaries (its SPECQUANT_CACHE root, default ~/.cache/specquant)."""
+    return llama_cpp_build.install_dir() / "bin"
 
 
 def find_tool(name: str, bin_dir: str | os.PathLike | None = None) -> Path:
-    """Path of a llama.cpp tool (llama-bench, llama-perplexity, ...); raises naming the build command if absent."""
-    base = Path(bin_dir).expanduser() if bin_dir else default_bin_dir()
-    path = base / name
+    """Path of a llama.cpp tool (llama-bench, llama-perplexity, ...). Without `bin_dir`, the build cache's, built
+    there first when absent (minutes, with progress on stderr); a given `bin_dir` is never built into."""
+    if bin_dir:
+        path = Path(bin_dir).expanduser() / name
+        if not os.access(path, os.X_OK):
+            raise SpecquantError(f"llama.cpp tool {name!r} not found in --llama-cpp {str(path.parent)!r}; pass the "
+                                 "directory holding llama.cpp's binaries, or omit --llama-cpp to use the build cache "
+                                 f"{str(default_bin_dir())!r} (built on first use)")
+        return path
+    path = llama_cpp_build.ensure_built() / name
     if not os.access(path, os.X_OK):
-        raise SpecquantError(f"llama.cpp tool {name!r} not found in {base}; build it with `bash {BUILD_SCRIPT}` "
-                             "(or pass --llama-cpp DIR holding the binaries)")
+        raise SpecquantError(f"llama.cpp tool {name!r} is not one the build cache holds "
+                             f"({', '.join(llama_cpp_build.TOOLS)}); pass --llama-cpp DIR holding it")
     return path
 
 
