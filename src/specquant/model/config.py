@@ -76,13 +76,13 @@ class ModelConfig:
 
     def __post_init__(self):
         # imported here: layers.py imports the mixers, and they import this module
-        from specquant.model.layers import CONFIG_LAYER_TYPES
+        from specquant.model.layers import config_layer_types
 
         self.layer_types = tuple(self.layer_types)
-        unknown = sorted(set(self.layer_types) - set(CONFIG_LAYER_TYPES))
+        unknown = sorted(set(self.layer_types) - set(config_layer_types()))
         if unknown:
             raise SpecquantError(f"unsupported layer_types {unknown} in config.json; supported: "
-                                 f"{', '.join(CONFIG_LAYER_TYPES)}")
+                                 f"{', '.join(config_layer_types())}")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise SpecquantError(f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
                                  f"{self.num_hidden_layers}; give one kind per layer")

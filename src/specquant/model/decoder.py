@@ -145,6 +145,17 @@ class Transformer(nn.Module):
         return {"device": str(device), "max_block": None if window is None else max_block,
                 "layers": [None if c is None else c.layout() for c in caches]}
 
+    def compiled_steps_refusal(self) -> str | None:
+        """Why compiled / AOT-packaged / CUDA-graph steps cannot run this model (None: they can). A layer kind
+        whose cache decides its writes in Python between steps (Gated DeltaNet's rollback record) says so with
+        `static_steps = False`: a traced or captured step would bake one step's offsets into every replay."""
+        kinds = sorted({layer.layer_type for layer in self.model.layers
+                        if getattr(layer.mixer, "static_steps", True) is False})
+        if not kinds:
+            return None
+        return (f"compiled, AOT-packaged and CUDA-graph steps do not support {', '.join(kinds)} layers yet "
+                "(their cache is driven from Python between steps); run without --compile / --aot / --graphs")
+
     def mixers(self) -> list[nn.Module]:
         """Every layer's mixer (model/layers.py), in layer order."""
         return [layer.mixer for layer in self.model.layers]

@@ -168,6 +168,9 @@ class GatedDeltaNet(nn.Module):
 
     kind = "linear_attention"  # its layer_types entry
     attr = "linear_attn"  # its module name inside a decoder layer, as transformers names it
+    # the cache's record offsets and anchoring are Python state read each step: eager steps only (static caches
+    # included), see Transformer.compiled_steps_refusal
+    static_steps = False
 
     def __init__(self, cfg):
         super().__init__()

@@ -43,4 +43,8 @@ LAYER_KINDS: dict[str, LayerKind] = {
 }
 # config.json entry -> the kind it builds when the config sets attn_output_gate
 GATED_KINDS = {"full_attention": "gated_attention"}
-CONFIG_LAYER_TYPES = tuple(k for k in LAYER_KINDS if k not in GATED_KINDS.values())  # what config.json may name
+
+
+def config_layer_types() -> tuple[str, ...]:
+    """The kinds config.json's layer_types may name (the table's keys, less the internal gated variants)."""
+    return tuple(k for k in LAYER_KINDS if k not in GATED_KINDS.values())
