@@ -34,7 +34,7 @@ class SumState(Cache):
         self.register_buffer("state", torch.zeros(batch, dim, dtype=dtype, device=device), persistent=False)
         self.length, self.last_start, self.last = 0, 0, None
 
-    def fits(self, batch, capacity, dtype, device, window, static):
+    def fits(self, batch, capacity, dtype, device, window, static, max_block=None):
         return self.batch == batch and self.state.dtype == dtype and self._same_device(device) and not static
 
     def reset(self):
@@ -70,7 +70,7 @@ class RunningSum(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.cache = None
 
-    def make_cache(self, batch, capacity, dtype, device, window, static):
+    def make_cache(self, batch, capacity, dtype, device, window, static, max_block=None):
         return SumState(batch, capacity, self.in_proj.in_features, dtype, device)
 
     def forward(self, x, cos, sin, start_pos, input_pos=None, plan=None):
@@ -168,8 +168,11 @@ def test_package_key_does_not_depend_on_whether_caches_exist(hybrid):
 
 
 def test_layer_types_are_validated_and_round_trip():
-    with pytest.raises(SpecquantError, match=r"unknown layer kinds \['linear_attention'\]; supported: full_attention"):
-        ModelConfig(**CFG, layer_types=("full_attention", "linear_attention", "full_attention"))
+    with pytest.raises(SpecquantError, match=r"unsupported layer_types \['mamba'\] in config.json; supported: "
+                                             "full_attention, linear_attention"):
+        ModelConfig(**CFG, layer_types=("full_attention", "mamba", "full_attention"))
+    with pytest.raises(SpecquantError, match="gated_attention"):  # internal kinds are not config.json's to name
+        ModelConfig(**CFG, layer_types=("full_attention", "gated_attention", "full_attention"))
     with pytest.raises(SpecquantError, match="lists 2 layers but num_hidden_layers is 3"):
         ModelConfig(**CFG, layer_types=("full_attention",) * 2)
     cfg = ModelConfig(**CFG)

@@ -7,72 +7,25 @@ rounding (a different summation order): 1e-5 on layer outputs, 1e-4 on logits.
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
+from _qwen35_models import SHAPES, hf_config, hf_model, hf_qwen35
 
 from specquant.errors import SpecquantError
 from specquant.model import gated_delta as GD
-from specquant.model.decoder import MLP, Linear
+from specquant.model.config import ModelConfig
 from specquant.model.deltanet import GatedDeltaNet
 from specquant.model.gated_attention import GatedAttention
-from specquant.model.hybrid_config import HybridFields, rotary_dim
+from specquant.model.modules import Linear
 from specquant.model.norms import GatedRMSNorm, ZeroCentredRMSNorm
 from specquant.model.rope import rope_tables
 
-hf_qwen35 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
-from transformers import Qwen3_5TextConfig  # noqa: E402
-
 ATOL = 1e-5
 
-# key heads != value heads, head dims that are not powers of two, more than one layer pattern
-SHAPES = {
-    "gva": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12, linear_value_head_dim=20,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=24, partial_rotary_factor=0.25,
-                layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
-    "mha": dict(linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=10, linear_value_head_dim=6,
-                num_attention_heads=3, num_key_value_heads=3, head_dim=20, partial_rotary_factor=0.5,
-                layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"]),
-}
 
-
-def hf_config(shape: str, layers: int = 4, **over) -> Qwen3_5TextConfig:
-    kw = dict(SHAPES[shape], vocab_size=97, hidden_size=40, intermediate_size=56, num_hidden_layers=layers,
-              linear_conv_kernel_dim=4, max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6)
-    kw["layer_types"] = kw["layer_types"][:layers]
-    kw.update(over)
-    cfg = Qwen3_5TextConfig(**kw)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def ours_config(hf: Qwen3_5TextConfig):
-    """What the mixers read: ModelConfig's fields plus HybridFields (the integrator folds the two together)."""
-    d = hf.to_dict()
-    fields = HybridFields.from_hf(d)
-    return types.SimpleNamespace(
-        **vars(fields), hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
-        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim, rms_norm_eps=hf.rms_norm_eps, qkv_bias=False, o_bias=False, mlp_bias=False,
-        qk_norm=True, sliding_window=None, rope_theta=hf.rope_parameters["rope_theta"])
-
-
-def hf_model(shape: str, layers: int = 4, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = hf_config(shape, layers)
-    model = hf_qwen35.Qwen3_5ForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # random everything, norms included, so a missing +1 or a swapped name shows
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
-            elif name.endswith("dt_bias"):
-                p.normal_(0, 1)
-            elif "norm" in name:
-                p.normal_(0, 0.3) if not name.endswith("linear_attn.norm.weight") else p.normal_(1, 0.3)
-            else:
-                p.normal_(0, 0.2)
-    return model
+def ours_config(hf) -> ModelConfig:
+    """What the mixers read: the ModelConfig specquant builds from the same config.json."""
+    return ModelConfig.from_hf(hf.to_dict())
 
 
 def copy_into(ours: torch.nn.Module, theirs: torch.nn.Module):
@@ -94,7 +47,7 @@ def mixer_pair(shape: str, kind: str, seed: int = 0):
 
 def rope(model, t: int, start: int = 0):
     cfg = model.config
-    rot = rotary_dim(cfg.head_dim, cfg.rope_parameters["partial_rotary_factor"])
+    rot = ours_config(cfg).rotary_dim
     cos, sin = rope_tables(rot, cfg.rope_parameters["rope_theta"], None, cfg.max_position_embeddings, start + t)
     return cos[start:], sin[start:]
 
@@ -311,7 +264,7 @@ def test_gated_attention_cached_decoding_and_rollback(shape):
     x = torch.randn(2, 21, 40)
     with torch.no_grad():
         full = ours(x, *rope(model, 21), 0)
-        ours.cache = ours.make_cache(2, 32, torch.float32, "cpu")
+        ours.cache = ours.make_cache(2, 32, torch.float32, "cpu", None, False)
         for blocks in ([9] + [1] * 12, [5] + [4] * 4):
             ours.cache.reset()
             torch.testing.assert_close(feed(ours, x, blocks, model), full, atol=ATOL, rtol=ATOL)
@@ -321,111 +274,27 @@ def test_gated_attention_cached_decoding_and_rollback(shape):
         torch.testing.assert_close(ours(x[:, 10:], *rope(model, 11, 10), 10), full[:, 10:], atol=ATOL, rtol=ATOL)
 
 
-# ---------------------------------------------------------------- a whole hand-assembled stack vs Qwen3_5ForCausalLM
-
-
-class Stack(torch.nn.Module):
-    """Embedding, per layer (norm, mixer, residual, norm, MLP, residual), final norm, lm_head: transformers'
-    Qwen3_5ForCausalLM names, assembled here only until the decoder holds a table of layer kinds."""
-
-    def __init__(self, hf):
-        super().__init__()
-        cfg = ours_config(hf)
-        self.model = torch.nn.Module()
-        self.model.embed_tokens = torch.nn.Embedding(hf.vocab_size, hf.hidden_size)
-        self.model.layers = torch.nn.ModuleList()
-        for kind in cfg.layer_types:
-            layer = torch.nn.Module()
-            mixer = GatedDeltaNet(cfg) if kind == GatedDeltaNet.kind else GatedAttention(cfg)
-            setattr(layer, mixer.attr, mixer)
-            layer.mixer = [mixer]  # a list: not registered twice
-            layer.input_layernorm = ZeroCentredRMSNorm(hf.hidden_size, hf.rms_norm_eps)
-            layer.post_attention_layernorm = ZeroCentredRMSNorm(hf.hidden_size, hf.rms_norm_eps)
-            layer.mlp = MLP(cfg)
-            self.model.layers.append(layer)
-        self.model.norm = ZeroCentredRMSNorm(hf.hidden_size, hf.rms_norm_eps)
-        self.lm_head = Linear(hf.hidden_size, hf.vocab_size, bias=False)
-        rot = rotary_dim(hf.head_dim, cfg.partial_rotary_factor)
-        self.cos, self.sin = rope_tables(rot, cfg.rope_theta, None, hf.max_position_embeddings, 256)
-
-    def setup_cache(self, batch, capacity, max_block=16):
-        for layer in self.model.layers:
-            m = layer.mixer[0]
-            m.cache = (m.make_cache(batch, capacity, torch.float32, "cpu", None, False, max_block=max_block)
-                       if isinstance(m, GatedDeltaNet) else m.make_cache(batch, capacity, torch.float32, "cpu"))
-
-    def rollback(self, length):
-        for layer in self.model.layers:
-            layer.mixer[0].cache.rollback(length)
-
-    def forward(self, tokens, start_pos=0):
-        t = tokens.shape[1]
-        cos, sin = self.cos[start_pos : start_pos + t], self.sin[start_pos : start_pos + t]
-        x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            x = x + layer.mixer[0](layer.input_layernorm(x), cos, sin, start_pos)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.model.norm(x))
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_stack_logits_match_transformers(shape):
-    model = hf_model(shape, layers=4, seed=1)
-    ours = copy_into(Stack(model.config), model)
-    tokens = torch.randint(0, 97, (2, 27))
-    with torch.no_grad():
-        expect = model(tokens).logits
-        torch.testing.assert_close(ours(tokens), expect, atol=1e-4, rtol=0)
-        ours.setup_cache(2, 64)
-        for blocks in ([11] + [1] * 16, [7, 5, 5, 5, 5]):  # token by token, and verify-sized blocks
-            for layer in ours.model.layers:
-                layer.mixer[0].cache.reset()
-            got, pos = [], 0
-            for n in blocks:
-                got.append(ours(tokens[:, pos : pos + n], pos))
-                pos += n
-            torch.testing.assert_close(torch.cat(got, 1), expect, atol=1e-4, rtol=0)
-        # verify 6 tokens, accept 2, continue: the logits of a run that never saw the other 4
-        for layer in ours.model.layers:
-            layer.mixer[0].cache.reset()
-        ours(tokens[:, :15], 0)
-        ours(tokens[:, 15:21], 15)
-        ours.rollback(17)
-        torch.testing.assert_close(ours(tokens[:, 17:], 17), expect[:, 17:], atol=1e-4, rtol=0)
-
-
 # ---------------------------------------------------------------- config checks
 
 
-def test_hybrid_fields_from_hf_and_errors():
+def test_config_from_hf_and_errors():
     hf = hf_config("gva").to_dict()
-    f = HybridFields.from_hf(hf)
-    assert f.layer_types == SHAPES["gva"]["layer_types"] and f.linear_num_value_heads == 4
-    assert f.partial_rotary_factor == 0.25 and rotary_dim(24, f.partial_rotary_factor) == 6
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.layer_types == tuple(SHAPES["gva"]["layer_types"]) and cfg.linear_num_value_heads == 4
+    assert cfg.partial_rotary_factor == 0.25 and cfg.rotary_dim == 6 and cfg.attn_output_gate
+    assert cfg.per_layer_types == ("linear_attention",) * 3 + ("gated_attention",)
     default = dict(hf, layer_types=None, num_hidden_layers=8)
-    assert HybridFields.from_hf(default).layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
-    for bad, match in [(dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "unsupported layer_types"),
-                       (dict(layer_types=["linear_attention"] * 3), "3 layer_types for num_hidden_layers=4"),
+    assert ModelConfig.from_hf(default).layer_types == (("linear_attention",) * 3 + ("full_attention",)) * 2
+    for bad, match in [(dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]),
+                        r"unsupported layer_types \['sliding_attention'\]"),
+                       (dict(layer_types=["linear_attention"] * 3), "lists 3 layers but num_hidden_layers is 4"),
                        (dict(linear_num_key_heads=3), "not a multiple of linear_num_key_heads=3"),
+                       (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads=3"),
                        (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.3}), "7 rotary dims"),
                        (dict(attn_output_gate=False), "always gates")]:
-        with pytest.raises(SpecquantError, match=match):
-            HybridFields.from_hf(dict(hf, **bad))
-
-
-def test_stack_greedy_generation_matches_transformers_generate():
-    model = hf_model("gva", layers=4, seed=2)
-    ours = copy_into(Stack(model.config), model)
-    prompt = torch.randint(0, 97, (1, 8))
-    with torch.no_grad():
-        expect = model.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)
-        ours.setup_cache(1, 128)
-        tokens, logits = prompt, ours(prompt, 0)
-        for _ in range(64):
-            nxt = logits[:, -1:].argmax(-1)
-            tokens = torch.cat([tokens, nxt], 1)
-            logits = ours(nxt, tokens.shape[1] - 1)
-    assert torch.equal(tokens, expect)
+        with pytest.raises(SpecquantError, match=match) as e:
+            ModelConfig.from_hf(dict(hf, **bad))
+        assert "\n" not in str(e.value)
 
 
 def test_deltanet_bf16_close_to_transformers_bf16():

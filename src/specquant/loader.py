@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from specquant.model.checkpoint import load_dense, load_tensors, parse_dtype, read_hf_config, resolve
+from specquant.model.checkpoint import load_dense, load_tensors, parse_dtype, read_hf_config, resolve, split_tensors
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
@@ -23,6 +23,8 @@ from specquant.quant.linear import set_w4_activations
 def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", fuse: bool = False, w4_activations: str = "float") -> Transformer:
     """Build the decoder for a checkpoint (directory or bundled name) and load its weights, dense or INT4/INT8.
+    Its architecture is read from config.json (dense Llama / Qwen2 / Qwen3, or the Qwen3.5 hybrid, also the text
+    part of a multimodal Qwen3.5 checkpoint; ModelConfig.describe names it).
 
     fuse: fuse q/k/v and gate/up projections for decoding (model.fuse; the model can then not be saved or
     quantized). w4_activations: "float" (W4A16, the checkpoint's arithmetic) or "int8" (W4A8 on the native W4A8
@@ -36,8 +38,10 @@ def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.
     else:
         with torch.device("meta"):
             model = Transformer(ModelConfig.from_hf(hf))
-        load_quantized_into(model, load_tensors(path), quantization, dtype, device)
+        tensors, kept = split_tensors(load_tensors(path))
+        load_quantized_into(model, tensors, quantization, dtype, device)
         model.quantization = quantization
+        model.extra_tensors = kept
         model.init_non_persistent(device)
         set_w4_activations(model, w4_activations)
     if fuse:

@@ -49,6 +49,8 @@ class Stepper:
             raise SpecquantError(f"aot mode {aot!r} is not one of {', '.join(AOT_MODES)}")
         if aot != "off" and compile:
             raise SpecquantError("torch.compile and AOT packages are two ways to compile the same steps; pick one")
+        if (compile or aot != "off") and model.compiled_steps_refusal():
+            raise SpecquantError(model.compiled_steps_refusal())
         self.model = model
         self.compile = compile
         self.compile_shapes = None if compile_shapes is None else set(compile_shapes)

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from specquant.decode.compiled import COMPILED_MAX_T, _raise_recompile_limit
+from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
 
 
@@ -83,6 +84,8 @@ class GraphStepper:
 
     def __init__(self, model: Transformer, compile: bool = False, capture: bool = True, max_t: int = COMPILED_MAX_T,
                  compile_shapes: tuple[int, ...] = (1,)):
+        if model.compiled_steps_refusal():
+            raise SpecquantError(model.compiled_steps_refusal())
         self.model, self.capture, self.max_t = model, capture, max_t
         self.compile_shapes = set(compile_shapes) if compile else set()
         if compile:

@@ -66,7 +66,7 @@ class Attention(nn.Module):
         return self.sliding_window if self.cache is None else self.cache.window
 
     def make_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, window: int | None,
-                   static: bool) -> KVCache:
+                   static: bool, max_block: int | None = None) -> KVCache:  # max_block: a ring's capacity has it
         return KVCache(batch, self.n_kv, capacity, self.head_dim, dtype, device, window, static)
 
     def fold(self, t: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -21,8 +21,8 @@ The cache protocol (`Cache`):
   forward, then one rollback into it; an LM drafter rolls back over its last k one-token forwards. Rollback runs
   eagerly, between steps, also when the steps are AOT packages or CUDA graphs, so a restore writes the buffers in
   place.
-- `fits(batch, capacity, dtype, device, window, static) -> bool`: whether a request asking for this layout may reuse
-  the buffers (`setup_cache` then calls `reset` instead of allocating; compiled steps stay bound to them).
+- `fits(batch, capacity, dtype, device, window, static, max_block=None) -> bool`: whether a request asking for
+  this layout (max_block: the longest forward it may roll back into) may reuse the buffers (`setup_cache` then calls `reset` instead of allocating; compiled steps stay bound to them).
 - `layout() -> dict`: JSON-able description of the buffers (kind, batch, capacity, settings, every buffer's shape and
   dtype; not the device). A cache made on the meta device has the same layout, which is how an AOT key describes the
   caches before they exist (Transformer.cache_layout).
@@ -53,7 +53,7 @@ class Cache(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def fits(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, window: int | None,
-             static: bool) -> bool: ...
+             static: bool, max_block: int | None = None) -> bool: ...
 
     def layout(self) -> dict:
         """Kind, batch, capacity and every buffer's [shape, dtype]; subclasses add the settings their code reads."""
@@ -86,8 +86,10 @@ class KVCache(Cache):
             self.register_buffer("slot_pos", torch.full((capacity,), -1, dtype=torch.long, device=device),
                                  persistent=False)
 
-    def fits(self, batch: int, capacity: int, dtype, device: torch.device, window: int | None, static: bool) -> bool:
-        """Whether a request needing this layout can reuse these buffers (a full cache may be larger than needed)."""
+    def fits(self, batch: int, capacity: int, dtype, device: torch.device, window: int | None, static: bool,
+             max_block: int | None = None) -> bool:
+        """Whether a request needing this layout can reuse these buffers (a full cache may be larger than needed;
+        a ring's max_block is in its capacity)."""
         enough = self.capacity >= capacity if window is None else self.capacity == capacity
         return (self.batch == batch and self.k.dtype == dtype and self._same_device(device) and self.window == window
                 and self.static == static and enough)

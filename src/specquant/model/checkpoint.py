@@ -9,6 +9,7 @@ and loaded dense here as well; specquant.drafter_loader composes their quantized
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -23,6 +24,15 @@ from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.util.dtypes import parse_dtype
 from specquant.util.files import atomic_dir
+
+log = logging.getLogger(__name__)
+
+# Tensor names of checkpoints that wrap the text model (Qwen3_5ForConditionalGeneration): its prefix is renamed to
+# the decoder's, the vision tower is ignored (specquant runs the text model), and the multi-token-prediction head
+# (mtp.*, which transformers drops on load) is kept beside the decoder for an MTP drafter and saved back with it.
+TEXT_PREFIXES = {"model.language_model.": "model."}
+IGNORED_PREFIXES = ("model.visual.",)
+KEPT_PREFIXES = ("mtp.",)
 
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "models"
 BUNDLED = ("tiny-target", "tiny-draft", "tiny-block-draft")
@@ -94,6 +104,23 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def split_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A checkpoint's tensors -> (the decoder's, under its names; the kept extras: mtp.*), vision tower dropped."""
+    decoder, kept, ignored = {}, {}, 0
+    for name, t in tensors.items():
+        if name.startswith(IGNORED_PREFIXES):
+            ignored += 1
+        elif name.startswith(KEPT_PREFIXES):
+            kept[name] = t
+        else:
+            prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+            decoder[name if prefix is None else TEXT_PREFIXES[prefix] + name[len(prefix):]] = t
+    if ignored:
+        log.info("checkpoint: ignoring %d vision-tower tensors (%s); specquant runs the text model", ignored,
+                 ", ".join(f"{p}*" for p in IGNORED_PREFIXES))
+    return decoder, kept
+
+
 def load_dense(name_or_dir, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> Transformer:
     """A dense (unquantized) checkpoint as a Transformer: the half of specquant.loader.load_model that model/ owns,
     for callers below the loader (e.g. the quantizer's CLI, which only ever reads dense checkpoints)."""
@@ -102,12 +129,15 @@ def load_dense(name_or_dir, dtype: torch.dtype | str = torch.float32, device: st
     if hf.get("quantization_config"):
         raise SpecquantError(f"{path} is quantized (config.json has quantization_config); load it with "
                              "specquant.loader.load_model")
-    tensors = load_tensors(path)
+    cfg = ModelConfig.from_hf(hf)  # before reading tensors: a config error is the one to report
+    tensors, kept = split_tensors(load_tensors(path))
+    log.info("loading %s from %s", cfg.describe(), path)
     with torch.device("meta"):
-        model = Transformer(ModelConfig.from_hf(hf))
+        model = Transformer(cfg)
     model.to_empty(device=device).to(parse_dtype(dtype))
     load_dense_into(model, tensors)
     model.init_non_persistent(device)
+    model.extra_tensors = kept
     return model.eval()
 
 
@@ -164,7 +194,9 @@ def save_model(model: Transformer, out, tokenizer_from=None, extra_config: dict 
         hf["quantization_config"] = model.quantization
     if extra_config:
         hf.update(extra_config)
-    tensors = tensors if tensors is not None else state_dict_for_save(model)
+    tensors = dict(tensors if tensors is not None else state_dict_for_save(model))
+    for name, t in model.extra_tensors.items():  # mtp.*: not the decoder's, but part of the checkpoint
+        tensors.setdefault(name, t)
     with atomic_dir(out, overwrite) as tmp:
         save_file({k: v.cpu() for k, v in tensors.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

@@ -1,17 +1,22 @@
-"""`specquant models`: the bundled models, their paths, sizes and parameter counts."""
+"""`specquant models [DIR ...]`: the bundled models (and any checkpoint directories given), their architectures,
+paths, sizes and parameter counts."""
 
 from __future__ import annotations
 
 import torch
 
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, is_block_draft_config
-from specquant.model.checkpoint import BUNDLED, BUNDLED_DIR, read_config, read_hf_config
+from pathlib import Path
+
+from specquant.model.checkpoint import BUNDLED, BUNDLED_DIR, read_hf_config, resolve
+from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.util.flags import print_json
 
 
 def add_parser(sub):
-    p = sub.add_parser("models", help="list the bundled models")
+    p = sub.add_parser("models", help="list the bundled models (and describe checkpoint directories)")
+    p.add_argument("paths", nargs="*", help="checkpoint directories to describe as well")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -21,10 +26,11 @@ def param_count(cfg) -> int:
         return Transformer(cfg).num_parameters()
 
 
-def describe() -> list[dict]:
+def describe(paths: tuple[str, ...] = ()) -> list[dict]:
     rows = []
-    for name in BUNDLED:
-        path = BUNDLED_DIR / name
+    for name, path in [(n, BUNDLED_DIR / n) for n in BUNDLED] + [(str(p), Path(p)) for p in paths]:
+        if name in paths:
+            path = resolve(path)  # a directory the user named: a missing one is an error, not "not built"
         if not (path / "config.json").exists():
             rows.append({"name": name, "path": str(path), "available": False})
             continue
@@ -35,25 +41,26 @@ def describe() -> list[dict]:
             with torch.device("meta"):
                 params = BlockDraftModel(bcfg).num_parameters()
             rows.append({"name": name, "path": str(path), "available": True, "bytes": size, "parameters": params,
-                         "kind": "block drafter", "layers": bcfg.num_hidden_layers, "hidden": bcfg.hidden_size,
+                         "kind": "block drafter", "architecture": "DFlashDraftModel", "layers": bcfg.num_hidden_layers, "hidden": bcfg.hidden_size,
                          "block_size": bcfg.block_size, "target_layer_ids": bcfg.target_layer_ids})
             continue
-        cfg = read_config(name)
-        rows.append({"name": name, "path": str(path), "available": True, "bytes": size,
+        cfg = ModelConfig.from_hf(hf)
+        rows.append({"name": name, "path": str(path), "available": True, "bytes": size, "architecture": cfg.describe(),
                      "parameters": param_count(cfg), "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                      "vocab": cfg.vocab_size, "context": cfg.max_position_embeddings})
     return rows
 
 
 def run(args):
-    rows = describe()
+    rows = describe(tuple(getattr(args, "paths", ())))
     if args.json:
         print_json({"models": rows})
         return 0
-    print(f"{'name':<16} {'params':>10} {'size':>10}  path")
+    print(f"{'name':<16} {'params':>10} {'size':>10}  path  (architecture)")
     for r in rows:
         if r["available"]:
-            print(f"{r['name']:<16} {r['parameters'] / 1e6:>9.2f}M {r['bytes'] / 2**20:>8.1f}MB  {r['path']}")
+            print(f"{r['name']:<16} {r['parameters'] / 1e6:>9.2f}M {r['bytes'] / 2**20:>8.1f}MB  {r['path']}  "
+                  f"({r['architecture']})")
         else:
             print(f"{r['name']:<16} {'-':>10} {'-':>10}  {r['path']} (not built: run scripts/train_bundled.py)")
     return 0

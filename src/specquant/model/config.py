@@ -1,4 +1,9 @@
-"""ModelConfig: the one home of the decoder's architecture fields, read from an HF config.json."""
+"""ModelConfig: the one home of the decoder's architecture fields, read from an HF config.json.
+
+Dense families (llama, qwen2, qwen3) and the Qwen3.5 hybrid (qwen3_5_text, or the text part of a qwen3_5
+multimodal config) are one dataclass: the hybrid's fields are named as transformers' Qwen3_5TextConfig names them
+and switch per-model choices on (zero-centred norms, gated full attention, partial RoPE), never a forked decoder.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +19,22 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"qkv_bias": None, "qk_norm": False},  # None: read `attention_bias` from the config
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": None, "qk_norm": True},
+    # hybrid: Gated DeltaNet + gated full attention (HYBRID_FLAGS below), zero-centred norms, partial RoPE
+    "qwen3_5_text": {"qkv_bias": None, "qk_norm": True, "hybrid": True},
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM"}
+MULTIMODAL = {"qwen3_5": "qwen3_5_text"}  # wrapper model_type -> its text_config's, the part specquant runs
+# what a hybrid family turns on (Qwen3.5: transformers builds every one of them unconditionally)
+HYBRID_FLAGS = {"attn_output_gate": True, "zero_centred_norms": True}
+HYBRID_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 DEFAULT_LAYER_TYPE = "full_attention"  # the layer kind of a dense decoder's every layer
 # config.json keys that are not dataclass fields but are interpreted by from_hf or written by to_hf
 # (quantization_config describes the weights, not the architecture: the loader hands it to Transformer.quantization)
 _INTERPRETED_KEYS = ("architectures", "hidden_act", "attention_bias", "mlp_bias", "rope_parameters",
-                     "specquant_sliding_window", "quantization_config")
+                     "specquant_sliding_window", "quantization_config", "full_attention_interval")
 
 
 @dataclass
@@ -46,34 +60,86 @@ class ModelConfig:
     # the layer kind of each layer (model/layers.py's LAYER_KINDS), as config.json's `layer_types`; empty: every
     # layer is DEFAULT_LAYER_TYPE (kept empty then, so that changing num_hidden_layers needs no list)
     layer_types: tuple[str, ...] = ()
+    # Qwen3.5 hybrids (set by from_hf for qwen3_5_text; off for the dense families):
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first int(head_dim * factor) dims of each head
+    attn_output_gate: bool = False  # full_attention layers are GatedAttention (query | gate from q_proj)
+    zero_centred_norms: bool = False  # layer, final and q/k norms compute x * (1 + w) (model/norms.py)
+    # Gated DeltaNet's shape (linear_attention layers only; model/deltanet.py)
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = 0
     extra: dict = field(default_factory=dict)  # config.json keys we keep but do not interpret
 
     def __post_init__(self):
         # imported here: layers.py imports the mixers, and they import this module
-        from specquant.model.layers import LAYER_KINDS
+        from specquant.model.layers import config_layer_types
 
         self.layer_types = tuple(self.layer_types)
-        unknown = sorted(set(self.layer_types) - set(LAYER_KINDS))
+        unknown = sorted(set(self.layer_types) - set(config_layer_types()))
         if unknown:
-            raise SpecquantError(f"layer_types has unknown layer kinds {unknown}; supported: {', '.join(LAYER_KINDS)}")
+            raise SpecquantError(f"unsupported layer_types {unknown} in config.json; supported: "
+                                 f"{', '.join(config_layer_types())}")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise SpecquantError(f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
                                  f"{self.num_hidden_layers}; give one kind per layer")
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if kv <= 0 or heads % kv:
+            raise SpecquantError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}; "
+                                 "each KV head serves a whole group of query heads")
+        if "linear_attention" in self.layer_types:
+            vh, kh = self.linear_num_value_heads, self.linear_num_key_heads
+            if kh <= 0 or vh % kh:
+                raise SpecquantError(f"linear_num_value_heads={vh} is not a multiple of linear_num_key_heads={kh}; "
+                                     "each DeltaNet key head serves a whole group of value heads")
+            if self.linear_conv_kernel_dim < 1:
+                raise SpecquantError(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be at least 1")
+        rot = self.rotary_dim
+        if not 0 < rot <= self.head_dim or rot % 2:
+            raise SpecquantError(f"partial_rotary_factor={self.partial_rotary_factor} gives {rot} rotary dims of "
+                                 f"head_dim={self.head_dim}; it needs an even count in 2..head_dim")
 
     @property
     def per_layer_types(self) -> tuple[str, ...]:
-        """The layer kind of every layer (layer_types, or the default for each)."""
-        return self.layer_types or (DEFAULT_LAYER_TYPE,) * self.num_hidden_layers
+        """The layer kind (model/layers.py's LAYER_KINDS key) of every layer: layer_types, or the default for each,
+        read through GATED_KINDS when the config gates its attention."""
+        from specquant.model.layers import GATED_KINDS
+
+        types = self.layer_types or (DEFAULT_LAYER_TYPE,) * self.num_hidden_layers
+        return tuple(GATED_KINDS.get(t, t) for t in types) if self.attn_output_gate else types
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims RoPE rotates (the first ones of each head), as transformers computes them: int(head_dim * factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def architecture(self) -> str:
+        """transformers' class name for this config (config.json `architectures`)."""
+        return ARCHITECTURES[self.model_type]
+
+    def describe(self) -> str:
+        """One line naming the architecture and, for a hybrid, its layer mix (what `specquant models` prints)."""
+        if not self.layer_types:
+            return self.architecture
+        counts = {t: self.layer_types.count(t) for t in dict.fromkeys(self.layer_types)}
+        return f"{self.architecture} ({' + '.join(f'{n} {t}' for t, n in counts.items())})"
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Build from an HF config.json dict; raises SpecquantError on unsupported architectures."""
+        """Build from an HF config.json dict; raises SpecquantError on unsupported architectures. A multimodal
+        wrapper (qwen3_5) gives its text_config, with the wrapper's tie_word_embeddings and token ids."""
         model_type = hf.get("model_type")
+        if model_type in MULTIMODAL:
+            hf = _text_part(hf, MULTIMODAL[model_type])
+            model_type = hf["model_type"]
         if model_type not in FAMILIES:
             raise SpecquantError(
-                f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported model_type {model_type!r} in config.json; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES + tuple(MULTIMODAL))}"
             )
         fam = FAMILIES[model_type]
         if hf.get("hidden_act", "silu") not in ("silu", "swish"):
@@ -85,8 +151,9 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hidden // heads
         attention_bias = bool(hf.get("attention_bias", False))
         qkv_bias = attention_bias if fam["qkv_bias"] is None else fam["qkv_bias"]
-        # Llama's attention_bias also covers o_proj; Qwen3's covers q/k/v/o too; Qwen2 has bias on q/k/v only.
-        o_bias = attention_bias if model_type in ("llama", "qwen3") else False
+        # Llama's attention_bias also covers o_proj; Qwen3's (and Qwen3.5's) covers q/k/v/o too; Qwen2 has bias on
+        # q/k/v only.
+        o_bias = attention_bias if model_type in ("llama", "qwen3", "qwen3_5_text") else False
         rope_theta, rope_scaling = _read_rope(hf)
         window = None
         if hf.get("use_sliding_window") and hf.get("sliding_window"):
@@ -102,6 +169,10 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)} | set(_INTERPRETED_KEYS)
         extra = {k: v for k, v in hf.items() if k not in known}
         layer_types = tuple(hf.get("layer_types") or ())
+        hybrid = {}
+        if fam.get("hybrid"):
+            hybrid = _read_hybrid(hf)
+            layer_types = hybrid.pop("layer_types")
         if layer_types and len(layer_types) == hf["num_hidden_layers"] and set(layer_types) == {DEFAULT_LAYER_TYPE}:
             layer_types = ()  # the default, spelled out (transformers writes it for every Qwen config)
         return cls(
@@ -127,6 +198,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             extra=extra,
+            **hybrid,
         )
 
     def to_hf(self) -> dict:
@@ -134,9 +206,7 @@ class ModelConfig:
         hf = dict(self.extra)
         hf.update(
             model_type=self.model_type,
-            architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
-                self.model_type
-            ]],
+            architectures=[self.architecture],
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -162,7 +232,19 @@ class ModelConfig:
             hf["specquant_sliding_window"] = self.sliding_window
         if self.layer_types:
             hf["layer_types"] = list(self.layer_types)
+        if FAMILIES[self.model_type].get("hybrid"):  # transformers 5 reads RoPE from rope_parameters only
+            hf.pop("rope_theta")
+            hf.pop("rope_scaling")
+            hf["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta,
+                                     "partial_rotary_factor": self.partial_rotary_factor}
+            hf["layer_types"] = list(self.per_layer_types_hf)
+            hf.update({f: getattr(self, f) for f in HYBRID_FIELDS})
         return hf
+
+    @property
+    def per_layer_types_hf(self) -> tuple[str, ...]:
+        """config.json's layer_types, spelled out (the default for each layer when empty)."""
+        return self.layer_types or (DEFAULT_LAYER_TYPE,) * self.num_hidden_layers
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -172,6 +254,36 @@ class ModelConfig:
         return tuple(e) if isinstance(e, (list, tuple)) else (int(e),)
 
 
+def _text_part(hf: dict, text_type: str) -> dict:
+    """The text_config of a multimodal config.json, with the wrapper's keys that describe the text model."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise SpecquantError(f"config.json has model_type {hf['model_type']!r} but no text_config; a multimodal "
+                             "checkpoint needs its text model's config there")
+    text = dict(text, model_type=text.get("model_type") or text_type)
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        if hf.get(key) is not None:
+            text[key] = hf[key]
+    return text
+
+
+def _read_hybrid(hf: dict) -> dict:
+    """The hybrid fields of a qwen3_5_text config.json as ModelConfig keyword arguments (layer_types included)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:  # transformers' default: every full_attention_interval-th layer is full attention
+        every = int(hf.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+    if hf.get("attn_output_gate") is False:  # not a Qwen3_5TextConfig field; Qwen3-Next-style configs carry it
+        raise SpecquantError("attn_output_gate=false in config.json: Qwen3.5's full attention always gates its "
+                             "output (as transformers builds it); remove the key")
+    rope = hf.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    return {"layer_types": tuple(types), "partial_rotary_factor": float(factor), **HYBRID_FLAGS,
+            **{f: int(hf.get(f, defaults[f])) for f in HYBRID_FIELDS}}
+
+
 def _read_rope(hf: dict) -> tuple[float, dict | None]:
     """transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters. Accept both."""
     params = hf.get("rope_parameters")
@@ -179,6 +291,7 @@ def _read_rope(hf: dict) -> tuple[float, dict | None]:
         params = dict(params)
         theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = params.get("rope_type", params.get("type", "default"))
+        params.pop("partial_rotary_factor", None)  # a ModelConfig field of its own (hybrids)
         return theta, (None if rope_type == "default" else params)
     theta = float(hf.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling")

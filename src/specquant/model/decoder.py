@@ -1,4 +1,5 @@
-"""Lean decoder for the Llama / Qwen2 / Qwen3 dense families, with per-layer caches and explicit positions.
+"""Lean decoder for the Llama / Qwen2 / Qwen3 dense families and the Qwen3.5 hybrid, with per-layer caches and
+explicit positions.
 
 Module names mirror transformers' (`model.layers.N.self_attn.q_proj`, ...), so HF state dicts load as they are.
 Each layer's mixer comes from the layer-kind table (model/layers.py) keyed by the config's layer_types; attention
@@ -26,7 +27,7 @@ from specquant.model.attention import FOLD_MAX_ROWS, FOLD_MIN_ROWS, Attention, a
 from specquant.model.cache import Cache, KVCache
 from specquant.model.config import DEFAULT_LAYER_TYPE, ModelConfig
 from specquant.model.layers import LAYER_KINDS
-from specquant.model.modules import MLP, SMALL_MIN_WEIGHT, SMALL_ROWS, Linear, RMSNorm
+from specquant.model.modules import MLP, SMALL_MIN_WEIGHT, SMALL_ROWS, Linear, RMSNorm, make_norm
 from specquant.model.rope import rope_tables
 
 __all__ = ["FOLD_MAX_ROWS", "FOLD_MIN_ROWS", "MLP", "SMALL_MIN_WEIGHT", "SMALL_ROWS", "Attention", "Body", "Cache",
@@ -41,9 +42,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         kind = LAYER_KINDS[layer_type]
         self.layer_type, self.mixer_attr = layer_type, kind.attr
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         setattr(self, kind.attr, kind.mixer(cfg))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
 
     @property
@@ -60,7 +61,7 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kind) for kind in cfg.per_layer_types)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg, cfg.hidden_size)
 
 
 class Transformer(nn.Module):
@@ -78,11 +79,14 @@ class Transformer(nn.Module):
         # config.json `quantization_config` of the weights this model holds (None: dense). Written by whoever
         # quantizes or loads it and saved with it by model.checkpoint.save_model; model/ never interprets it.
         self.quantization: dict | None = None
+        # checkpoint tensors the decoder does not run (Qwen3.5's mtp.* head; model.checkpoint.KEPT_PREFIXES), as
+        # loaded: kept for a drafter that reads them, and saved back by save_model
+        self.extra_tensors: dict[str, torch.Tensor] = {}
         self._set_rope(cfg.max_position_embeddings)
 
     def _set_rope(self, length: int):
         cfg = self.config
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, length)
+        cos, sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, length)
         device = self.model.embed_tokens.weight.device
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
@@ -103,12 +107,13 @@ class Transformer(nn.Module):
         capacity, window, dtype, device = self._cache_args(max_seq_len, max_block, dtype, device, window)
         self.max_block = None if window is None else max_block
         installed = [c for c in self.caches() if c is not None]
-        if installed and all(c.fits(batch_size, capacity, dtype, device, window, static) for c in installed):
+        if installed and all(c.fits(batch_size, capacity, dtype, device, window, static, max_block)
+                             for c in installed):
             self.reset_cache()
         else:
             for mixer in self.mixers():
                 mixer.cache = None  # the old buffers go before the new ones are allocated
-                mixer.cache = mixer.make_cache(batch_size, capacity, dtype, device, window, static)
+                mixer.cache = mixer.make_cache(batch_size, capacity, dtype, device, window, static, max_block)
         self.static_cache = static
         if self.rope_cos.shape[0] < max_seq_len or self.rope_cos.device != device:
             self._set_rope(max(max_seq_len, self.config.max_position_embeddings))
@@ -128,7 +133,7 @@ class Transformer(nn.Module):
         """New caches, one per layer (None for a layer kind without state), as setup_cache would make them for
         these arguments, without installing them."""
         capacity, window, dtype, device = self._cache_args(max_seq_len, max_block, dtype, device, window)
-        return [m.make_cache(batch_size, capacity, dtype, device, window, static) for m in self.mixers()]
+        return [m.make_cache(batch_size, capacity, dtype, device, window, static, max_block) for m in self.mixers()]
 
     def cache_layout(self, batch_size: int, max_seq_len: int, max_block: int = 64, dtype=None, device=None,
                      window: int | None = -1, static: bool = False) -> dict:
@@ -139,6 +144,17 @@ class Transformer(nn.Module):
         caches = self.make_caches(batch_size, max_seq_len, max_block, dtype, "meta", window, static)
         return {"device": str(device), "max_block": None if window is None else max_block,
                 "layers": [None if c is None else c.layout() for c in caches]}
+
+    def compiled_steps_refusal(self) -> str | None:
+        """Why compiled / AOT-packaged / CUDA-graph steps cannot run this model (None: they can). A layer kind
+        whose cache decides its writes in Python between steps (Gated DeltaNet's rollback record) says so with
+        `static_steps = False`: a traced or captured step would bake one step's offsets into every replay."""
+        kinds = sorted({layer.layer_type for layer in self.model.layers
+                        if getattr(layer.mixer, "static_steps", True) is False})
+        if not kinds:
+            return None
+        return (f"compiled, AOT-packaged and CUDA-graph steps do not support {', '.join(kinds)} layers yet "
+                "(their cache is driven from Python between steps); run without --compile / --aot / --graphs")
 
     def mixers(self) -> list[nn.Module]:
         """Every layer's mixer (model/layers.py), in layer order."""

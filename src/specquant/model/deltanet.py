@@ -10,11 +10,15 @@ input_layernorm:
 
 Cache contract (the decoder's, for a state that cannot be rolled back by moving a length): a forward at start_pos
 continues from the state after start_pos positions. rollback(L) makes the state the one after L positions, exactly
-(up to float rounding), for any L from the start of the last forward to its end, with no second forward: the
-cache keeps that forward's start state, its rank-1 factors (gated_delta's docstring) and its pre-conv inputs. A
-forward at start_pos < length rolls back to start_pos first, so callers that rewrite K/V caches by position work
-unchanged. Only forwards of up to max_block tokens keep factors; a longer one (a prefill) can be rolled back to
-its start or to 0 only.
+(up to float rounding), with no second forward, for any L back to the cache's anchor: the state it holds at some
+earlier position `start`, with the rank-1 factors (gated_delta's docstring) and pre-conv inputs of every token
+since. Forwards append to that record while it holds at most max_block tokens; the cache re-anchors at the current
+state (dropping what is older) when a forward would overflow it, and at the first forward after a rollback (a
+caller never goes back past a position it rolled back to and then wrote from). So a target's verify (one forward,
+one rollback) and an LM drafter's catch-up plus k-1 one-token drafts (several forwards, one rollback) both roll
+back exactly. A forward longer than max_block (a prefill) keeps no factors: it rolls back to its start or to 0
+only. A forward at start_pos < length rolls back to start_pos first, so callers that rewrite K/V caches by
+position work unchanged.
 
 Memory of the rollback record per token and layer at the Qwen3.5-4B shape: 24.1 KiB of fp32 factors (see
 gated_delta.py) plus conv_dim = 8192 pre-conv inputs in the activation dtype (16 KiB bf16, 32 KiB fp32).
@@ -26,75 +30,75 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specquant.model.decoder import Linear
+from specquant.model.cache import Cache
+from specquant.model.modules import Linear
 from specquant.model.gated_delta import DEFAULT_CHUNK, gated_delta_rule, l2_normalize, state_after, zero_state
 from specquant.model.norms import GatedRMSNorm
 
 DEFAULT_MAX_BLOCK = 64  # longest forward a cache can roll back into (Transformer.setup_cache's max_block default)
 
 
-class DeltaNetCache(nn.Module):
-    """Recurrent state [batch, value_heads, K, V] fp32 and conv state [batch, conv_dim, kernel-1], plus the last
-    forward's rollback record, as non-persistent buffers (a module, as KVCache is, so .to() moves them). static:
-    every tensor lives in a fixed buffer updated in place (for compiled / graph-captured steps); otherwise buffers
-    are rebound, never copied (the previous state is simply kept)."""
+class DeltaNetCache(Cache):
+    """Recurrent state [batch, value_heads, K, V] fp32 and conv state [batch, conv_dim, kernel-1], plus the rollback
+    record since the anchor, as non-persistent buffers (a module, as KVCache is, so .to() moves them). The record's
+    buffers hold max_block tokens and are written in place. static: the state and conv state are fixed buffers too,
+    updated in place (for compiled / graph-captured steps); otherwise they are rebound, never copied (the anchor
+    state is simply kept)."""
 
     kind = "deltanet"
 
     def __init__(self, batch: int, capacity: int, dtype, device, window: int | None, static: bool, *,
                  key_heads: int, key_dim: int, value_heads: int, value_dim: int, kernel: int,
                  max_block: int = DEFAULT_MAX_BLOCK):
-        super().__init__()
-        self.batch, self.capacity, self.dtype, self._device = batch, capacity, dtype, torch.device(device)
+        super().__init__(batch, capacity)
+        self.dtype, self._device = dtype, torch.device(device)
         self.window, self.static, self.max_block = window, static, max_block  # window: unused (no positions held)
         self.key_heads, self.key_dim, self.value_heads, self.value_dim = key_heads, key_dim, value_heads, value_dim
         self.kernel = kernel
         self.conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
-        buffers = dict.fromkeys(("state", "state0", "conv", "hist", "keys", "delta", "g"))
-        if static:  # fixed buffers; the record's token dimension holds up to max_block tokens
-            f32 = dict(dtype=torch.float32, device=device)
-            buffers.update(
-                state=self._zeros_state(), state0=self._zeros_state(),
-                conv=torch.zeros(batch, self.conv_dim, kernel - 1, dtype=dtype, device=device),
-                hist=torch.zeros(batch, self.conv_dim, kernel - 1 + max_block, dtype=dtype, device=device),
-                keys=torch.zeros(batch, max_block, key_heads, key_dim, **f32),
-                delta=torch.zeros(batch, max_block, value_heads, value_dim, **f32),
-                g=torch.zeros(batch, max_block, value_heads, **f32))
+        f32 = dict(dtype=torch.float32, device=device)
+        buffers = dict(  # the record: conv state at the anchor then the pre-conv inputs, and per-token factors
+            hist=torch.zeros(batch, self.conv_dim, kernel - 1 + max_block, dtype=dtype, device=device),
+            keys=torch.zeros(batch, max_block, key_heads, key_dim, **f32),
+            delta=torch.zeros(batch, max_block, value_heads, value_dim, **f32),
+            g=torch.zeros(batch, max_block, value_heads, **f32),
+            state=None, state0=None, conv=None)
+        if static:
+            buffers.update(state=self._zeros_state(), state0=self._zeros_state(),
+                           conv=torch.zeros(batch, self.conv_dim, kernel - 1, dtype=dtype, device=device))
         for name, value in buffers.items():
             self.register_buffer(name, value, persistent=False)
         self.reset()
 
     @property
     def device(self) -> torch.device:  # where the buffers are now (.to() may have moved them)
-        state = self._buffers.get("state")
-        return self._device if state is None else state.device
+        return self.hist.device
 
     def _zeros_state(self) -> torch.Tensor:
-        return zero_state(self.batch, self.key_dim, self.value_heads, self.value_dim, self.device)
+        return zero_state(self.batch, self.key_dim, self.value_heads, self.value_dim, self._device)
 
     def reset(self):
-        """Start a new sequence: zero state, nothing to roll back into."""
+        """Start a new sequence: zero state, anchored at position 0."""
         self.length = 0  # positions processed and not rolled back
-        self.start = 0  # position of the last forward's first token
-        self.block = 0  # tokens of the last forward still held (shrinks with a rollback into it)
-        self.has_factors = False  # the record holds per-token factors (1 < block <= max_block)
+        self.start = 0  # the anchor: the position state0 is the state before
+        self.block = 0  # tokens recorded since the anchor (positions start .. start + block - 1)
+        self.has_factors = True  # the record holds every token's factors (False after a forward > max_block)
+        self.rolled_back = False  # a rollback since the last forward: the next forward re-anchors
         if self.static:
-            for t in (self.state, self.state0, self.conv, self.hist):
+            for t in (self.state, self.state0, self.conv):
                 t.zero_()
         else:
-            self.state = self.state0 = self._zeros_state()
+            self.state = self.state0 = zero_state(self.batch, self.key_dim, self.value_heads, self.value_dim,
+                                                  self.device)
             self.conv = torch.zeros(self.batch, self.conv_dim, self.kernel - 1, dtype=self.dtype, device=self.device)
-            self.hist = self.conv
-            self.keys = self.delta = self.g = None
+        self.hist[..., : self.kernel - 1].zero_()
 
     def fits(self, batch: int, capacity: int, dtype, device, window: int | None, static: bool,
              max_block: int | None = None) -> bool:
         """Whether a request with this layout can reuse this cache. Capacity and window do not matter: the state
         has the same size at every position."""
-        device, mine = torch.device(device), self.device
-        same_device = mine.type == device.type and (device.index is None or mine == device)
-        return (self.batch == batch and self.dtype == dtype and same_device and self.static == static
-                and (max_block is None or self.max_block >= max_block))
+        return (self.batch == batch and self.dtype == dtype and self._same_device(torch.device(device))
+                and self.static == static and (max_block is None or self.max_block >= max_block))
 
     def layout(self) -> dict:
         record = self.max_block
@@ -108,35 +112,37 @@ class DeltaNetCache(nn.Module):
                        "pre_conv": [self.batch, self.conv_dim, self.kernel - 1 + record]},
         }
 
+    def _set(self, name: str, value: torch.Tensor):
+        if self.static:
+            getattr(self, name).copy_(value)
+        else:
+            setattr(self, name, value)
+
     def advance(self, hist: torch.Tensor, state: torch.Tensor, keys, delta, g):
         """Record a forward of T tokens: hist [batch, conv_dim, kernel-1+T] (conv state before, then the T
-        pre-conv inputs), state after it; keys/delta/g (T > 1 and T <= max_block) or None."""
+        pre-conv inputs), state after it; keys [batch, T, key_heads, K], delta, g (None: T > max_block)."""
         t = hist.shape[-1] - (self.kernel - 1)
-        self.start, self.block, self.length = self.length, t, self.length + t
-        self.has_factors = delta is not None
-        if not self.static:
-            self.state0, self.state = self.state, state
-            if t <= self.max_block:
-                self.hist, self.conv = hist, hist[..., t:]
-            else:  # a prefill: copies, so the views do not keep its [batch, conv_dim, T] inputs alive
-                self.hist, self.conv = hist[..., : self.kernel - 1].clone(), hist[..., t:].clone()
-            self.keys, self.delta, self.g = keys, delta, g
-            return
-        self.state0.copy_(self.state)
-        self.state.copy_(state)
-        held = hist.shape[-1] if t <= self.max_block else self.kernel - 1  # a long block keeps its start only
-        self.hist[..., :held].copy_(hist[..., :held])
-        self.conv.copy_(hist[..., t:])
-        if self.has_factors:
-            self.keys[:, :t].copy_(keys)
-            self.delta[:, :t].copy_(delta)
-            self.g[:, :t].copy_(g)
+        if self.rolled_back or not self.has_factors or delta is None or self.block + t > self.max_block:
+            self._set("state0", self.state)  # re-anchor at the state before this forward
+            self.hist[..., : self.kernel - 1].copy_(hist[..., : self.kernel - 1])
+            self.start, self.block, self.has_factors = self.length, 0, delta is not None
+        if delta is not None:  # append this forward's inputs and factors to the record
+            b0 = self.block
+            self.hist[..., self.kernel - 1 + b0 : self.kernel - 1 + b0 + t].copy_(hist[..., self.kernel - 1:])
+            self.keys[:, b0 : b0 + t].copy_(keys)
+            self.delta[:, b0 : b0 + t].copy_(delta)
+            self.g[:, b0 : b0 + t].copy_(g)
+        self.block += t
+        self.length += t
+        self.rolled_back = False
+        self._set("state", state)
+        self._set("conv", hist[..., t:] if self.static else hist[..., t:].clone())  # no view of a prefill's inputs
 
     def rollback(self, length: int):
         """Keep positions < length: the state and conv state become those after position length-1.
 
-        length may go back to the start of the last forward (any position inside it when that forward had at most
-        max_block tokens), or to 0; earlier positions are gone (ValueError).
+        length may go back to the anchor (any position after it while the record has factors; otherwise only the
+        anchor), or to 0; earlier positions are gone (ValueError).
         """
         if length >= self.length:
             return
@@ -144,19 +150,16 @@ class DeltaNetCache(nn.Module):
             self.reset()
             return
         j = length - self.start
-        if j < 0 or (0 < j < self.block and not self.has_factors):
+        if j < 0 or (0 < j and not self.has_factors):
             raise ValueError(
                 f"DeltaNet state cannot roll back to length {length}: it holds positions {self.start}..{self.length} "
-                f"of its last forward ({'any' if self.has_factors else 'its start or end'}), or 0; a rollback may "
-                f"reach only into the last forward (of at most max_block={self.max_block} tokens)")
+                f"since its anchor ({'any' if self.has_factors else 'its start or end'}), or 0; a rollback may reach "
+                f"only back to the last forward, or to the start of several forwards of at most "
+                f"max_block={self.max_block} tokens in all since the last rollback")
         state = self.state0 if j == 0 else state_after(self.state0, self.keys, self.delta, self.g, j)
-        conv = self.hist[..., j : j + self.kernel - 1]
-        if self.static:
-            self.state.copy_(state)
-            self.conv.copy_(conv)
-        else:
-            self.state, self.conv = state, conv
-        self.length, self.block = length, j
+        self._set("state", state)
+        self._set("conv", self.hist[..., j : j + self.kernel - 1].clone())
+        self.length, self.block, self.rolled_back = length, j, True
 
 
 class GatedDeltaNet(nn.Module):
@@ -165,13 +168,16 @@ class GatedDeltaNet(nn.Module):
 
     kind = "linear_attention"  # its layer_types entry
     attr = "linear_attn"  # its module name inside a decoder layer, as transformers names it
+    # the cache's record offsets and anchoring are Python state read each step: eager steps only (static caches
+    # included), see Transformer.compiled_steps_refusal
+    static_steps = False
 
     def __init__(self, cfg):
         super().__init__()
         h = cfg.hidden_size
         self.key_heads, self.key_dim = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         self.value_heads, self.value_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        assert self.value_heads % self.key_heads == 0, "HybridFields.check refuses this"
+        assert self.value_heads % self.key_heads == 0, "ModelConfig refuses this"
         self.kernel = cfg.linear_conv_kernel_dim
         key_total, value_total = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         self.conv_dim = 2 * key_total + value_total
@@ -190,10 +196,10 @@ class GatedDeltaNet(nn.Module):
         self.allow_fla = True  # False: the plain forms even where flash-linear-attention is usable
 
     def make_cache(self, batch: int, capacity: int, dtype, device, window: int | None = None, static: bool = False,
-                   max_block: int = DEFAULT_MAX_BLOCK) -> DeltaNetCache:
+                   max_block: int | None = DEFAULT_MAX_BLOCK) -> DeltaNetCache:
         return DeltaNetCache(batch, capacity, dtype, device, window, static, key_heads=self.key_heads,
                              key_dim=self.key_dim, value_heads=self.value_heads, value_dim=self.value_dim,
-                             kernel=self.kernel, max_block=max_block)
+                             kernel=self.kernel, max_block=max_block or DEFAULT_MAX_BLOCK)
 
     def forward(self, x, cos=None, sin=None, start_pos: int = 0, input_pos=None, plan=None):
         b, t, _ = x.shape
@@ -215,7 +221,8 @@ class GatedDeltaNet(nn.Module):
         v = mixed[..., 2 * kt :].reshape(b, t, self.value_heads, self.value_dim)
         beta = self.in_proj_b(x).sigmoid().float()  # sigmoid in x's dtype, as transformers does
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        need_delta = cache is not None and 1 < t <= cache.max_block
+        need_delta = cache is not None and t <= cache.max_block  # one-token steps too: an LM drafter rolls back
+        # over several of them
         out, new_state, delta = gated_delta_rule(q, k, v, g, beta, state, self.key_dim ** -0.5, self.chunk_size,
                                                  need_delta=need_delta, allow_fla=self.allow_fla)
         if cache is not None:

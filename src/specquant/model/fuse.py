@@ -1,5 +1,8 @@
 """Fuse each layer's q/k/v projections into one Linear and gate/up into another, for inference.
 
+Attention mixers only (GatedAttention included: its forward reads the fused [query | gate, k, v] layout); other
+layer kinds (Gated DeltaNet) keep their projections.
+
 One matmul call instead of three (and two), on the concatenated weight, and (Qwen3) one q/k normalization and one
 RoPE call on q and k together: each output column is the same dot product as before, so logits are unchanged (dense
 GEMMs may sum in another order). Why: at small sizes every call costs framework overhead comparable to the
@@ -18,6 +21,7 @@ from torch import nn
 from specquant.errors import SpecquantError
 from specquant.model.attention import Attention
 from specquant.model.decoder import Transformer
+from specquant.model.modules import RMSNorm
 
 
 def _fuse(mods: list[nn.Module]) -> nn.Module | None:
@@ -37,7 +41,9 @@ def fuse_projections(model: Transformer) -> int:
             fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
             if fused is not None:
                 attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = fused, None, None, None
-                if attn.q_norm is not None:  # one normalization of [q heads; k heads] with per-head weights
+                # one normalization of [q heads; k heads] with per-head weights; GatedAttention (Qwen3.5) keeps its
+                # zero-centred q_norm / k_norm, since its fused output interleaves each query with its gate
+                if type(attn.q_norm) is RMSNorm:
                     attn.qk_norm_weight = torch.cat([attn.q_norm.weight.detach().expand(attn.n_heads, -1),
                                                      attn.k_norm.weight.detach().expand(attn.n_kv, -1)])
                 n += 1

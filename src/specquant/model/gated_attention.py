@@ -7,7 +7,7 @@ v_proj, o_proj, q_norm, k_norm}`):
 - q_norm / k_norm are zero-centred RMSNorms (1 + w, model/norms.py);
 - RoPE rotates only the first rotary_dim = head_dim * partial_rotary_factor dims of each head, with
   rotate_half over those rotary_dim dims: model/rope.py's apply_rope on that slice, with rope_tables(rotary_dim)
-  rows as cos / sin (see hybrid_config.rotary_dim);
+  rows as cos / sin (ModelConfig.rotary_dim; the decoder builds its tables that wide);
 - the attention output is multiplied by sigmoid(gate) before o_proj.
 The rest (GQA, masks, the sliced / ring / static KV cache, folded few-query attention) is the decoder's Attention,
 inherited: plan(), fold(), attend() and the KVCache are the same code.
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from specquant.model.decoder import Attention, KVCache, Linear
+from specquant.model.attention import Attention
+from specquant.model.modules import Linear
 from specquant.model.norms import ZeroCentredRMSNorm
 from specquant.model.rope import apply_rope
 
@@ -33,20 +34,12 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 class GatedAttention(Attention):
     """Mixer: forward(x [batch, T, hidden] after input_layernorm, cos, sin, start_pos, input_pos, plan)."""
 
-    kind = "full_attention"  # its layer_types entry
-    attr = "self_attn"  # its module name inside a decoder layer, as transformers names it
-
     def __init__(self, cfg):
         super().__init__(cfg)
-        assert getattr(cfg, "attn_output_gate", True), "HybridFields.check refuses ungated attention"
         d = self.head_dim
         self.q_proj = Linear(cfg.hidden_size, 2 * self.n_heads * d, bias=cfg.qkv_bias)  # query | gate per head
         self.q_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
-
-    def make_cache(self, batch: int, capacity: int, dtype, device, window: int | None = None,
-                   static: bool = False) -> KVCache:
-        return KVCache(batch, self.n_kv, capacity, self.head_dim, dtype, device, window, static)
 
     def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None,
                 plan: tuple[torch.Tensor | None, bool] | None = None):

@@ -1,4 +1,5 @@
-"""Building blocks every layer kind shares: RMSNorm, the decoder's Linear, the SwiGLU MLP.
+"""Building blocks every layer kind shares: RMSNorm (and make_norm, the config's choice), the decoder's Linear,
+the SwiGLU MLP.
 
 Mixer files (attention.py, the layer kinds in layers.py) import these from here, not from decoder.py: decoder.py
 imports the layer-kind table, which imports the mixers.
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specquant.model.config import ModelConfig
+from specquant.model.norms import ZeroCentredRMSNorm
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +23,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # normalized in fp32, as transformers does
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The decoder's layer / final norm for this config: x * w, or Qwen3.5's zero-centred x * (1 + w)."""
+    return ZeroCentredRMSNorm(dim, cfg.rms_norm_eps) if cfg.zero_centred_norms else RMSNorm(dim, cfg.rms_norm_eps)
 
 
 SMALL_ROWS = (5, 8)  # Linear: fp32 CPU inputs with this many rows (inclusive) take the W·xᵀ path ...

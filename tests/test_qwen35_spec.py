@@ -1,0 +1,147 @@
+"""Speculation on a Qwen3.5 hybrid target is lossless: the recurrent state rolls back exactly after every verify.
+
+Targets are random hybrids (transformers' weights layout, copied into specquant's Transformer); drafters are a
+noised copy of the target (the LM drafter, rolling back over several one-token forwards), a small dense model, and a random
+block drafter reading the hybrid's hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _qwen35_models import VOCAB, hf_model
+
+from specquant.decode.generate import generate
+from specquant.decode.sampling import SamplingConfig, logits_to_probs
+from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Transformer
+from specquant.spec_decode.block_drafter import BlockDrafter
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.engine import SpecEngine
+
+
+def ours(theirs) -> Transformer:
+    model = Transformer(ModelConfig.from_hf(theirs.config.to_dict()))
+    model.load_state_dict(theirs.state_dict(), strict=False)  # lm_head is tied in neither; rope buffers are ours
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return ours(hf_model("gva", 4, seed=11, scale=0.35))  # peaky: greedy ties are rare
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    hybrid = ours(hf_model("gva", 4, seed=11, scale=0.35))  # a noised copy of the target: agrees often, not always
+    with torch.no_grad():
+        torch.manual_seed(12)
+        for p in hybrid.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    dense = Transformer(ModelConfig(vocab_size=VOCAB, hidden_size=40, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=10,
+                                    tie_word_embeddings=False)).eval()
+    with torch.no_grad():  # share the target's embedding and head, so drafts agree sometimes
+        for d in (dense,):
+            d.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+            d.lm_head.weight.copy_(target.lm_head.weight)
+    dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=16, target_layer_ids=[1, 3],
+                                       mask_token_id=5)
+    torch.manual_seed(13)
+    block = BlockDraftModel(dcfg).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.mul_(0.3)
+    return {"lm-hybrid": hybrid, "lm-dense": dense, "block": block}
+
+
+def engine(target, drafters, kind, **kw):
+    cfg = SpecConfig(**kw)
+    draft = drafters[kind]
+    return SpecEngine(target, BlockDrafter(draft, target, cfg) if kind == "block" else draft, cfg)
+
+
+PROMPTS = [torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (1, 9, 70)]
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("k", [1, 3, 7, 15])
+@pytest.mark.parametrize("kind", ["lm-hybrid", "lm-dense", "block"])
+def test_greedy_speculation_on_a_hybrid_equals_target_greedy(target, drafters, kind, k, window):
+    eng = engine(target, drafters, kind, draft_len=k, draft_window=window)
+    accepted = 0
+    for prompt in PROMPTS:  # a 1-token prompt, and a 70-token one longer than the window and max_block
+        ref = generate(target, prompt, 40, stop_on_eos=False).token_ids[0]
+        out = eng.generate(prompt, 40, stop_on_eos=False)
+        assert out.token_ids[0] == ref
+        s = out.stats
+        assert s["new_tokens"] == 1 + s["num_accepted_tokens"] + (s["target_forwards"] - 1)
+        accepted += s["num_accepted_tokens"]
+    if kind == "lm-hybrid":  # drafts are accepted, so rollbacks land inside verified blocks (and the drafter's
+        assert accepted > 0  # own several forwards), not only at their starts
+
+
+def test_verify_uses_the_chunked_rule(target, monkeypatch):
+    """A verify forward of 2..16 tokens runs the chunked rule once per DeltaNet layer, never a token loop."""
+    from specquant.model import gated_delta
+
+    calls = []
+    real_chunk, real_recurrent = gated_delta.chunk_rule, gated_delta.recurrent_rule
+    monkeypatch.setattr(gated_delta, "chunk_rule", lambda *a, **kw: calls.append(a[0].shape[1]) or real_chunk(*a, **kw))
+    monkeypatch.setattr(gated_delta, "recurrent_rule",
+                        lambda *a, **kw: calls.append(-a[0].shape[1]) or real_recurrent(*a, **kw))
+    n_delta = target.config.layer_types.count("linear_attention")
+    with torch.no_grad():
+        target.setup_cache(1, 64)
+        target(PROMPTS[1], 0)
+        for t in (2, 4, 8, 16):
+            calls.clear()
+            target(torch.randint(0, VOCAB, (1, t)), 9)
+            target.rollback(9)
+            assert calls == [t] * n_delta
+    target.clear_cache()
+
+
+@pytest.mark.parametrize("kind", ["lm-hybrid", "block"])
+def test_speculative_sampling_on_a_hybrid_follows_the_target_law(target, drafters, kind):
+    """As tests/test_spec.py's law test: the first token (target prefill) and the second (the first verified
+    draft position, after a rollback of the recurrent state) follow the target's sampling law."""
+    prompt = PROMPTS[1]
+    target.clear_cache()
+    with torch.no_grad():
+        temperature = float(target(prompt)[0, -1].std()) / 2
+        law = SamplingConfig(temperature=temperature)
+        first_probs = logits_to_probs(target(prompt)[0, -1], law)
+        top = int(first_probs.argmax())
+        second_probs = logits_to_probs(target(torch.cat([prompt, torch.tensor([[top]])], 1))[0, -1], law)
+    eng = engine(target, drafters, kind, draft_len=3)
+    n, hits, counts = 400, 0, torch.zeros(VOCAB)
+    for seed in range(n):
+        toks = eng.generate(prompt, 3, SamplingConfig(temperature, seed=seed), stop_on_eos=False).token_ids[0]
+        if toks[0] == top:
+            hits += 1
+            counts[toks[1]] += 1
+    p = float(first_probs[top])
+    assert 0.05 < p < 0.95 and float(second_probs.max()) < 0.95  # the law has spread: the test can fail
+    # binomial z-test on the first token; |z| > 4.5 has probability < 1e-5
+    assert abs(hits - n * p) / math.sqrt(n * p * (1 - p)) < 4.5
+    # total variation of the conditional second-token histogram against the target law, with a bound far above
+    # the sampling noise of `hits` draws (expected TV ~ sqrt(vocab / hits) / 2, about 0.25 at ~150 hits)
+    tv = 0.5 * float((counts / counts.sum() - second_probs).abs().sum())
+    assert tv < 0.45, tv
+
+
+def test_compiled_aot_and_graph_steps_refuse_a_hybrid_in_one_line(target):
+    from specquant.decode.compiled import Stepper
+    from specquant.decode.graphs import GraphStepper
+    from specquant.errors import SpecquantError
+
+    for make in (lambda: Stepper(target, compile=True), lambda: Stepper(target, aot="cached"),
+                 lambda: GraphStepper(target)):
+        with pytest.raises(SpecquantError, match="do not support linear_attention layers") as e:
+            make()
+        assert "\n" not in str(e.value)
+    Stepper(target)  # the eager step is the supported path
