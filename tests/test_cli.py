@@ -20,7 +20,7 @@ from conftest import needs_bundled, save_tiny_checkpoint
 
 from specquant.cli import main
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer
 from specquant.loader import load_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _quant_models import HAS_TINY_TARGET
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.errors import SpecquantError
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer

@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.errors import SpecquantError
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
-from specquant.spec_decode.block_drafter import BlockDrafter
+from specquant.spec_decode.drafters.block import BlockDrafter
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics

@@ -27,7 +27,7 @@ from specquant.drafter_loader import load_block_draft
 from specquant.loader import load_model
 from specquant.quant.linear import resolve_w4_activations
 from specquant.model.checkpoint import load_tokenizer
-from specquant.spec_decode.block_drafter import BlockDrafter
+from specquant.spec_decode.drafters.block import BlockDrafter
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.dtypes import DTYPES

@@ -4,7 +4,7 @@ interleaved timing loop (`interleaved`), forward probes, summaries, the environm
 A sample is one whole generate call, fixed length (EOS ignored), timed around the call after a device sync:
 latency_s is end to end (cache setup, prefill, decode); ttft_s is the time to the first new token (the prefill
 forward, plus the draft's prefill for speculative rows — both are needed before the first draft); tpot_s and
-tokens_per_s as decode.generate defines them.
+tokens_per_s as decode.result defines them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import Callable
 
 import torch
 
-from specquant.decode.generate import generate, tokens_per_s, tpot_s
+from specquant.decode.result import tokens_per_s, tpot_s
 from specquant.decode.sampling import SamplingConfig
+from specquant.spec_decode.engine import generate
 from specquant.util.device import sync
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
 from specquant.loader import load_model

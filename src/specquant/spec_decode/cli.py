@@ -6,7 +6,7 @@ import torch
 
 from specquant.decode.aot import AotConfig
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
 from specquant.loader import load_model
@@ -77,7 +77,7 @@ def run(args):
 
         spec = config_from_args(SpecConfig, args).validate()
         if drafter_kind(draft_name) == "block":  # read from its config.json (DFlashDraftModel), not its name
-            from specquant.spec_decode.block_drafter import BlockDrafter
+            from specquant.spec_decode.drafters.block import BlockDrafter
 
             drafter = BlockDrafter(load_block_draft(draft_name, args.dtype, args.device,
                                                     args.draft_w4_activations), target, spec)
