@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from specquant.errors import SpecquantError
+from specquant.spec_decode.drafters import kind_named
 from specquant.util.files import atomic_write
 
 FILES = ("results.json", "report.md", "speedup.png", "acceptance_by_position.png", "drafter_latency.png")
@@ -176,11 +177,11 @@ def drafter_verdict(results: dict) -> str:
     """Which drafter kind wins in this run (best tok/s row of each) and why, from the per-step costs."""
     spec = [r for r in ok_rows(results) if r.get("drafter") and r["impl"] == "specquant"]
     best = {}
-    for kind in ("lm", "block"):
+    for kind in dict.fromkeys(r["drafter"] for r in spec):  # in row order: the LM rows come first
         rows = [r for r in spec if r["drafter"] == kind]
         if rows:
             best[kind] = max(rows, key=lambda r: r["tokens_per_s_avg"])
-    if len(best) < 2:
+    if len(best) != 2:  # the verdict compares two kinds
         return ""
     cats = list(results["lengths"])
     cat = "medium" if "medium" in cats else cats[len(cats) // 2]
@@ -188,7 +189,7 @@ def drafter_verdict(results: dict) -> str:
     lines = []
     for kind, r in best.items():
         c = step_costs(r, cat)
-        what = "LM drafter" if kind == "lm" else "block drafter"
+        what = kind_named(kind).title
         line = (f"- {what}: best row ({r['id']}) {r['name']}, {r['tokens_per_s_avg']:.1f} tok/s "
                 f"({r['tokens_per_s_avg'] / base['tokens_per_s_avg']:.2f}x row (a))")
         if c:
@@ -199,8 +200,8 @@ def drafter_verdict(results: dict) -> str:
                      + f" = {c['step']:.2f}, for MAL {c['mal']:.2f} tokens: "
                      f"{c['per_token']:.2f} per token")
         lines.append(line)
-    lm, blk = best["lm"], best["block"]
-    winner, loser = (blk, lm) if blk["tokens_per_s_avg"] > lm["tokens_per_s_avg"] else (lm, blk)
+    (first_kind, first), (second_kind, second) = best.items()
+    winner, loser = (second, first) if second["tokens_per_s_avg"] > first["tokens_per_s_avg"] else (first, second)
     cw, cl = step_costs(winner, cat), step_costs(loser, cat)
     why = ""
     if cw and cl:
@@ -213,7 +214,7 @@ def drafter_verdict(results: dict) -> str:
             gap = winner["tokens_per_s_avg"] / loser["tokens_per_s_avg"] - 1
             why += (f" By those costs the other drafter is cheaper per token there, so this {gap:.1%} lead comes "
                     "from the other length categories or from run-to-run noise.")
-    kind = "block drafter" if winner is blk else "LM drafter"
+    kind = kind_named(second_kind if winner is second else first_kind).title
     return ("\n\n## Which drafter wins\n\n" + "\n".join(lines)
             + f"\n\nThe {kind} wins in this run: ({winner['id']}) {winner['tokens_per_s_avg']:.1f} vs "
               f"({loser['id']}) {loser['tokens_per_s_avg']:.1f} tok/s.{why}")
