@@ -47,7 +47,7 @@ class SpecEngine:
                  target_tokenizer=None, draft_tokenizer=None, compile: bool = False, profile: bool = False,
                  graphs: bool = False, aot: str = "off"):
         self.config = (config or SpecConfig()).validate()
-        given_step = target if isinstance(target, (Stepper, GraphStepper)) else None
+        given_step = None if isinstance(target, Transformer) else target
         if given_step is not None:
             target = given_step.model
         if graphs and aot != "off":
