@@ -31,7 +31,7 @@ from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.quant import QuantConfig, quantize, save_quantized
-from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.config import RuntimeConfig, SpecConfig
 from specquant.train.draft import init_block_drafter
 
 TOKENIZER = BUNDLED_DIR / "tiny-target"
@@ -406,6 +406,6 @@ def test_w4_activations_flag_reaches_the_config_and_bad_values_are_refused():
 
     parser, _ = build_parser()
     args = parser.parse_args(["bench", "--target", "x", "--draft", "y", "--w4-activations", "int8"])
-    assert config_from_args(BenchConfig, args).validate().w4_activations == "int8"
+    assert config_from_args(BenchConfig, args).validate().runtime.w4_activations == "int8"
     with pytest.raises(SpecquantError, match="w4-activations 'int4' is not supported; use one of float, int8"):
-        BenchConfig(w4_activations="int4").validate()
+        BenchConfig(runtime=RuntimeConfig(w4_activations="int4")).validate()

@@ -201,7 +201,7 @@ def test_drafters_default_to_int8_where_the_kernel_runs(monkeypatch):
     from specquant.bench.config import BenchConfig
     from specquant.quant.linear import resolve_w4_activations
 
-    assert BenchConfig().draft_w4_activations == "auto" and BenchConfig().w4_activations == "float"
+    assert BenchConfig().runtime.draft_w4_activations == "auto" and BenchConfig().runtime.w4_activations == "float"
     assert resolve_w4_activations("auto") == ("int8" if w4a8.library() is not None else "float")
     assert resolve_w4_activations("float") == "float"
     monkeypatch.setattr(w4a8, "library", lambda: None)

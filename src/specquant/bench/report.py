@@ -236,7 +236,7 @@ def markdown(results: dict) -> str:
                        if isinstance(q, dict) else f"- {role}: `{q}` (given)" for role, q in quant.items())
     return f"""# specquant bench
 
-Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['dtype']} activations{_w4_activations(results)};
+Target `{results['models']['target']}`, draft `{results['models']['draft']}`; {cfg['runtime']['dtype']} activations{_w4_activations(results)};
 {'greedy' if cfg['sampling']['temperature'] == 0 else f"temperature {cfg['sampling']['temperature']}"}; {cfg['max_new_tokens']} new tokens
 per prompt with EOS ignored; {cfg['warmup']} warm-up + {cfg['runs']} timed runs per prompt and row, interleaved;
 k = {cfg['spec']['draft_len']} draft tokens per step (block drafter rows: k = {cfg.get('block_draft_len')}, one drafter

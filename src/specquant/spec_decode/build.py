@@ -7,6 +7,7 @@ import os
 
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import RuntimeConfig, SpecConfig
+from specquant.spec_decode.drafter import Drafter
 from specquant.spec_decode.drafters import kind_of_model, parse_draft
 from specquant.spec_decode.engine import SpecEngine
 
@@ -31,7 +32,7 @@ def build_engine(target: str | os.PathLike | Transformer, draft=None, runtime: R
     if draft is None or isinstance(draft, (str, os.PathLike)):
         kind, source = parse_draft(None if draft is None else str(draft))  # every input is checked before loading
         draft = None  # loaded below when the kind has a checkpoint
-    elif not hasattr(draft, "propose"):  # a loaded draft model (a Drafter is used as it is)
+    elif not isinstance(draft, Drafter):  # a loaded draft model (a Drafter is used as it is)
         kind = kind_of_model(draft)
     if target_path is not None:
         target = load_model(target_path, runtime.dtype, runtime.device, fuse=True,

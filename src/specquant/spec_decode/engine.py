@@ -78,7 +78,7 @@ class SpecEngine:
     def _drafter(self, draft, target: Transformer, **engine_options) -> Drafter:
         if draft is None:
             return KINDS["none"].build(None, target, self.config, **engine_options)
-        if hasattr(draft, "propose"):  # already a Drafter
+        if isinstance(draft, Drafter):  # the protocol's members, checked at run time
             return draft
         return kind_of_model(draft).build(draft, target, self.config, **engine_options)
 
