@@ -31,7 +31,8 @@ from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.quant import QuantConfig, quantize, save_quantized
-from specquant.spec_decode.config import RuntimeConfig, SpecConfig
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 from specquant.train.draft import init_block_drafter
 
 TOKENIZER = BUNDLED_DIR / "tiny-target"

@@ -17,7 +17,7 @@ from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode import Draft, SpecConfig, SpecEngine, generate
 from specquant.spec_decode.build import build_engine
-from specquant.spec_decode.config import RuntimeConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 from specquant.spec_decode.drafters import KINDS, kind_named, kind_of, parse_draft
 
 VOCAB = 96

@@ -27,7 +27,8 @@ from specquant.loader import load_model
 from specquant.quant.linear import resolve_w4_activations
 from specquant.model.checkpoint import load_tokenizer
 from specquant.spec_decode.build import build_engine
-from specquant.spec_decode.config import RuntimeConfig, SpecConfig
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 from specquant.spec_decode.drafters import KINDS
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics

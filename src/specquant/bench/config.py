@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
 from specquant.quant.config import METHODS
-from specquant.spec_decode.config import RuntimeConfig, SpecConfig
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 
 DTYPES = ("float32", "bfloat16")  # the names of util.dtypes.DTYPES whose rows the bench supports
 # the bench's share of RuntimeConfig (its --device is its own flag; rows run eagerly: no --compile / --aot)

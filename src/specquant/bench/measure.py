@@ -197,7 +197,7 @@ class BlockForward:
 
 class BlockAccept(BlockForward):
     """A block drafter's `accept` behind the same interface: every timed call appends n_tokens positions of target
-    features after `context` (the fc and K/V projections of the accepted rows; spec_decode/block_drafter.py), which a
+    features after `context` (the fc and K/V projections of the accepted rows; spec_decode/drafters/block.py), which a
     block drafter pays every step on top of its forward.
 
     It works on its own copy of the drafter (the attached target's modules shared, not copied): forward_times sets

@@ -24,7 +24,7 @@ from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
 from specquant.gate.config import GATE_RUNTIME, BackendConfig
 from specquant.gate.engine import EvalEngine
-from specquant.spec_decode.config import RuntimeConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's own default when a task sets none

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specquant.spec_decode.config import RuntimeConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 
 # gate name -> the lm-eval task or group it runs and the metric it gates on ("metric,filter" as lm-eval reports it).
 # The metrics follow the seed's quality protocol (docs/GATES.md): MMLU-Pro as the unweighted mean over the subject

@@ -13,7 +13,8 @@ from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
 from specquant.model.checkpoint import load_tokenizer, resolve
 from specquant.spec_decode.build import build_engine
-from specquant.spec_decode.config import RuntimeConfig, SpecConfig
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 
 
 class EvalEngine:

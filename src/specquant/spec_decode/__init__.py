@@ -6,7 +6,8 @@ target-only decoding is the same loop with a drafter that proposes nothing.
 - loop.py: the one loop (prefill, then propose -> verify -> accept); verify.py: the verification rules;
   adaptive.py: adaptive draft length; engine.py: `SpecEngine` (a request: checks, caches, streaming, EOS, timing)
   and target-only `generate`; build.py: `build_engine`, the one place an engine is assembled from checkpoints.
-- config.py: `SpecConfig`, `RuntimeConfig`; metrics.py: `SpecMetrics` with vLLM's counter names; timing.py:
+- config.py: `SpecConfig`; runtime.py: `RuntimeConfig` (dtype, device, W4 activations, compiled steps, threads);
+  metrics.py: `SpecMetrics` with vLLM's counter names; timing.py:
   optional per-component timing wrappers.
 """
 

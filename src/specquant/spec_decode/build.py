@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 from specquant.model.decoder import Transformer
-from specquant.spec_decode.config import RuntimeConfig, SpecConfig
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 from specquant.spec_decode.drafter import Drafter
 from specquant.spec_decode.drafters import kind_of_model, parse_draft
 from specquant.spec_decode.engine import SpecEngine

@@ -7,7 +7,8 @@ import torch
 from specquant.decode.sampling import SamplingConfig
 from specquant.model.checkpoint import load_tokenizer, resolve
 from specquant.spec_decode.build import build_engine
-from specquant.spec_decode.config import RuntimeConfig, SpecConfig
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 from specquant.spec_decode.drafters import KINDS
 from specquant.util.device import check_device
 from specquant.util.flags import add_config_flags, config_from_args, print_json

@@ -27,7 +27,7 @@ can be captured the same way with decode.graphs.StepGraph.
 
 `target_layers` declares which target decoder layers' outputs (0-based ids) the drafter reads; the target's
 prefill and verify forwards return exactly those (`Transformer.forward(..., hidden_layers=ids)`), at no cost when
-the tuple is empty. The LM drafter (lm_drafter.py) reads none: `target_layers = ()`, target_hidden is None.
+the tuple is empty. The LM drafter (drafters/lm.py) reads none: `target_layers = ()`, target_hidden is None.
 
 How a DFlash-style block drafter (Chen et al. 2025) plugs in — no change to the loop, the verifier or the target:
   * `target_layers = (1, 4, 7)` (say): the layers whose hidden states condition it.
