@@ -20,7 +20,7 @@ from conftest import needs_bundled, save_tiny_checkpoint
 
 from specquant.cli import main
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer
 from specquant.loader import load_model
 
@@ -111,15 +111,15 @@ def test_generate_compile_flag_reaches_the_stepper(capsys, random_checkpoint, mo
 def test_generate_aot_flag_reaches_the_stepper(capsys, random_checkpoint, monkeypatch):
     """--aot picks the packaged-step mode (default 'cached', from AotConfig; recorded here and run eagerly:
     tests/test_aot.py checks packages against eager); --compile replaces it, and with --aot build is refused."""
-    import specquant.spec_decode.cli as cli
+    import specquant.spec_decode.engine as engine
 
     modes = []
 
-    def stepper(model, compile=False, aot="off"):
+    def stepper(model, compile=False, compile_shapes=(1,), aot="off", aot_shapes=((1, True),)):
         modes.append(aot)
-        return Stepper(model, compile)
+        return Stepper(model, compile, compile_shapes)
 
-    monkeypatch.setattr(cli, "Stepper", stepper)
+    monkeypatch.setattr(engine, "Stepper", stepper)
     monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
     monkeypatch.setenv("SPECQUANT_CACHE", str(random_checkpoint.parent / "cache"))
     for flag in ([], ["--aot", "build"], ["--aot", "off"], ["--compile"]):
