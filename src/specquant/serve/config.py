@@ -54,7 +54,7 @@ FILLER = "The quick brown fox jumps over the lazy dog. "
 @dataclass
 class LatencyConfig:
     categories: list[str] = field(default_factory=lambda: list(CATEGORIES), metadata={
-        "help": f"categories to run, from {', '.join(f'{k} ({p} -> {n})' for k, (p, n) in CATEGORIES.items())}"})
+        "help": f"categories to run (comma- or space-separated), from {', '.join(f'{k} ({p} -> {n})' for k, (p, n) in CATEGORIES.items())}"})
     runs: int = field(default=50, metadata={"help": "timed requests per category"})
     warmup: int = field(default=5, metadata={"help": "untimed requests before each category's runs"})
     prompt: str = field(default="filler", metadata={
@@ -64,6 +64,7 @@ class LatencyConfig:
 
     def validate(self) -> "LatencyConfig":
         require_positive(self, ("runs",), prefix="latency ")
+        self.categories = [c for item in self.categories for c in item.split(",") if c]  # short,long or short long
         bad = [c for c in self.categories if c not in CATEGORIES]
         if bad or not self.categories:
             raise SpecquantError(f"categories {','.join(bad) or '(none)'} unknown; use some of {','.join(CATEGORIES)}")
