@@ -7,6 +7,8 @@ import json
 import logging
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -31,6 +33,7 @@ from specquant.serve.text import TextStream  # noqa: E402
 from specquant.spec_decode.build import build_engine  # noqa: E402
 from specquant.spec_decode.config import RuntimeConfig  # noqa: E402
 from specquant.spec_decode.metrics import SpecMetrics  # noqa: E402
+from specquant.util.flags import config_from_args  # noqa: E402
 
 MODEL = "tiny-target"
 PROMPT = "The meaning of the word"
@@ -145,7 +148,8 @@ def test_stop_strings_cut_the_text(client):
 
 def test_text_stream_matches_whole_decode():
     tokenizer = load_tokenizer(MODEL)
-    ids = tokenizer.encode("Wherefore art thou, Romeo? Deny thy father — and refuse thy name ✓", add_special_tokens=False)
+    text = "Wherefore art thou, Romeo? Deny thy father — and refuse thy name ✓"
+    ids = tokenizer.encode(text, add_special_tokens=False)
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     for stop in ([], ["thy father"], ["not there"]):
         ts, out = TextStream(tokenizer, stop), ""
@@ -160,7 +164,7 @@ def test_text_stream_matches_whole_decode():
 BAD = [  # (path, body, the field the 400 names)
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 10**6}, "max_tokens"),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2046}, "max_tokens"),  # 5 + 2046 fits the limit, not the context
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2046}, "max_tokens"),  # in the limit, not the context
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": "8"}, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": -0.5}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": 9}, "temperature"),
@@ -316,3 +320,19 @@ def test_latency_scaling_and_percentile():
     assert latency.scale_of(32768, ["short", "medium", "long"]) == 1.0
     assert latency.scale_of(None, ["long"]) == 1.0
     assert latency.percentile(list(range(1, 11)), 90) == 9 and latency.percentile([5.0], 90) == 5.0
+
+
+def test_serve_flags_reach_the_app_and_fastapi_stays_lazy():
+    from specquant.serve.cli import build_app
+
+    parser, _ = cli.build_parser()
+    args = parser.parse_args(["serve", "--max-queue", "3", "--chat-template", "chatml", "--draft-len", "2",
+                              "--aot", "off", "--model-name", "pair"])
+    app, config = build_app(args)
+    assert (config.max_queue, config.model_name, app.state.worker.max_queue) == (3, "pair", 3)
+    assert app.state.worker.engine.config.draft_len == 2
+    assert config_from_args(ServeConfig, parser.parse_args(["serve"])) == ServeConfig()  # defaults from the dataclass
+    # the other verbs never import FastAPI
+    code = "import sys; from specquant.cli import build_parser; build_parser(); print('fastapi' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -82,7 +82,8 @@ def create_app(engine, tokenizer, config: ServeConfig, model_name: str, threads:
                 raise RequestError(None, f"the body is not valid JSON ({e})") from None
             if isinstance(body, dict) and body.get("model") not in (None, model_name):
                 raise RequestError("model", f"model {body['model']!r} is not served here; use {model_name!r}", 404)
-            ids_of = (lambda b: chat_ids_of(b, tokenizer, template)) if chat else (lambda b: prompt_ids_of(b, tokenizer))
+            ids_of = ((lambda b: chat_ids_of(b, tokenizer, template)) if chat
+                      else (lambda b: prompt_ids_of(b, tokenizer)))
             request = parse_request(body, ids_of, config, context, chat=chat)
         except RequestError as e:
             metrics.requests.labels(endpoint, "invalid").inc()

@@ -22,7 +22,8 @@ RUNTIME_FLAGS = {name: {} for name in ("dtype", "device", "w4_activations", "dra
 
 def add_parser(sub):
     p = sub.add_parser("serve", help="serve a target (and its drafter) over an OpenAI-compatible HTTP API")
-    p.add_argument("--target", default="tiny-target", help="checkpoint directory or bundled name (default: tiny-target)")
+    p.add_argument("--target", default="tiny-target",
+                   help="checkpoint directory or bundled name (default: tiny-target)")
     kinds = ", ".join(name for name, kind in KINDS.items() if not kind.needs_checkpoint)
     p.add_argument("--draft", default=None,
                    help=f"draft checkpoint or bundled name, or a drafter kind without a checkpoint ({kinds}); none = "

@@ -54,7 +54,8 @@ FILLER = "The quick brown fox jumps over the lazy dog. "
 @dataclass
 class LatencyConfig:
     categories: list[str] = field(default_factory=lambda: list(CATEGORIES), metadata={
-        "help": f"categories to run (comma- or space-separated), from {', '.join(f'{k} ({p} -> {n})' for k, (p, n) in CATEGORIES.items())}"})
+        "help": "categories to run (comma- or space-separated), from "
+                + ", ".join(f"{k} ({p} -> {n})" for k, (p, n) in CATEGORIES.items())})
     runs: int = field(default=50, metadata={"help": "timed requests per category"})
     warmup: int = field(default=5, metadata={"help": "untimed requests before each category's runs"})
     prompt: str = field(default="filler", metadata={

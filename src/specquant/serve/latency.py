@@ -32,7 +32,8 @@ def add_parser(sub):
     p = sub.add_parser("latency", help="time an OpenAI-compatible server with the competition's latency protocol")
     p.add_argument("--server", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id the server serves")
-    p.add_argument("--baseline-server", default=None, help="base URL of the baseline server (speedup = its median / ours)")
+    p.add_argument("--baseline-server", default=None,
+                   help="base URL of the baseline server (speedup = its median / ours)")
     p.add_argument("--baseline-model", default=None, help="the baseline's model id (default: --model)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     add_config_flags(p, LatencyConfig)
@@ -168,7 +169,8 @@ def run(args):
         + (f" {'base ms':>9} {'speedup':>8}" if base else ""))
     for cat, r in rows.items():
         mal = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] is not None else "-"
-        line = f"{cat:<9} {r['prompt_tokens']:>6} {r['mean_new_tokens']:>5.0f} {r['median_ms']:>10.1f} {r['p90_ms']:>9.1f} {mal:>5}"
+        line = (f"{cat:<9} {r['prompt_tokens']:>6} {r['mean_new_tokens']:>5.0f} {r['median_ms']:>10.1f} "
+                f"{r['p90_ms']:>9.1f} {mal:>5}")
         if base:
             line += f" {r['baseline_median_ms']:>9.1f} {r['speedup']:>7.2f}x"
         say(line)
