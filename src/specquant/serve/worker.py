@@ -106,14 +106,23 @@ class EngineWorker:
                 outcome = self._serve(job)
             except Exception as e:  # a model failure must not kill the worker: the request gets a 500
                 log.exception("request failed in the engine")
+                self._release(job)
                 job.emit("error", e)
                 outcome = "error"
             finally:
-                self.metrics.running.dec()
-                with self.lock:
-                    job.state = "finished"
-                    self.admitted -= 1
+                self._release(job)
             self.metrics.requests.labels(job.endpoint, outcome).inc()
+
+    def _release(self, job: Job) -> None:
+        """Free a running job's slot (once). Called before its last event is sent: a client that gets its reply
+        and sends the next request at once must find the slot free, or a full load of max_queue clients, each
+        sending one request after another, would see spurious 503s."""
+        with self.lock:
+            if job.state != "running":
+                return
+            job.state = "finished"
+            self.admitted -= 1
+        self.metrics.running.dec()
 
     def _serve(self, job: Job) -> str:
         """Run one request; returns its outcome (stop, length, cancelled, refused)."""
@@ -122,6 +131,7 @@ class EngineWorker:
         try:
             steps = self.engine.stream(prompt, req.max_tokens, req.sampling, stop_on_eos=not req.ignore_eos)
         except SpecquantError as e:  # a limit of the drafter's the HTTP layer does not know (e.g. its window)
+            self._release(job)
             job.emit("error", RequestError("prompt", str(e)))
             return "refused"
         job.emit("started")
@@ -161,6 +171,7 @@ class EngineWorker:
         tail = text.finish()
         if tail:
             job.emit("text", tail)
+        self._release(job)
         job.emit("done", finish, {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
                                   "total_tokens": len(req.prompt_ids) + generated})
         return finish
