@@ -259,25 +259,39 @@ def test_load_64_clients_lose_nothing(served, client):
     assert 1.0 < metric(text, "spec_decode_mean_acceptance_length_rolling") <= 1 + engine.config.draft_len
 
 
-def test_full_queue_503_and_disconnect_frees_the_slot():
-    """max_queue 1: while a long stream runs, a second request is 503 with Retry-After; once its client
-    disconnects, the engine stops generating for it and the slot takes a new request."""
-    app, engine = make_app(max_queue=1, retry_after_s=3)
+def wait_for(url: str, check, what: str) -> str:
+    """/metrics text once check(text) holds (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while not check(text := metrics_text(url)):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return text
+
+
+def test_full_queue_503_and_disconnects_free_their_slots():
+    """max_queue 2: a long stream runs, a plain request waits, a third is 503 with Retry-After. The waiting
+    client leaves: its slot frees at once, the stream still running; the streaming client leaves mid-stream: the
+    engine stops generating for it. Then the server takes a new request."""
+    app, engine = make_app(max_queue=2, retry_after_s=3)
     with serving(app) as url:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "stream": True,
-                "ignore_eos": True}
-        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json"})
         stream = urllib.request.urlopen(req, timeout=60)
         assert stream.readline().startswith(b"data: ")  # generating
+        waiting = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        raw = json.dumps(body).encode()
+        waiting.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                        + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        wait_for(url, lambda t: metric(t, "num_requests_waiting") == 1, "the second request never queued")
         status, headers, reply = post(url, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
         assert status == 503 and headers["Retry-After"] == "3" and "queue is full" in reply["error"]["message"]
-        stream.close()  # the client goes away mid-stream
-        deadline = time.monotonic() + 30
-        while 'outcome="cancelled"' not in (text := metrics_text(url)):
-            assert time.monotonic() < deadline, "the cancelled request never ended"
-            time.sleep(0.05)
-        assert metric(text, "num_requests_running") == 0
+        waiting.close()  # a waiting client goes away
+        text = wait_for(url, lambda t: metric(t, "num_requests_waiting") == 0, "the waiting request kept its slot")
+        assert metric(text, "num_requests_running") == 1  # the stream is unaffected
+        stream.close()  # the streaming client goes away mid-stream
+        text = wait_for(url, lambda t: metric(t, "num_requests_running") == 0, "the cancelled stream never ended")
+        assert metric(text, 'requests_total{endpoint="completions",outcome="cancelled"}') == 2
         stopped_at = metric(text, "generation_tokens_total")
         assert stopped_at < 1500  # it stopped early, not after generating everything
         status, _, reply = post(url, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4,
