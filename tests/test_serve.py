@@ -44,7 +44,7 @@ def serving(app):
     """app served by uvicorn on a free loopback port in a thread; yields the base URL, then shuts down."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -350,3 +350,19 @@ def test_serve_flags_reach_the_app_and_fastapi_stays_lazy():
     code = "import sys; from specquant.cli import build_parser; build_parser(); print('fastapi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_shutdown_stops_the_running_request():
+    app, _ = make_app()
+    with serving(app) as url:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        stream = urllib.request.urlopen(req, timeout=60)
+        assert stream.readline().startswith(b"data: ")
+        start = time.monotonic()
+    # serving() asserted the server and its worker stopped; a 2000-token request would still be generating
+    assert time.monotonic() - start < 10 and not app.state.worker.thread.is_alive()
+    assert metric(app.state.metrics.render().decode(), "generation_tokens_total") < 2000
+    stream.close()

@@ -55,5 +55,6 @@ def run(args):
     import uvicorn  # present once build_app imported FastAPI: the serve extra brings both
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info",
+                timeout_graceful_shutdown=config.shutdown_timeout_s)
     return 0

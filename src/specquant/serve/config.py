@@ -26,6 +26,9 @@ class ServeConfig:
     chat_template: str = field(default="", metadata={
         "help": "chat template for /v1/chat/completions when the tokenizer has none: a Jinja file, or 'chatml' "
                 "(<|im_start|>role\\ncontent<|im_end|>); empty: the tokenizer's own (chat is refused without one)"})
+    # uvicorn waits for open streams before the engine worker stops; past this, their generations are cancelled
+    shutdown_timeout_s: int = field(default=5, metadata={
+        "help": "seconds a shutdown waits for running requests before cancelling them"})
     mal_window: int = field(default=32, metadata={
         "help": "requests the rolling mean-acceptance-length gauge averages over"})
     # 0 disables the warning; acceptance collapse under a quantized target shows as MAL falling towards 1
@@ -37,6 +40,8 @@ class ServeConfig:
                                 "mal_window"), prefix="serve ")
         if not 0 <= self.port <= 65535:
             raise SpecquantError(f"port {self.port} is outside 0..65535 (0: any free port)")
+        if self.shutdown_timeout_s < 0:
+            raise SpecquantError(f"shutdown_timeout_s {self.shutdown_timeout_s} is negative; use 0 or more seconds")
         if self.retry_after_s < 0:
             raise SpecquantError(f"retry_after_s {self.retry_after_s} is negative; use 0 or more seconds")
         if not self.max_temperature >= 0:

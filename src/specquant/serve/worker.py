@@ -50,14 +50,17 @@ class EngineWorker:
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.admitted = 0  # waiting + running
+        self.current: Job | None = None  # the running job (guarded by the lock)
         self.thread = threading.Thread(target=self._run, name="specquant-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def stop(self) -> None:
-        """Finish the running request's current step, refuse the waiting ones, end the thread."""
+        """Stop the running request at its next step, refuse the waiting ones, end the thread."""
         with self.lock:
+            if self.current is not None:
+                self.current.cancelled.set()
             pending = []
             while not self.jobs.empty():
                 pending.append(self.jobs.get_nowait())
@@ -100,6 +103,7 @@ class EngineWorker:
                 if job.state == "cancelled":
                     continue
                 job.state = "running"
+                self.current = job
             self.metrics.waiting.dec()
             self.metrics.running.inc()
             try:
@@ -122,6 +126,7 @@ class EngineWorker:
                 return
             job.state = "finished"
             self.admitted -= 1
+            self.current = None
         self.metrics.running.dec()
 
     def _serve(self, job: Job) -> str:
