@@ -31,7 +31,7 @@ from specquant.serve.metrics import ServerMetrics  # noqa: E402
 from specquant.serve.requests import CHATML, RequestError, chat_ids_of  # noqa: E402
 from specquant.serve.text import TextStream  # noqa: E402
 from specquant.spec_decode.build import build_engine  # noqa: E402
-from specquant.spec_decode.config import RuntimeConfig  # noqa: E402
+from specquant.spec_decode.runtime import RuntimeConfig  # noqa: E402
 from specquant.spec_decode.metrics import SpecMetrics  # noqa: E402
 from specquant.util.flags import config_from_args  # noqa: E402
 

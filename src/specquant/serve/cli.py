@@ -10,7 +10,8 @@ from specquant.model.checkpoint import load_tokenizer, resolve
 from specquant.serve.config import ServeConfig
 from specquant.spec_decode.build import build_engine
 from specquant.spec_decode.cli import RUNTIME_DEFAULTS, pick_draft
-from specquant.spec_decode.config import RuntimeConfig, SpecConfig
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 from specquant.spec_decode.drafters import KINDS
 from specquant.util.device import check_device
 from specquant.util.flags import add_config_flags, config_from_args
