@@ -151,3 +151,18 @@ def test_console_script_generate(random_checkpoint):
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     check_generate_json(proc.stdout)
+
+
+def test_generate_suffix_draft_is_greedy_identical_to_none(capsys):
+    """`--draft suffix` (model-free, no checkpoint) drafts from the prompt's repeats; greedy verification keeps
+    exactly the target's tokens, so its output equals target-only decoding's, and it did draft."""
+    prompt = ["--target", "tiny-target", "--prompt", "one two three one two three one two three one two",
+              "--json", "--max-new-tokens", "24", "--ignore-eos"]
+    outs = {}
+    for draft in ("none", "suffix"):
+        rc, out, err = run_cli(capsys, "generate", *prompt, "--draft", draft)
+        assert rc == 0, err
+        outs[draft] = json.loads(out)
+    assert outs["suffix"]["token_ids"] == outs["none"]["token_ids"]
+    assert outs["suffix"]["stats"]["new_tokens"] == 24
+    assert outs["suffix"]["stats"].get("num_accepted_tokens", 0) > 0
