@@ -139,12 +139,13 @@ def test_speculative_engine_refuses_batches_target_only_takes_them(pair):
 
 
 def test_registry_kinds_costs_and_detection():
-    assert list(KINDS) == ["block", "lm", "none"]
-    assert [KINDS[k].forwards_per_step(4) for k in ("lm", "block", "none")] == [4, 1, 0]
+    assert list(KINDS) == ["block", "lm", "none", "suffix"]
+    assert [KINDS[k].forwards_per_step(4) for k in ("lm", "block", "none", "suffix")] == [4, 1, 0, 0]
     assert kind_of(read_hf_config(BUNDLED_DIR / "tiny-draft")).name == "lm"
     assert kind_of(read_hf_config(BUNDLED_DIR / "tiny-block-draft")).name == "block"
     assert (KINDS["lm"].vllm_method, KINDS["block"].vllm_method, KINDS["none"].vllm_method) == \
         ("draft_model", "dflash", None)
+    assert not KINDS["suffix"].detect(read_hf_config(BUNDLED_DIR / "tiny-draft"))
     with pytest.raises(SpecquantError, match="none of the drafter kinds"):
         kind_of({"model_type": "gpt2"})
 
@@ -155,9 +156,10 @@ def test_draft_names_kinds_and_directories():
     assert parse_draft(str(BUNDLED_DIR / "tiny-block-draft"))[0].name == "block"
     with pytest.raises(SpecquantError, match="needs a checkpoint"):
         parse_draft("lm")
-    with pytest.raises(SpecquantError, match=r"drafter kind \(none\)"):
-        parse_draft("suffix")  # not a kind yet: one line that names the kinds there are
-    with pytest.raises(SpecquantError, match="block, lm, none"):
+    assert parse_draft("suffix") == (KINDS["suffix"], None)
+    with pytest.raises(SpecquantError, match=r"drafter kind \(none, suffix\)"):
+        parse_draft("mtp")  # not a kind: one line that names the kinds there are
+    with pytest.raises(SpecquantError, match="block, lm, none, suffix"):
         kind_named("mtp")
 
 
