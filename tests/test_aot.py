@@ -277,7 +277,7 @@ def test_native_and_fallback_w4_steps_have_different_package_keys(monkeypatch):
         quantize(model, QuantConfig(method="rtn", bits=4, group_size=32))
         fuse_projections(model)
         aot.settle(model, 1)
-        return aot.package_key(model, 1, True, {"batch": 1, "cache": model.cache_layout(256)})
+        return aot.package_key(model, 1, True, {"batch": 1, "cache": model.cache_layout(1, 256, static=True)})
 
     native = key()
     monkeypatch.setenv("SPECQUANT_NATIVE", "off")
