@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from specquant.bench.prompts import load_prompts
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.drafter_loader import load_block_draft
 from specquant.errors import SpecquantError
 from specquant.loader import load_model
 from specquant.model.checkpoint import save_block_drafter
 from specquant.model.checkpoint import load_tokenizer, resolve
-from specquant.spec_decode.block_drafter import BlockDrafter
+from specquant.spec_decode.drafters.block import BlockDrafter
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics

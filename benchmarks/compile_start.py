@@ -40,7 +40,7 @@ import json, sys, time
 t0 = float(sys.argv[1])
 import torch
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
 model_name, mode, new_tokens, requests, threads, prompt_tokens = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8])

@@ -5,9 +5,9 @@ timed runs, ours and transformers' interleaved run by run so load from other pro
 runs eagerly and under `torch.compile(model, dynamic=True)`; the compiled row counts only if it produced the same
 tokens as eager, and the table says when compiling failed or did not pay.
 
-tok/s is specquant's one definition (decode.generate.tokens_per_s: new tokens / wall time of one whole generate
+tok/s is specquant's one definition (decode.result.tokens_per_s: new tokens / wall time of one whole generate
 call, prefill included), applied to both libraries alike; TPOT is our engine's own time per output token after the
-first (decode.generate.tpot_s).
+first (decode.result.tpot_s).
 Without the bundled weights (tiny-target still training) a random model of the same architecture is timed
 instead, with a warning: speed does not depend on the weights' values.
 
@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from specquant.spec_decode.cli import DEFAULT_PROMPT
-from specquant.decode.generate import generate, tokens_per_s
+from specquant.decode.result import tokens_per_s
+from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.model.checkpoint import BUNDLED, BUNDLED_DIR, load_tokenizer, read_config, resolve, save_model
 from specquant.loader import load_model

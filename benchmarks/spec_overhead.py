@@ -41,12 +41,12 @@ from specquant.bench.config import BenchConfig
 from specquant.bench.measure import WARM_BURST, BlockAccept, BlockForward, Probe, forward_times
 from specquant.bench.predict import mean_accept_s
 from specquant.bench.prompts import load_prompts
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.drafter_loader import load_block_draft
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
-from specquant.spec_decode.block_drafter import BlockDrafter
+from specquant.spec_decode.drafters.block import BlockDrafter
 from specquant.spec_decode.engine import SpecEngine
 from specquant.util.device import sync
 

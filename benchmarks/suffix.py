@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from specquant.bench.prompts import Prompt, load_prompts
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
 from specquant.loader import load_model

@@ -11,7 +11,7 @@ from conftest import randomize_
 
 from specquant.decode import aot
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.errors import SpecquantError
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
@@ -153,7 +153,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from test_aot import PROMPT, _model
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 stepper = Stepper(_model(0), aot="cached")
 tokens = generate(stepper, PROMPT, 24, stop_on_eos=False).token_ids
 print(json.dumps({"tokens": tokens, "packaged": bool(stepper.aot_steps),

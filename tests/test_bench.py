@@ -34,6 +34,7 @@ from specquant.model.decoder import Transformer
 from specquant.quant import QuantConfig, quantize, save_quantized
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.metrics import SpecMetrics
+from specquant.spec_decode.runtime import RuntimeConfig
 from specquant.train.draft import init_block_drafter
 
 TOKENIZER = BUNDLED_DIR / "tiny-target"
@@ -169,7 +170,7 @@ def test_forward_keys_name_the_results_json_costs():
              ForwardKey("target", "hp", alone=True): "target_hp_step_s_alone",
              ForwardKey("target", "qad", "verify"): "target_qad_verify_s",
              ForwardKey("target", "w4", "verify_block"): "target_w4_verify_block_s",
-             ForwardKey("draft", "w4", window=True): "draft_w4_step_s_window",
+             ForwardKey("lm", "w4", window=True): "lm_w4_step_s_window",
              ForwardKey("block", "hp"): "block_hp_step_s",
              ForwardKey("block", "w4", "accept", 3, window=True): "block_w4_accept3_s_window"}
     assert [key.name for key in names] == list(names.values())
@@ -429,6 +430,6 @@ def test_w4_activations_flag_reaches_the_config_and_bad_values_are_refused():
 
     parser, _ = build_parser()
     args = parser.parse_args(["bench", "--target", "x", "--draft", "y", "--w4-activations", "int8"])
-    assert config_from_args(BenchConfig, args).validate().w4_activations == "int8"
+    assert config_from_args(BenchConfig, args).validate().runtime.w4_activations == "int8"
     with pytest.raises(SpecquantError, match="w4-activations 'int4' is not supported; use one of float, int8"):
-        BenchConfig(w4_activations="int4").validate()
+        BenchConfig(runtime=RuntimeConfig(w4_activations="int4")).validate()

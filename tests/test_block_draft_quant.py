@@ -4,8 +4,9 @@ import json
 
 import torch
 
-from specquant.drafter_loader import drafter_kind, load_block_draft
+from specquant.drafter_loader import load_block_draft
 from specquant.model.checkpoint import save_block_drafter
+from specquant.spec_decode.drafters import kind_of_checkpoint
 from specquant.quant.block_draft_gptq import drafter_hessians, gptq_block_drafter
 from specquant.quant.config import QuantConfig
 from specquant.quant.grid import compute_qparams, dequantize
@@ -47,7 +48,7 @@ def test_gptq_w4_drafter_round_trips_and_beats_rtn(tmp_path):
     save_block_drafter(draft, tmp_path / "w4", extra_config={"quantization_config": quantization_config(draft, cfg)})
     hf = json.loads((tmp_path / "w4" / "config.json").read_text())
     assert hf["quantization_config"]["format"] == "pack-quantized" and hf["architectures"] == ["DFlashDraftModel"]
-    assert drafter_kind(tmp_path / "w4") == "block"
+    assert kind_of_checkpoint(tmp_path / "w4").name == "block"
     loaded = load_block_draft(tmp_path / "w4").attach_target(target)
     with torch.no_grad():
         torch.testing.assert_close(serve_logits(loaded, feats, tokens, 20), quant, rtol=1e-4, atol=1e-4)

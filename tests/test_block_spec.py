@@ -4,11 +4,11 @@ tested for both drafter kinds in test_spec.py)."""
 import pytest
 import torch
 
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
-from specquant.spec_decode.block_drafter import BlockDrafter
+from specquant.spec_decode.drafters.block import BlockDrafter
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.engine import SpecEngine
 

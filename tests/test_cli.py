@@ -20,7 +20,7 @@ from conftest import needs_bundled, save_tiny_checkpoint
 
 from specquant.cli import main
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer
 from specquant.loader import load_model
 
@@ -111,15 +111,15 @@ def test_generate_compile_flag_reaches_the_stepper(capsys, random_checkpoint, mo
 def test_generate_aot_flag_reaches_the_stepper(capsys, random_checkpoint, monkeypatch):
     """--aot picks the packaged-step mode (default 'cached', from AotConfig; recorded here and run eagerly:
     tests/test_aot.py checks packages against eager); --compile replaces it, and with --aot build is refused."""
-    import specquant.spec_decode.cli as cli
+    import specquant.spec_decode.engine as engine
 
     modes = []
 
-    def stepper(model, compile=False, aot="off"):
+    def stepper(model, compile=False, compile_shapes=(1,), aot="off", aot_shapes=((1, True),)):
         modes.append(aot)
-        return Stepper(model, compile)
+        return Stepper(model, compile, compile_shapes)
 
-    monkeypatch.setattr(cli, "Stepper", stepper)
+    monkeypatch.setattr(engine, "Stepper", stepper)
     monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
     monkeypatch.setenv("SPECQUANT_CACHE", str(random_checkpoint.parent / "cache"))
     for flag in ([], ["--aot", "build"], ["--aot", "off"], ["--compile"]):
@@ -151,3 +151,18 @@ def test_console_script_generate(random_checkpoint):
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     check_generate_json(proc.stdout)
+
+
+def test_generate_suffix_draft_is_greedy_identical_to_none(capsys):
+    """`--draft suffix` (model-free, no checkpoint) drafts from the prompt's repeats; greedy verification keeps
+    exactly the target's tokens, so its output equals target-only decoding's, and it did draft."""
+    prompt = ["--target", "tiny-target", "--prompt", "one two three one two three one two three one two",
+              "--json", "--max-new-tokens", "24", "--ignore-eos"]
+    outs = {}
+    for draft in ("none", "suffix"):
+        rc, out, err = run_cli(capsys, "generate", *prompt, "--draft", draft)
+        assert rc == 0, err
+        outs[draft] = json.loads(out)
+    assert outs["suffix"]["token_ids"] == outs["none"]["token_ids"]
+    assert outs["suffix"]["stats"]["new_tokens"] == 24
+    assert outs["suffix"]["stats"].get("num_accepted_tokens", 0) > 0

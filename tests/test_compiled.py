@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import SpecConfig
@@ -79,7 +79,7 @@ import json, sys
 import torch
 import torch.nn.functional as F
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.model import decoder
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer

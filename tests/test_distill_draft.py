@@ -9,7 +9,8 @@ from _qad_models import write_pair, write_teacher
 
 from specquant.cli import main
 from specquant.errors import SpecquantError
-from specquant.drafter_loader import drafter_kind, load_block_draft
+from specquant.drafter_loader import load_block_draft
+from specquant.spec_decode.drafters import kind_of_checkpoint
 from specquant.loader import load_model
 from specquant.model.checkpoint import save_model
 from specquant.train.draft import DraftConfig
@@ -34,7 +35,7 @@ def test_block_two_stages_then_resume_is_a_no_op(pair, tmp_path, capsys):
     assert [s["steps"] for s in result["stages"]] == [3, 2]  # stage 2: its own, shorter schedule
     assert result["stages"][0]["target"].endswith("teacher") and result["stages"][1]["target"].endswith("student")
     for stage in ("stage1", "stage2"):
-        assert drafter_kind(out / stage / "model") == "block"
+        assert kind_of_checkpoint(out / stage / "model").name == "block"
     d2 = load_block_draft(out / "stage2" / "model")
     assert d2.config.block_size == 4 and d2.config.target_layer_ids == [1, 2]  # spread over 4 target layers
     assert d2.config.num_hidden_layers == 1
@@ -60,7 +61,7 @@ def test_lm_kind_adapts_a_small_lm_by_kl(pair, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     st = result["stages"][0]
     assert st["best_eval"]["kl"] <= st["start_eval"]["kl"]
-    assert drafter_kind(out / "model") == "lm"
+    assert kind_of_checkpoint(out / "model").name == "lm"
     assert load_model(out / "model").config.num_hidden_layers == 1
 
 

@@ -4,7 +4,7 @@ any Drafter plugs into SpecEngine, and the confidence stop and profiling wrapper
 import pytest
 import torch
 
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode import Drafter, LMDrafter, SpecConfig, SpecEngine

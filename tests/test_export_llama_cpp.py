@@ -65,7 +65,7 @@ def test_llama_tokenize_gives_our_token_ids(bin_dir, draft_gguf, tmp_path):
 
 
 def _ours_greedy(name: str, prompt_ids: list[int], n: int) -> list[int]:
-    from specquant.decode.generate import generate as ours
+    from specquant.spec_decode.engine import generate as ours
 
     model = load_model(name, torch.float32)
     res = ours(model, torch.tensor([prompt_ids]), n, stop_on_eos=False)

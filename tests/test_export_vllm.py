@@ -83,15 +83,15 @@ def test_vllm_tensor_parallel_divisibility():
 def test_block_drafter_detected_or_named_missing():
     dflash = {"architectures": ["DFlashDraftModel"], "block_size": 16,
               "dflash_config": {"target_layer_ids": [1, 4, 7], "mask_token_id": 3}, "model_type": "qwen3"}
-    assert drafter_kind(dflash) == "dflash"
+    assert drafter_kind(dflash).name == "block" and drafter_kind(dflash).vllm_method == "dflash"
     spec = speculative_config(BUNDLED_DIR, dflash, ExportConfig())
     check_vllm_spec(spec)
     assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 15
     with pytest.raises(SpecquantError, match="lacks dflash_config.target_layer_ids, dflash_config.mask_token_id"):
         drafter_kind({"architectures": ["DFlashDraftModel"], "block_size": 16})
-    with pytest.raises(SpecquantError, match="neither an LM drafter"):
+    with pytest.raises(SpecquantError, match="none of the drafter kinds block, lm"):
         drafter_kind({"model_type": "gpt2"})
-    assert drafter_kind(read_hf_config(BUNDLED_DIR / "tiny-draft")) == "lm"
+    assert drafter_kind(read_hf_config(BUNDLED_DIR / "tiny-draft")).name == "lm"
 
 
 def test_llama_cpp_export_prints_speculative_command(tmp_path, w4_draft, capsys):

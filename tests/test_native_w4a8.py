@@ -13,7 +13,7 @@ import torch
 from conftest import kernel_variants, need_kernel
 
 from _quant_models import HAS_TINY_TARGET
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.errors import SpecquantError
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
@@ -212,7 +212,7 @@ def test_drafters_default_to_int8_where_the_kernel_runs(native_kernels):
     from specquant.bench.config import BenchConfig
     from specquant.quant.linear import resolve_w4_activations
 
-    assert BenchConfig().draft_w4_activations == "auto" and BenchConfig().w4_activations == "float"
+    assert BenchConfig().runtime.draft_w4_activations == "auto" and BenchConfig().runtime.w4_activations == "float"
     assert resolve_w4_activations("auto") == ("int8" if FAMILY.library() is not None else "float")
     assert resolve_w4_activations("float") == "float"
     assert set_w4_activations(torch.nn.Sequential(), "auto") == 0  # no layers; without the kernel, no error

@@ -7,7 +7,7 @@ import torch
 from _qad_models import write_teacher
 
 from specquant.cli import main
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
 from specquant.train.config import RegenConfig

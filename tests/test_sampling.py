@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import VOCAB, random_model
 
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, next_token, sample
 from specquant.errors import SpecquantError
 

@@ -9,7 +9,7 @@ import torch
 from conftest import needs_bundled
 
 from specquant.decode.compiled import Stepper
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.errors import SpecquantError
 from specquant.model.config import ModelConfig
@@ -274,18 +274,6 @@ def test_cache_replays_an_earlier_request(tiny):
     assert alone.stats["num_accepted_tokens"] < again.stats["num_accepted_tokens"] - 20
 
 
-def _verify_takes_point_masses() -> bool:
-    """Whether verify.py reads Draft.probs=None in sampling mode as a point mass (probability 1 on the drafted
-    token); until it does, the sampling test spells the point mass out as a one-hot distribution."""
-    from specquant.spec_decode.verify import verify
-
-    try:
-        verify(torch.tensor([0]), None, torch.zeros(2, 3), SamplingConfig(temperature=1.0), torch.Generator())
-    except TypeError:  # indexing None: the rule needs explicit draft probabilities
-        return False
-    return True
-
-
 class OneHotDraft:
     """The suffix drafter with each point-mass draft written as a one-hot distribution (drafted token probability
     1, every other 0) when `one_hot`; else its Draft as it is (probs None)."""
@@ -322,8 +310,7 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-@pytest.mark.parametrize("one_hot", [True, pytest.param(False, marks=pytest.mark.skipif(
-    not _verify_takes_point_masses(), reason="verify.py does not yet read probs=None as a point mass"))])
+@pytest.mark.parametrize("one_hot", [True, False])
 def test_sampling_with_point_mass_drafts_keeps_the_target_law(one_hot):
     """Sampling on a small random target, from a fixed repetitive context the drafter always
     drafts on: the first emitted token ~ p(. | context), and the second, given the first was the drafted token,
@@ -365,8 +352,8 @@ def test_sampling_with_point_mass_drafts_keeps_the_target_law(one_hot):
             seq = torch.zeros(1, 64, dtype=torch.long)
             seq[0, : len(ctx)] = torch.tensor(ctx)
             # the first verify step: the drafted token kept (then the bonus follows it) or a recovered token
-            out = next(decode_steps(step, drafter, seq, len(ctx), 2, SpecConfig(draft_len=4), sampling, gen,
-                                    SpecMetrics()))
+            rows, _ = next(decode_steps(step, drafter, seq, len(ctx), 2, SpecConfig(draft_len=4), sampling, gen))
+            out = rows[0]
             first[out[0]] += 1
             if out[0] == x:
                 second[out[1]] += 1

@@ -20,6 +20,8 @@ VERBS = {
     "gate": "specquant.gate.cli",
     "regen": "specquant.train.regen",
     "distill": "specquant.train.cli",
+    "serve": "specquant.serve.cli",
+    "latency": "specquant.serve.latency",
 }
 
 

@@ -1,7 +1,7 @@
 """Load a block drafter checkpoint, dense or compressed-tensors W4 (sits above model/ and quant/, like loader.py).
 
-Which path a checkpoint takes is read from its config.json: `architectures: ["DFlashDraftModel"]` makes it a block
-drafter, `quantization_config` a quantized one; never from its name.
+Which kind a draft checkpoint is comes from spec_decode/drafters (its config.json, never its name); here
+`quantization_config` makes it a quantized one.
 """
 
 from __future__ import annotations
@@ -16,11 +16,6 @@ from specquant.model.checkpoint import load_block_draft_dense, load_tensors, rea
 from specquant.util.dtypes import parse_dtype
 from specquant.quant.checkpoint import load_quantized_into
 from specquant.quant.linear import set_w4_activations
-
-
-def drafter_kind(name_or_dir: str | os.PathLike) -> str:
-    """"block" for a DFlashDraftModel checkpoint, "lm" for a causal LM drafter."""
-    return "block" if is_block_draft_config(read_hf_config(resolve(name_or_dir))) else "lm"
 
 
 def load_block_draft(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,

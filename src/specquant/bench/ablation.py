@@ -25,11 +25,13 @@ from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, Forw
 from specquant.bench.predict import StepCosts, predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
 from specquant.bench.results import BenchResults, CategoryCosts, CategoryResult, RowResult, SameTokens
-from specquant.drafter_loader import load_block_draft
 from specquant.loader import load_model
 from specquant.quant.linear import resolve_w4_activations
 from specquant.model.checkpoint import load_tokenizer
-from specquant.spec_decode.block_drafter import BlockDrafter
+from specquant.spec_decode.build import build_engine
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
+from specquant.spec_decode.drafters import KINDS
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.dtypes import DTYPES
@@ -43,7 +45,7 @@ class Row:
     draft: str | None  # None (target alone), "hp" or "w4"
     window: bool = False  # draft attends to its last BenchConfig.spec.draft_window positions
     impl: str = "specquant"  # or "transformers"
-    drafter: str = "lm"  # "lm": the small LM draft (k forwards per step); "block": the block drafter (one forward)
+    drafter: str = "lm"  # the drafter kind's name (spec_decode/drafters/: lm = k forwards per step, block = one)
 
 
 ROWS = (
@@ -95,21 +97,21 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     """Measure every row; returns the results that report.py writes. paths: check_inputs' output plus the
     quantized_target / quantized_draft checkpoints."""
     env = environment(device)  # before the run: the load average it records is the one the run started under
-    dtype, sampling = DTYPES[cfg.dtype], cfg.sampling
+    runtime, sampling = dataclasses.replace(cfg.runtime, device=str(device)), cfg.sampling
     tokenizer = load_tokenizer(paths["target"])
     draft_tokenizer = load_tokenizer(paths["draft"]) if (paths["draft"] / "tokenizer.json").exists() else None
-    # every row decodes with fused q/k/v and gate/up projections (model/fuse.py), the baseline included
-    activations = {"target": cfg.w4_activations, "draft": cfg.draft_w4_activations}
-    models = {(role, kind): load_model(paths[key], dtype, device, fuse=True, w4_activations=activations[role])
-              for role, kind, key in (("target", "hp", "target"), ("target", "w4", "quantized_target"),
-                                      ("draft", "hp", "draft"), ("draft", "w4", "quantized_draft"),
-                                      ("target", "qad", "qad_target")) if key in paths}
-    for kind, key in (("hp", "block_draft"), ("w4", "quantized_block_draft")):
-        if key in paths:
-            models[("block", kind)] = load_block_draft(paths[key], dtype, device, cfg.draft_w4_activations)
+    # every row decodes with fused q/k/v and gate/up projections (model/fuse.py), the baseline included; drafts
+    # load as their kind loads them (spec_decode/drafters/)
+    models = {("target", kind): load_model(paths[key], runtime.dtype, device, fuse=True,
+                                           w4_activations=runtime.w4_activations)
+              for kind, key in (("hp", "target"), ("w4", "quantized_target"), ("qad", "qad_target")) if key in paths}
+    for kind, precision, key in (("lm", "hp", "draft"), ("lm", "w4", "quantized_draft"),
+                                 ("block", "hp", "block_draft"), ("block", "w4", "quantized_block_draft")):
+        if key in paths:  # keyed by the rows' Row.drafter (a kind name) and Row.draft
+            models[(kind, precision)] = KINDS[kind].load(paths[key], runtime)
     table = rows_for("qad_target" in paths, ("block", "hp") in models)
     context = min(models[("target", "hp")].config.max_position_embeddings,
-                  models[("draft", "hp")].config.max_position_embeddings)
+                  models[("lm", "hp")].config.max_position_embeddings)
     lengths = fit_lengths(cfg.lengths, context, cfg.max_new_tokens)
     prompts = load_prompts(tokenizer, lengths, cfg.content_sets, cfg.prompts_per_length, cfg.prompts_per_set,
                            min(cfg.content_max_tokens, context - cfg.max_new_tokens), cfg.prompts)
@@ -122,10 +124,11 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
         if row.draft is None:
             runners[row.id] = ours_target_only(target, cfg.max_new_tokens, sampling)
             continue
-        runners[row.id] = ours_speculative(_engine(cfg, row, models, tokenizer, draft_tokenizer), cfg.max_new_tokens,
-                                           sampling)
+        runners[row.id] = ours_speculative(_engine(cfg, runtime, row, models, tokenizer, draft_tokenizer),
+                                           cfg.max_new_tokens, sampling)
     if cfg.hf_compare:
         try:
+            dtype = DTYPES[runtime.dtype]
             hf_target, hf_draft = _load_hf(paths["target"], dtype, device), _load_hf(paths["draft"], dtype, device)
             runners[HF_ROW.id] = hf_assisted(hf_target, hf_draft, cfg.max_new_tokens, cfg.spec.draft_len, sampling)
         except Exception as e:  # transformers may not know the architecture or may refuse the pair: say so
@@ -149,16 +152,22 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
                           for rid, per_prompt in interleaved(spec_runners, content_prompts, 1, 0, device,
                                                              desc="acceptance").items()}
 
-    # the block rows again with the whole block verified (k = block_size - 1): acceptance at every block position
-    block_rows = [r for r in rows if r.drafter == "block"]
-    whole = {r.id: ours_speculative(_engine(cfg, r, models, tokenizer, draft_tokenizer, whole_block=True),
-                                    cfg.max_new_tokens, sampling) for r in block_rows}
+    # the rows whose drafter fixes its longest draft (a block drafter: block_size - 1) again at that length:
+    # acceptance at every block position
+    whole = {}
+    for r in rows:
+        if r.draft is not None and r.impl == "specquant":
+            drafter = _engine(cfg, runtime, r, models, tokenizer, draft_tokenizer).drafter
+            longest = getattr(drafter, "max_draft_len", None)
+            if longest:
+                whole[r.id] = ours_speculative(_engine(cfg, runtime, r, models, tokenizer, draft_tokenizer, longest),
+                                               cfg.max_new_tokens, sampling)
     whole_block = {rid: SpecMetrics.total(ss[0].spec for ss in per_prompt.values())
                    for rid, per_prompt in interleaved(whole, content_prompts, 1, 0, device,
                                                       desc="acceptance, whole block").items()}
 
     costs = measure_costs(cfg, models, lengths)
-    curve = drafter_curve(cfg, models[("draft", "w4")], context)
+    curve = drafter_curve(cfg, models[("lm", "w4")], context)
 
     results_rows = [_row_result(r, cfg, samples, acceptance_samples, skipped, prompts, lengths, costs)
                     for r in rows]
@@ -167,19 +176,28 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     _add_speedups(results_rows)
     return BenchResults(
         config=cfg, environment=env, models=dict(paths),
-        w4_activations={"target": cfg.w4_activations, "draft": resolve_w4_activations(cfg.draft_w4_activations)},
+        w4_activations={"target": runtime.w4_activations,
+                        "draft": resolve_w4_activations(runtime.draft_w4_activations)},
         context=context, lengths=lengths, prompts=prompts, rows=results_rows, costs=costs, draft_latency=curve)
 
 
-def _engine(cfg: BenchConfig, row: Row, models: dict, tokenizer, draft_tokenizer, whole_block: bool = False):
-    """The SpecEngine of a speculative row: the LM draft, or the block drafter at BenchConfig.block_draft_len (or
-    its whole block)."""
-    target = models[("target", row.target)]
-    if row.drafter == "lm":
-        return SpecEngine(target, models[("draft", row.draft)], cfg.spec_for(row.window), tokenizer, draft_tokenizer)
-    block = models[("block", row.draft)]
-    spec = cfg.block_spec_for(row.window, block.config.block_size - 1 if whole_block else None)
-    return SpecEngine(target, BlockDrafter(block, target, spec), spec)
+def row_spec(cfg: BenchConfig, row: Row, draft_len: int | None = None) -> SpecConfig:
+    """A speculative row's SpecConfig: the LM rows run BenchConfig.spec, the block rows block_draft_len (or
+    draft_len), both with the row's window."""
+    return ROW_SPECS[row.drafter](cfg, row.window, draft_len)
+
+
+# per drafter kind: how its rows set k (the block drafter's one forward drafts any k up to its block)
+ROW_SPECS = {"lm": lambda cfg, window, draft_len: cfg.spec_for(window),
+             "block": lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len)}
+
+
+def _engine(cfg: BenchConfig, runtime: RuntimeConfig, row: Row, models: dict, tokenizer, draft_tokenizer,
+            draft_len: int | None = None) -> SpecEngine:
+    """The SpecEngine of a speculative row (build_engine over the loaded models)."""
+    return build_engine(models[("target", row.target)], models[(row.drafter, row.draft)], runtime,
+                        row_spec(cfg, row, draft_len),
+                        target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 
 
 def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> dict[str, CategoryCosts]:
@@ -195,9 +213,9 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> di
         probes[ForwardKey("target", t)] = Probe(models[("target", t)])
         probes[ForwardKey("target", t, alone=True)] = Probe(models[("target", t)], burst=WARM_BURST)
         probes[ForwardKey("target", t, "verify")] = Probe(models[("target", t)], k1)
-    probes.update({ForwardKey("draft", "hp"): Probe(models[("draft", "hp")]),
-                   ForwardKey("draft", "w4"): Probe(models[("draft", "w4")]),
-                   ForwardKey("draft", "w4", window=True): Probe(models[("draft", "w4")],
+    probes.update({ForwardKey("lm", "hp"): Probe(models[("lm", "hp")]),
+                   ForwardKey("lm", "w4"): Probe(models[("lm", "w4")]),
+                   ForwardKey("lm", "w4", window=True): Probe(models[("lm", "w4")],
                                                                  window=cfg.spec.draft_window)})
     if ("block", "hp") in models:
         kb = cfg.block_draft_len
@@ -235,21 +253,19 @@ def drafter_curve(cfg: BenchConfig, draft, context: int) -> dict:
     return {"contexts": contexts, "full_s": full, "window_s": windowed, "window": cfg.spec.draft_window}
 
 
-def _costs_for(row: Row, c: CategoryCosts, block_draft_len: int) -> StepCosts:
-    """predict_row's costs for a speculative row: its forwards and the block drafter's accept timed between other
-    models' forwards (a speculative step alternates models), the baseline's step timed alone (row (a) decodes
-    with the baseline target only)."""
-    t = c.times
+def _costs_for(row: Row, c: CategoryCosts, cfg: BenchConfig) -> StepCosts:
+    """predict_row's costs for a speculative row: its forwards (as many per step as its kind runs for its k) and a
+    drafter's accept of target features, where timed, timed between other models' forwards (a speculative step
+    alternates models), the baseline's step timed alone (row (a) decodes with the baseline target only)."""
+    t, k = c.times, row_spec(cfg, row).draft_len
     own = dict(target_step_s=t[ForwardKey("target", row.target)],
                baseline_step_s=t[ForwardKey("target", "hp", alone=True)])
-    if row.drafter == "block":  # one drafter forward per step, whatever k
-        accept = tuple(t[ForwardKey("block", row.draft, "accept", rows, row.window)]
-                       for rows in range(1, block_draft_len + 2))
-        return StepCosts(**own, verify_s=t[ForwardKey("target", row.target, "verify_block")],
-                         draft_step_s=t[ForwardKey("block", row.draft, window=row.window)], draft_forwards_per_step=1,
-                         accept_s=accept)
-    return StepCosts(**own, verify_s=t[ForwardKey("target", row.target, "verify")],
-                     draft_step_s=t[ForwardKey("draft", row.draft, window=row.window)])
+    # measure_costs times the verify at both draft lengths: the one of this row's k
+    verify = t[ForwardKey("target", row.target, "verify" if k == cfg.spec.draft_len else "verify_block")]
+    accept = tuple(t[key] for key in (ForwardKey(row.drafter, row.draft, "accept", rows, row.window)
+                                      for rows in range(1, k + 2)) if key in t)
+    return StepCosts(**own, verify_s=verify, draft_step_s=t[ForwardKey(row.drafter, row.draft, window=row.window)],
+                     draft_forwards_per_step=KINDS[row.drafter].forwards_per_step(k), accept_s=accept or None)
 
 
 def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped, prompts: list[Prompt],
@@ -257,7 +273,7 @@ def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped
     res = RowResult(
         id=row.id, name=row.name, impl=row.impl, target=row.target, draft=row.draft,
         drafter=row.drafter if row.draft else None, draft_window=cfg.spec.draft_window if row.window else None,
-        draft_len=(cfg.block_draft_len if row.drafter == "block" else cfg.spec.draft_len) if row.draft else None)
+        draft_len=row_spec(cfg, row).draft_len if row.draft else None)
     if row.id in skipped:
         res.status, res.reason = "skipped", skipped[row.id]
         return res
@@ -269,7 +285,7 @@ def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped
         entry = CategoryResult(per_prompt, summarize(per_prompt))
         if row.draft is not None and row.impl == "specquant":
             entry.acceptance = SpecMetrics.total(s.spec for ss in per_prompt.values() for s in ss)
-            entry.prediction = predict_row(entry.acceptance, _costs_for(row, costs[cat], cfg.block_draft_len))
+            entry.prediction = predict_row(entry.acceptance, _costs_for(row, costs[cat], cfg))
         elif row.draft is None:
             t = costs[cat].times
             entry.step_ratio = t[ForwardKey("target", "hp", alone=True)] / t[ForwardKey("target", row.target,
@@ -316,8 +332,8 @@ def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_
                      quantized_block_draft)
     claim_out_dir(cfg.out, cfg.overwrite)
     quantized = prepare_quantized(cfg, paths, log)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
     torch.manual_seed(cfg.sampling.seed)
     results = run_ablation(cfg, paths, torch.device(device))
     results.quantized = quantized

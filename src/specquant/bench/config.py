@@ -11,10 +11,21 @@ from dataclasses import dataclass, field
 
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
-from specquant.quant.config import DRAFT_W4_ACTIVATIONS, METHODS, W4_ACTIVATIONS
+from specquant.quant.config import METHODS
 from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 
 DTYPES = ("float32", "bfloat16")  # the names of util.dtypes.DTYPES whose rows the bench supports
+# the bench's share of RuntimeConfig (its --device is its own flag; rows run eagerly: no --compile / --aot)
+BENCH_RUNTIME = {
+    "dtype": {"help": "activation dtype of every row", "choices": DTYPES},
+    "w4_activations": {"help": "activations of the W4 targets' 4-bit layers: float (W4A16, the checkpoint's "
+                               "arithmetic) or int8 (W4A8 on the native VNNI kernel; docs/SHAPES.md)"},
+    "draft_w4_activations": {"help": "activations of the W4 drafters' 4-bit layers (LM and block): auto = int8 "
+                                     "where the W4A8 kernel runs (a drafter only proposes: acceptance may move, the "
+                                     "output cannot), float or int8"},
+    "threads": {},
+}
 
 
 def _bench_spec() -> SpecConfig:
@@ -42,15 +53,7 @@ class BenchConfig:
     out: str = field(default="runs/bench", metadata={"help": "output directory"})
     overwrite: bool = field(default=False, metadata={
         "help": "write into --out even when it is a non-empty directory specquant did not create"})
-    dtype: str = field(default="float32", metadata={"help": "activation dtype of every row", "choices": DTYPES})
-    w4_activations: str = field(default="float", metadata={
-        "help": "activations of the W4 targets' 4-bit layers: float (W4A16, the checkpoint's arithmetic) or int8 "
-                "(W4A8 on the native VNNI kernel; docs/SHAPES.md)", "choices": W4_ACTIVATIONS})
-    draft_w4_activations: str = field(default="auto", metadata={
-        "help": "activations of the W4 drafters' 4-bit layers (LM and block): auto = int8 where the W4A8 kernel "
-                "runs (a drafter only proposes: acceptance may move, the output cannot), float or int8",
-        "choices": DRAFT_W4_ACTIVATIONS})
-    threads: int = field(default=0, metadata={"help": "torch threads; 0 = torch's default (OMP_NUM_THREADS)"})
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig, metadata={"fields": BENCH_RUNTIME})
     hf_compare: bool = field(default=True, metadata={
         "help": "the transformers generate(assistant_model=...) comparison row"})
     # Quantizers for missing quantized inputs; overrides are QuantConfig fields (e.g. a smaller calibration set).
@@ -91,14 +94,9 @@ class BenchConfig:
         self.spec.validate()
         if self.spec.draft_window is None:
             raise SpecquantError("row (e) needs a drafter window; pass --draft-window W")
-        if self.dtype not in DTYPES:
-            raise SpecquantError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-        for name, allowed in (("w4_activations", W4_ACTIVATIONS), ("draft_w4_activations", DRAFT_W4_ACTIVATIONS)):
-            if getattr(self, name) not in allowed:
-                raise SpecquantError(f"{name.replace('_', '-')} {getattr(self, name)!r} is not supported; use one of "
-                                     f"{', '.join(allowed)}")
-        if self.threads < 0:
-            raise SpecquantError(f"threads {self.threads} must be 0 (torch's default) or a positive count")
+        self.runtime.validate()
+        if self.runtime.dtype not in DTYPES:
+            raise SpecquantError(f"dtype {self.runtime.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
         if not self.lengths or any(not isinstance(v, int) or v < 1 for v in self.lengths.values()):
             raise SpecquantError(f"lengths {self.lengths} must map category names to positive token counts")
         clash = set(self.lengths) & set(self.content_sets)

@@ -263,7 +263,7 @@ def run_bench(cfg, target, draft, quantized_target=None, quantized_draft=None, b
         find_tool(tool, bin_dir)
     out = claim_out_dir(cfg.out, cfg.overwrite)
     prepare_quantized(cfg, paths, log)
-    threads = cfg.threads or os.cpu_count() or 1
+    threads = cfg.runtime.threads or os.cpu_count() or 1
     files = export_files(paths, out / "llama.cpp", bin_dir, log)
     tokenizer = load_tokenizer(paths["target"])
     context = read_config(paths["target"]).max_position_embeddings

@@ -5,7 +5,7 @@ environment.
 A sample is one whole generate call, fixed length (EOS ignored), timed around the call after a device sync:
 latency_s is end to end (cache setup, prefill, decode); ttft_s is the time to the first new token (the prefill
 forward, plus the draft's prefill for speculative rows — both are needed before the first draft); tpot_s and
-tokens_per_s as decode.generate defines them.
+tokens_per_s as decode.result defines them.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Callable
 
 import torch
 
-from specquant.decode.generate import generate, tokens_per_s, tpot_s
+from specquant.decode.result import tokens_per_s, tpot_s
 from specquant.decode.sampling import SamplingConfig
+from specquant.spec_decode.engine import generate
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.device import sync
 
@@ -212,7 +213,7 @@ class BlockForward:
 
 class BlockAccept(BlockForward):
     """A block drafter's `accept` behind the same interface: every timed call appends n_tokens positions of target
-    features after `context` (the fc and K/V projections of the accepted rows; spec_decode/block_drafter.py), which a
+    features after `context` (the fc and K/V projections of the accepted rows; spec_decode/drafters/block.py), which a
     block drafter pays every step on top of its forward.
 
     It works on its own copy of the drafter (the attached target's modules shared, not copied): forward_times sets
@@ -246,7 +247,7 @@ class ForwardKey:
     """Names one forward that `specquant bench` times (a key of forward_times' probes and of its costs): the model
     by role and precision, the call, and how it is timed. `name` is its key in results.json.
 
-    role: "target", "draft" (the LM draft) or "block" (a block drafter); precision: "hp", "w4" or "qad";
+    role: "target" or a drafter kind's name (spec_decode/drafters/); precision: "hp", "w4" or "qad";
     call: "step" (one token; a block drafter's propose), "verify" (draft_len + 1 tokens), "verify_block"
     (block_draft_len + 1 tokens) or "accept" (a block drafter projecting `rows` rows of target features);
     window: with the draft's sliding window; alone: timed after its own step (WARM_BURST), as a loop that runs only

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from specquant.bench.results import BenchResults, RowResult
+from specquant.spec_decode.drafters import kind_named
 from specquant.util.files import atomic_write
 
 FILES = ("results.json", "report.md", "speedup.png", "acceptance_by_position.png", "drafter_latency.png")
@@ -123,11 +124,11 @@ def drafter_verdict(results: BenchResults) -> str:
     """Which drafter kind wins in this run (best tok/s row of each) and why, from the per-step costs."""
     spec = [r for r in results.ok_rows() if r.drafter and r.impl == "specquant"]
     best = {}
-    for kind in ("lm", "block"):
+    for kind in dict.fromkeys(r.drafter for r in spec):  # in row order: the LM rows come first
         rows = [r for r in spec if r.drafter == kind]
         if rows:
             best[kind] = max(rows, key=lambda r: r.timing_avg.tokens_per_s)
-    if len(best) < 2:
+    if len(best) != 2:  # the verdict compares two kinds
         return ""
     cats = list(results.lengths)
     cat = "medium" if "medium" in cats else cats[len(cats) // 2]
@@ -135,7 +136,7 @@ def drafter_verdict(results: BenchResults) -> str:
     lines = []
     for kind, r in best.items():
         c = step_costs(r, cat)
-        what = "LM drafter" if kind == "lm" else "block drafter"
+        what = kind_named(kind).title
         line = (f"- {what}: best row ({r.id}) {r.name}, {r.timing_avg.tokens_per_s:.1f} tok/s "
                 f"({r.timing_avg.tokens_per_s / base.timing_avg.tokens_per_s:.2f}x row (a))")
         if c:
@@ -146,8 +147,9 @@ def drafter_verdict(results: BenchResults) -> str:
                      + f" = {c['step']:.2f}, for MAL {c['mal']:.2f} tokens: "
                      f"{c['per_token']:.2f} per token")
         lines.append(line)
-    lm, blk = best["lm"], best["block"]
-    winner, loser = (blk, lm) if blk.timing_avg.tokens_per_s > lm.timing_avg.tokens_per_s else (lm, blk)
+    (first_kind, first), (second_kind, second) = best.items()
+    winner, loser = ((second, first) if second.timing_avg.tokens_per_s > first.timing_avg.tokens_per_s
+                     else (first, second))
     cw, cl = step_costs(winner, cat), step_costs(loser, cat)
     why = ""
     if cw and cl:
@@ -160,7 +162,7 @@ def drafter_verdict(results: BenchResults) -> str:
             gap = winner.timing_avg.tokens_per_s / loser.timing_avg.tokens_per_s - 1
             why += (f" By those costs the other drafter is cheaper per token there, so this {gap:.1%} lead comes "
                     "from the other length categories or from run-to-run noise.")
-    kind = "block drafter" if winner is blk else "LM drafter"
+    kind = kind_named(second_kind if winner is second else first_kind).title
     return ("\n\n## Which drafter wins\n\n" + "\n".join(lines)
             + f"\n\nThe {kind} wins in this run: ({winner.id}) {winner.timing_avg.tokens_per_s:.1f} vs "
               f"({loser.id}) {loser.timing_avg.tokens_per_s:.1f} tok/s.{why}")
@@ -182,7 +184,7 @@ def markdown(results: BenchResults) -> str:
                        if isinstance(q, dict) else f"- {role}: `{q}` (given)" for role, q in quant.items())
     return f"""# specquant bench
 
-Target `{results.models['target']}`, draft `{results.models['draft']}`; {cfg.dtype} activations{_w4_activations(results)};
+Target `{results.models['target']}`, draft `{results.models['draft']}`; {cfg.runtime.dtype} activations{_w4_activations(results)};
 {'greedy' if cfg.sampling.temperature == 0 else f"temperature {cfg.sampling.temperature}"}; {cfg.max_new_tokens} new tokens
 per prompt with EOS ignored; {cfg.warmup} warm-up + {cfg.runs} timed runs per prompt and row, interleaved;
 k = {cfg.spec.draft_len} draft tokens per step (block drafter rows: k = {cfg.block_draft_len}, one drafter

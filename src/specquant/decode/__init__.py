@@ -1,6 +1,7 @@
-"""Plain (target-only) decoding and the sampling rules shared with speculative decoding."""
+"""What decoding is built from: the sampling rules, the forward steps (eager, compiled, AOT-packaged, CUDA graphs)
+and the result type with its timing definitions. The decoding loop is spec_decode's (target-only included)."""
 
-from specquant.decode.generate import GenerationResult, generate
+from specquant.decode.result import GenerationResult
 from specquant.decode.sampling import SamplingConfig
 
-__all__ = ["GenerationResult", "SamplingConfig", "generate"]
+__all__ = ["GenerationResult", "SamplingConfig"]

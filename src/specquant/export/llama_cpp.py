@@ -64,9 +64,10 @@ def export_llama_cpp(target, draft, out: Path, cfg: ExportConfig, overwrite: boo
         from specquant.export.vllm import check_pair, drafter_kind
 
         draft_hf = read_hf_config(draft_path)
-        if drafter_kind(draft_hf) == "dflash":
-            raise SpecquantError("GGUF export of a DFlash block drafter is not implemented: llama.cpp reads it "
-                                 "through its own converter (convert_hf_to_gguf.py --target-model-dir), which the "
+        kind = drafter_kind(draft_hf)
+        if not kind.standalone:  # our GGUF writer converts whole causal LMs only
+            raise SpecquantError(f"GGUF export of a {kind.title} is not implemented: llama.cpp reads it through its "
+                                 "own converter (convert_hf_to_gguf.py --target-model-dir), which the "
                                  "llama-cpp-python sdist does not ship; export the pair --for vllm instead")
         check_pair(read_hf_config(target_path), draft_hf)
     sources = {"target": source_from_checkpoint(target_path)}

@@ -1,11 +1,12 @@
 """vLLM export: the target and draft checkpoints as they are (compressed-tensors pack-quantized is vLLM's own W4A16
 format, so nothing is converted), plus a `vllm serve` command line with its `--speculative-config` JSON.
 
-Drafter kinds, told apart by the draft's config.json (metadata lives in the checkpoint, never in a file name):
-  LM drafter     a Qwen3 / Qwen2 / Llama causal LM sharing the target's vocabulary -> method "draft_model"
-  block drafter  architectures ["DFlashDraftModel"] with a `dflash_config` (target_layer_ids, mask_token_id) and
-                 `block_size` -> method "dflash"; num_speculative_tokens is then the trained block size minus one
-                 (the block's first slot is the verified anchor token).
+Drafter kinds come from the draft's config.json through the drafter registry (spec_decode/drafters/; metadata
+lives in the checkpoint, never in a file name); each kind names its vLLM method:
+  lm     a Qwen3 / Qwen2 / Llama causal LM sharing the target's vocabulary -> method "draft_model"
+  block  architectures ["DFlashDraftModel"] with a `dflash_config` (target_layer_ids, mask_token_id) and
+         `block_size` -> method "dflash"; num_speculative_tokens is then the trained block size minus one
+         (the block's first slot is the verified anchor token).
 vLLM itself does not run on the CPU CI; tests check the JSON against the fields of vLLM's SpeculativeConfig.
 """
 
@@ -19,36 +20,20 @@ from specquant.errors import SpecquantError
 from specquant.export.config import ExportConfig, check_out, write_marker
 from specquant.model.checkpoint import read_hf_config, resolve
 from specquant.util.files import atomic_dir
-from specquant.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from specquant.model.config import ModelConfig
+from specquant.spec_decode.drafter import DrafterKind
+from specquant.spec_decode.drafters import kind_of
 
-DFLASH_ARCH = "DFlashDraftModel"
-DFLASH_REQUIRED = ("block_size", "dflash_config.target_layer_ids", "dflash_config.mask_token_id")
-
-
-def _get(d: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
-
-
-def drafter_kind(hf: dict) -> str:
-    """'lm' or 'dflash' from a draft's config.json; raises naming what is missing."""
-    archs = hf.get("architectures") or []
-    if DFLASH_ARCH in archs or "dflash_config" in hf:
-        missing = [k for k in DFLASH_REQUIRED if _get(hf, k) is None]
-        if DFLASH_ARCH not in archs:
-            missing.insert(0, f"architectures [{DFLASH_ARCH!r}]")
-        if missing:
-            raise SpecquantError(f"draft looks like a DFlash block drafter but its config.json lacks "
-                                 f"{', '.join(missing)}; vLLM's dflash method and llama.cpp's converter need them")
-        return "dflash"
-    if hf.get("model_type") in SUPPORTED_MODEL_TYPES:
-        return "lm"
-    raise SpecquantError(f"draft model_type {hf.get('model_type')!r} is neither an LM drafter "
-                         f"({', '.join(SUPPORTED_MODEL_TYPES)}) nor a DFlash block drafter (architectures "
-                         f"[{DFLASH_ARCH!r}] + {', '.join(DFLASH_REQUIRED)})")
+def drafter_kind(hf: dict) -> DrafterKind:
+    """The kind of a draft from its config.json, complete enough to export; raises naming what is missing."""
+    kind = kind_of(hf)
+    missing = kind.missing(hf)
+    if missing:
+        raise SpecquantError(f"draft looks like a {kind.title} but its config.json lacks {', '.join(missing)}; "
+                             f"vLLM's {kind.vllm_method} method and llama.cpp's converter need them")
+    if kind.vllm_method is None:
+        raise SpecquantError(f"vLLM has no speculative method for the {kind.title}; export the target alone")
+    return kind
 
 
 def quantization_of(hf: dict) -> str | None:
@@ -93,10 +78,10 @@ def tp_notes(target: dict, draft: dict | None, tp: int) -> list[str]:
 def speculative_config(draft_dir: Path, draft_hf: dict, cfg: ExportConfig) -> dict:
     """The --speculative-config JSON for vLLM."""
     kind = drafter_kind(draft_hf)
-    spec = {"model": str(draft_dir), "method": "dflash" if kind == "dflash" else "draft_model",
-            "num_speculative_tokens": cfg.num_speculative_tokens, "draft_tensor_parallel_size": 1}
-    if kind == "dflash":
-        spec["num_speculative_tokens"] = int(draft_hf["block_size"]) - 1
+    fixed = kind.fixed_draft_len(draft_hf)
+    spec = {"model": str(draft_dir), "method": kind.vllm_method,
+            "num_speculative_tokens": cfg.num_speculative_tokens if fixed is None else fixed,
+            "draft_tensor_parallel_size": 1}
     quant = quantization_of(draft_hf)
     if quant:
         spec["quantization"] = quant
@@ -117,8 +102,9 @@ def serve_command(target_dir: Path, spec: dict | None, target_hf: dict, cfg: Exp
 
 
 def check_pair(target_hf: dict, draft_hf: dict):
-    """An LM drafter must share the target's vocabulary size (vLLM verifies token ids, not strings)."""
-    if drafter_kind(draft_hf) == "lm":
+    """A standalone drafter (an LM) must share the target's vocabulary size (vLLM verifies token ids, not
+    strings)."""
+    if drafter_kind(draft_hf).standalone:
         t, d = ModelConfig.from_hf(target_hf), ModelConfig.from_hf(draft_hf)
         if t.vocab_size != d.vocab_size:
             raise SpecquantError(f"draft vocab_size {d.vocab_size} differs from the target's {t.vocab_size}; "
@@ -136,7 +122,7 @@ def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = F
     draft_hf = read_hf_config(draft_path) if draft_path else None
     if draft_hf is not None:
         check_pair(target_hf, draft_hf)
-    notes = tp_notes(target_hf, draft_hf if draft_hf and drafter_kind(draft_hf) == "lm" else None,
+    notes = tp_notes(target_hf, draft_hf if draft_hf and drafter_kind(draft_hf).standalone else None,
                      cfg.tensor_parallel_size)
     if draft_hf and draft_hf.get("specquant_sliding_window"):
         notes.append(f"draft sliding window {draft_hf['specquant_sliding_window']} is specquant's own; vLLM's "

@@ -22,19 +22,29 @@ from tqdm import tqdm
 
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
-from specquant.gate.config import BackendConfig
+from specquant.gate.config import GATE_RUNTIME, BackendConfig
 from specquant.gate.engine import EvalEngine
+from specquant.spec_decode.runtime import RuntimeConfig
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's own default when a task sets none
 
 
-def _parse(cls, raw: dict) -> dict:
+def backend_config(model_args: dict) -> BackendConfig:
+    """BackendConfig from lm-eval's flat model_args: the gates' runtime settings (GATE_RUNTIME: dtype=, device=,
+    ...) go into its RuntimeConfig."""
+    runtime = {k: model_args.pop(k) for k in list(model_args) if k in GATE_RUNTIME}
+    known = [f.name for f in dataclasses.fields(BackendConfig) if f.name != "runtime"] + list(GATE_RUNTIME)
+    return BackendConfig(**_parse(BackendConfig, model_args, known),
+                         runtime=RuntimeConfig(**_parse(RuntimeConfig, runtime, known)))
+
+
+def _parse(cls, raw: dict, known: list[str]) -> dict:
     """lm-eval passes model_args as strings (or already-typed values): coerce them to the dataclass's types."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted(set(raw) - (set(fields) & set(known)))
     if unknown:
-        raise SpecquantError(f"unknown specquant model_args {', '.join(unknown)}; use: {', '.join(fields)}")
+        raise SpecquantError(f"unknown specquant model_args {', '.join(unknown)}; use: {', '.join(known)}")
     out = {}
     for name, value in raw.items():
         default = fields[name].default
@@ -58,15 +68,14 @@ class SpecquantLM(TemplateLM):
         device = model_args.pop("device", None)
         if "pretrained" in model_args:  # lm-eval's usual name for the model path (its logs are filed under it)
             model_args.setdefault("target", model_args.pop("pretrained"))
-        cfg = BackendConfig(**_parse(BackendConfig, model_args))
+        cfg = backend_config(model_args)
         if device is not None:  # lm-eval's --device (its CLI default is cuda:0): fall back to cpu without CUDA
-            cfg.device = str(device)
-        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-            log.warning("device %s requested but CUDA is not available; using cpu", cfg.device)
-            cfg.device = "cpu"
+            cfg.runtime.device = str(device)
+        if cfg.runtime.device.startswith("cuda") and not torch.cuda.is_available():
+            log.warning("device %s requested but CUDA is not available; using cpu", cfg.runtime.device)
+            cfg.runtime.device = "cpu"
         self.cfg = cfg
-        self.engine = EvalEngine(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_len, cfg.w4_activations,
-                                 cfg.draft_w4_activations)
+        self.engine = EvalEngine(cfg.target, cfg.draft, cfg.runtime, cfg.draft_len)
         self.tokenizer = self.engine.tokenizer
         self._device = self.engine.device
         self._max_length = cfg.max_length or self.engine.max_length

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specquant.quant.config import DRAFT_W4_ACTIVATIONS, W4_ACTIVATIONS
+from specquant.spec_decode.runtime import RuntimeConfig
 
 # gate name -> the lm-eval task or group it runs and the metric it gates on ("metric,filter" as lm-eval reports it).
 # The metrics follow the seed's quality protocol (docs/GATES.md): MMLU-Pro as the unweighted mean over the subject
@@ -60,21 +60,26 @@ class GateConfig:
     default_thresholds: dict = field(default_factory=lambda: {**_seed_ratios(), "kl": _kl_defaults()})
 
 
+# the gates' share of RuntimeConfig, with their own help (and any device string: lm-eval passes cuda:0)
+GATE_RUNTIME = {
+    "dtype": {"help": "dtype of local checkpoints"},
+    "device": {"help": "device of local checkpoints (cpu, cuda)", "choices": None},
+    "w4_activations": {"help": "activations of W4 checkpoints' 4-bit layers (model and baseline): float (W4A16) or "
+                               "int8 (W4A8 on the native VNNI kernel), to gate the arithmetic that will be served"},
+    "draft_w4_activations": {"help": "a W4 drafter's activations: auto (int8 where the W4A8 kernel runs), float or "
+                                     "int8; speculative decoding is exact, so this moves speed only"},
+}
+
+
 @dataclass
 class BackendConfig:
     """Model arguments of the `specquant` lm-eval backend (`--model_args target=DIR,draft=DIR,...`)."""
 
     target: str = "tiny-target"
     draft: str | None = None  # speculative decoding when given
-    dtype: str = field(default="float32", metadata={"help": "dtype of local checkpoints",
-                                                     "choices": ("float32", "bfloat16", "float16")})
-    device: str = field(default="cpu", metadata={"help": "device of local checkpoints (cpu, cuda)"})
-    w4_activations: str = field(default="float", metadata={
-        "help": "activations of W4 checkpoints' 4-bit layers (model and baseline): float (W4A16) or int8 (W4A8 on "
-                "the native VNNI kernel), to gate the arithmetic that will be served", "choices": W4_ACTIVATIONS})
-    draft_w4_activations: str = field(default="auto", metadata={
-        "help": "a W4 drafter's activations: auto (int8 where the W4A8 kernel runs), float or int8; speculative "
-                "decoding is exact, so this moves speed only", "choices": DRAFT_W4_ACTIVATIONS})
+    # the runtime settings lm-eval's model_args may carry (flat there: dtype=..., device=...); RuntimeConfig's
+    # compile / aot / threads keep their defaults in the gates
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig, metadata={"fields": GATE_RUNTIME})
     draft_len: int = field(default=3, metadata={"help": "draft tokens per verify step (k)"})  # SpecConfig's others
     max_length: int | None = None  # context; None = the target's max_position_embeddings
     # stop strings are checked between chunks of generation (the engine has no stop-string hook): the first chunk is

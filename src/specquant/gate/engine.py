@@ -9,32 +9,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
-from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer, resolve
+from specquant.spec_decode.build import build_engine
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
 
 
 class EvalEngine:
-    """A target (plus an optional draft for speculative decoding) and its tokenizer."""
+    """A target (plus an optional draft for speculative decoding: any drafter kind) and its tokenizer."""
 
-    def __init__(self, target: str, draft: str | None = None, dtype: str = "float32", device: str = "cpu",
-                 draft_len: int = 3, w4_activations: str = "float", draft_w4_activations: str = "auto"):
+    def __init__(self, target: str, draft: str | None = None, runtime: RuntimeConfig | None = None,
+                 draft_len: int = 3):
+        runtime = (runtime or RuntimeConfig()).validate()
         resolve(target)
-        if draft is not None:
-            resolve(draft)
         self.tokenizer = load_tokenizer(target)
-        self.target = load_model(target, dtype, device, fuse=True, w4_activations=w4_activations)
-        self.device = torch.device(device)
-        self.spec = None
-        if draft is not None:
-            from specquant.spec_decode.config import SpecConfig
-            from specquant.spec_decode.engine import SpecEngine
-
-            draft_model = load_model(draft, dtype, device, fuse=True, w4_activations=draft_w4_activations)
-            self.spec = SpecEngine(self.target, draft_model, SpecConfig(draft_len=draft_len),
-                                   self.tokenizer, load_tokenizer(draft))
+        self.engine = build_engine(target, draft, runtime, SpecConfig(draft_len=draft_len),
+                                   target_tokenizer=self.tokenizer)
+        self.target = self.engine.target
+        self.device = torch.device(runtime.device)
 
     @property
     def max_length(self) -> int:
@@ -47,7 +41,7 @@ class EvalEngine:
     @property
     def draft_steps(self) -> int:
         """Verify steps that carried draft tokens so far (0 without a draft)."""
-        return self.spec.metrics.num_drafts if self.spec is not None else 0
+        return self.engine.metrics.num_drafts
 
     @torch.no_grad()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
@@ -60,9 +54,5 @@ class EvalEngine:
         """New tokens after ids (stops after EOS) and the engine's stats; speculative when a draft was given."""
         if max_new_tokens < 1:
             raise SpecquantError(f"max_new_tokens {max_new_tokens} must be at least 1")
-        prompt = torch.tensor([ids], device=self.device)
-        if self.spec is not None:
-            result = self.spec.generate(prompt, max_new_tokens, sampling)
-        else:
-            result = generate(self.target, prompt, max_new_tokens, sampling)
+        result = self.engine.generate(torch.tensor([ids], device=self.device), max_new_tokens, sampling)
         return result.token_ids[0], result.stats

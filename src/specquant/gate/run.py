@@ -17,7 +17,7 @@ from pathlib import Path
 
 from specquant.errors import SpecquantError
 from specquant.gate import datasets as local
-from specquant.gate.config import KL_GATE, LM_EVAL_GATES, BackendConfig, GateConfig
+from specquant.gate.config import GATE_RUNTIME, KL_GATE, LM_EVAL_GATES, BackendConfig, GateConfig
 from specquant.gate.kl import kl_gate
 from specquant.gate.thresholds import GateResult, decide_score, exit_code, metric_of, needs_baseline, table
 
@@ -67,7 +67,9 @@ def lm_eval_model(s: Subject, backend: BackendConfig, chat: bool) -> tuple[str, 
                 {"model": s.model_name, "base_url": f"{root}/v1/{route}", "tokenizer_backend": None,
                  "tokenized_requests": False, "num_concurrent": 1, "max_retries": 2, "timeout": 600})
     # device travels as lm-eval's own `device` argument (simple_evaluate passes it to every backend)
-    args = {k: v for k, v in dataclasses.asdict(backend).items() if v is not None and k != "device"}
+    runtime = {k: getattr(backend.runtime, k) for k in GATE_RUNTIME}  # flat in model_args
+    args = {k: v for k, v in {**dataclasses.asdict(backend), **runtime}.items()
+            if v is not None and k not in ("device", "runtime")}
     args.pop("target")
     args["pretrained"] = s.model  # = target; lm-eval files its logs under the `pretrained` name
     if s.draft:
@@ -87,7 +89,7 @@ def run_lm_eval(s: Subject, tasks: list[str], include: list[str], cfg: GateConfi
     tracker = EvaluationTracker(output_path=str(out))
     t0 = time.perf_counter()
     results = simple_evaluate(
-        model=model_type, model_args=model_args, tasks=tasks, limit=cfg.limit, batch_size=1, device=backend.device,
+        model=model_type, model_args=model_args, tasks=tasks, limit=cfg.limit, batch_size=1, device=backend.runtime.device,
         log_samples=True, evaluation_tracker=tracker, task_manager=TaskManager(include_defaults=False,
                                                                                include_path=include),
         apply_chat_template=cfg.apply_chat_template, random_seed=cfg.seeds[0], numpy_random_seed=cfg.seeds[1],
@@ -179,8 +181,8 @@ def run_gates(cfg: GateConfig, backend: BackendConfig, model: Subject, baseline:
                 rows.append(decide_score(g, rules[g], value, base))
         if KL_GATE in cfg.tasks:
             log(f"  kl: {model.model} against {baseline.model}")
-            stats, kl_rows = kl_gate(model.model, baseline.model, cfg, rules[KL_GATE], kl_text, backend.dtype,
-                                    backend.w4_activations)
+            stats, kl_rows = kl_gate(model.model, baseline.model, cfg, rules[KL_GATE], kl_text,
+                                    backend.runtime.dtype, backend.runtime.w4_activations)
             summary["kl"] = stats
             rows.extend(kl_rows)
         summary["gates"] = [r.to_dict() for r in rows]

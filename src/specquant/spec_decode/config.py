@@ -1,4 +1,4 @@
-"""SpecConfig: the one home of speculative decoding defaults."""
+"""SpecConfig: the one home of speculative decoding defaults (how an engine runs is spec_decode/runtime.py)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,4 @@ class SpecConfig:
     @property
     def longest_draft(self) -> int:
         return self.max_draft_len if self.adaptive else self.draft_len
+

@@ -27,7 +27,7 @@ can be captured the same way with decode.graphs.StepGraph.
 
 `target_layers` declares which target decoder layers' outputs (0-based ids) the drafter reads; the target's
 prefill and verify forwards return exactly those (`Transformer.forward(..., hidden_layers=ids)`), at no cost when
-the tuple is empty. The LM drafter (lm_drafter.py) reads none: `target_layers = ()`, target_hidden is None.
+the tuple is empty. The LM drafter (drafters/lm.py) reads none: `target_layers = ()`, target_hidden is None.
 
 How a DFlash-style block drafter (Chen et al. 2025) plugs in — no change to the loop, the verifier or the target:
   * `target_layers = (1, 4, 7)` (say): the layers whose hidden states condition it.
@@ -43,14 +43,23 @@ How a DFlash-style block drafter (Chen et al. 2025) plugs in — no change to th
 The engine sizes the target cache with `SpecConfig.longest_draft`; a block drafter sets draft_len to
 block_size - 1. Nothing in the loop refers to a particular drafter kind.
 
-Later uses this interface already allows: `specquant serve` streams each step's tokens from `loop.decode_steps`
-(a generator); batch > 1 needs per-row accepted counts in `verify` and `accept(lengths [B])`, not a new protocol.
+Two optional members besides the protocol's (the engine reads them when present): `max_draft_len` (the most tokens
+one propose returns; absent or None: whatever k asks; 0 for the none drafter, whose steps are then plain one-token
+decode steps) and `check_request(prompt_len, max_new_tokens)`, which raises a SpecquantError when a request does
+not fit the drafter (its own context).
+
+Later uses this interface already allows: `specquant serve` streams each step's tokens from `SpecEngine.stream`;
+batch > 1 with drafts needs per-row accepted counts in `verify` and `accept(lengths [B])`, not a new protocol
+(steps without drafts already run any batch).
+
+Kinds of drafter (spec_decode/drafters/): a `DrafterKind` row per kind says how to recognise its checkpoint, load
+it, build the Drafter and what one step costs; drafters/__init__.py holds the table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -89,6 +98,36 @@ class Drafter(Protocol):
 
     def rollback(self, length: int) -> None:
         """Forget every position >= length."""
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One kind of drafter: a row of the table in spec_decode/drafters/__init__.py (each kind is one file there).
+
+    detect(hf_config) -> bool: whether a checkpoint's config.json is of this kind (never its name).
+    load(name_or_dir, runtime: RuntimeConfig) -> the loaded draft model (None for a kind without a checkpoint).
+    build(model, target, spec: SpecConfig, **engine options) -> Drafter; model is what load returned (or a
+      model the caller loaded itself, an instance of model_class); the options are SpecEngine's: compile,
+      graphs, aot, target_tokenizer, draft_tokenizer (a kind uses the ones it needs and ignores the rest).
+    forwards_per_step(k) -> drafter forwards in one step that drafts k tokens (the bench's cost model).
+    """
+
+    name: str  # what --draft and reports call it
+    title: str  # for prose: "LM drafter"
+    detect: Callable[[dict], bool]
+    load: Callable[..., Any]
+    build: Callable[..., Drafter]
+    forwards_per_step: Callable[[int], int]
+    needs_checkpoint: bool = True  # False: `--draft NAME` alone builds it (no directory)
+    model_class: type | None = None  # loaded models of this class are wrapped by this kind
+    # a whole causal LM with its own embeddings and head: its vocabulary must equal the target's, and it runs its
+    # own tensor-parallel layout in a serving engine
+    standalone: bool = False
+    vllm_method: str | None = None  # vLLM's --speculative-config method; None: vLLM cannot run this kind
+    # (hf_config) -> vLLM's num_speculative_tokens when the checkpoint fixes it (a block's size - 1); None: the flag
+    fixed_draft_len: Callable[[dict], int | None] = lambda hf: None
+    # (hf_config) -> the config.json fields an export needs and this one lacks (none: [])
+    missing: Callable[[dict], list[str]] = lambda hf: []
 
 
 def check_vocab(target_vocab: int, draft_vocab: int, target_tokenizer=None, draft_tokenizer=None):

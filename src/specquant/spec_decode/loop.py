@@ -1,8 +1,12 @@
-"""The speculative loop: prefill, then propose -> verify -> accept until max_new_tokens (batch size 1).
+"""The decoding loop: prefill, then propose -> verify -> accept until max_new_tokens. The one loop of specquant:
+target-only decoding runs it with the none drafter (drafters/none.py), whose steps propose nothing.
 
 Terms (draft / accepted / recovered / bonus tokens) are defined in verify.py; the drafter's side of each step in
-drafter.py. `decode_steps` is a generator of each step's emitted tokens, so a caller can stream them and stop at
-EOS by not asking for more. Timing stays outside: see timing.py and engine.py.
+drafter.py. `decode_steps` is a generator of each step's committed tokens, so a caller can stream them and stop at
+EOS by not asking for more. Timing and EOS stay outside: see engine.py and timing.py.
+
+Batch: steps without drafts run any batch (rows share one length and advance together); steps with drafts run
+batch 1 (per-row accepted counts would need per-row lengths).
 """
 
 from __future__ import annotations
@@ -16,32 +20,42 @@ from specquant.decode.sampling import SamplingConfig, next_token
 from specquant.spec_decode.adaptive import next_draft_len
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft, Drafter
-from specquant.spec_decode.metrics import SpecMetrics
+from specquant.spec_decode.metrics import StepMetrics
 from specquant.spec_decode.verify import verify
 
 
 def prefill(target: Stepper, drafter: Drafter, prompt_ids: torch.Tensor, sampling: SamplingConfig,
-            generator: torch.Generator | None) -> int:
-    """Target forward over prompt_ids [1, L] -> the first new token; the drafter takes the prompt (and the
-    target's hidden states of it, from the same forward)."""
+            generator: torch.Generator | None) -> torch.Tensor:
+    """Target forward over prompt_ids [B, L] -> the first new token of each row [B] (on the device); the drafter
+    takes the prompt (and the target's hidden states of it, from the same forward)."""
     logits, hidden = target.step(prompt_ids, 0, last_only=True, hidden_layers=drafter.target_layers)
-    first = int(next_token(logits[0, -1], sampling, generator))
+    first = next_token(logits[:, -1], sampling, generator)  # [B]
     drafter.prefill(prompt_ids, hidden)
     return first
 
 
 def decode_steps(target: Stepper, drafter: Drafter, seq: torch.Tensor, n: int, max_new: int, config: SpecConfig,
-                 sampling: SamplingConfig, generator: torch.Generator | None,
-                 metrics: SpecMetrics) -> Iterator[list[int]]:
-    """After `prefill`: yields each verify step's tokens (accepted drafts + one) until max_new more tokens.
+                 sampling: SamplingConfig,
+                 generator: torch.Generator | None) -> Iterator[tuple[list[list[int]], StepMetrics]]:
+    """After `prefill`: yields each step's (tokens per row, step metrics) until max_new more tokens.
 
-    seq [1, capacity]: the committed sequence in seq[:, :n] (prompt + first token), extended in place.
+    seq [B, capacity]: the committed sequence in seq[:, :n] (prompt + first token), extended in place.
     """
-    k, emitted = config.draft_len, 0
+    limit = getattr(drafter, "max_draft_len", None)
+    k, emitted = config.draft_len if limit is None else min(config.draft_len, limit), 0
     while emitted < max_new:
         k_step = min(k, max_new - emitted - 1)  # the step emits at most k_step + 1 tokens
-        draft = drafter.propose(seq[:, :n], k_step, sampling, generator) if k_step else Draft.empty(1, seq.device)
-        proposed = draft.tokens.shape[1]
+        draft = drafter.propose(seq[:, :n], k_step, sampling, generator) if k_step else None
+        proposed = 0 if draft is None else draft.tokens.shape[1]
+        if proposed == 0:  # nothing to verify: one one-token forward and the target's own next token per row
+            last = seq[:, n - 1 : n].contiguous()  # [B, 1]; a copy only when B > 1 (rows are seq's stride apart)
+            logits, hidden = target.step(last, n - 1, last_only=True, hidden_layers=drafter.target_layers)
+            token = next_token(logits[:, -1], sampling, generator)  # [B]
+            seq[:, n] = token
+            drafter.accept(n, hidden)  # positions < n are processed; the new token is not yet
+            n, emitted = n + 1, emitted + 1
+            yield token[:, None].tolist(), StepMetrics(0, 0)  # the step's one host sync
+            continue
         # queued now, on the host by the time verify reads `accepted` (the step's one sync; no-op on CPU)
         draft_host = draft.tokens.to("cpu", non_blocking=True)
         block = torch.cat([seq[:, n - 1 : n], draft.tokens], dim=1)  # [1, proposed + 1]
@@ -50,10 +64,9 @@ def decode_steps(target: Stepper, drafter: Drafter, seq: torch.Tensor, n: int, m
         accepted, bonus = verify(draft.tokens[0], probs, logits[0], sampling, generator)
         target.rollback(n + accepted)
         drafter.accept(n + accepted, None if hidden is None else hidden[:, : accepted + 1])
-        metrics.record_step(proposed, accepted)
         new = draft_host[0, :accepted].tolist() + [bonus]
         seq[0, n : n + accepted] = draft.tokens[0, :accepted]  # device to device: no host round trip
         seq[0, n + accepted] = bonus
         n, emitted = n + len(new), emitted + len(new)
         k = next_draft_len(k, proposed, accepted, config)
-        yield new
+        yield [new], StepMetrics(proposed, accepted)

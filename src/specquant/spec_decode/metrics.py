@@ -15,6 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
+@dataclass(frozen=True)
+class StepMetrics:
+    """One step's counters: proposed draft tokens (0: the prefill or a step without drafts) and accepted ones;
+    SpecMetrics.record_step adds them up."""
+
+    proposed: int
+    accepted: int
+
+
 @dataclass
 class SpecMetrics:
     num_drafts: int = 0

@@ -76,7 +76,9 @@ class TimedDrafter:
         self.inner.rollback(length)
 
 
-def timed(target, drafter, device: torch.device) -> tuple[TimedTarget, TimedDrafter, StepTimes]:
-    times = StepTimes()
+def timed(target, drafter, device: torch.device,
+          times: StepTimes | None = None) -> tuple[TimedTarget, TimedDrafter, StepTimes]:
+    """The wrappers, adding into times (a new StepTimes when None)."""
+    times = times if times is not None else StepTimes()
     clock = _Clock(times, device)
     return TimedTarget(target, clock), TimedDrafter(drafter, clock), times

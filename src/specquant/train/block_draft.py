@@ -207,7 +207,7 @@ def greedy_acceptance(drafter: BlockDraftModel, target, prompts: list[torch.Tens
     prefix of the draft that matches it. One target greedy generation and one teacher-forced pass per prompt give
     that continuation and every position's features; then each step is one drafter forward. Returns a SpecMetrics
     (vLLM's counters: mean acceptance length, per-position acceptance) equal to what SpecEngine would record."""
-    from specquant.decode.generate import generate
+    from specquant.spec_decode.engine import generate
     from specquant.spec_decode.metrics import SpecMetrics
 
     metrics = SpecMetrics()

@@ -18,12 +18,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from specquant.errors import SpecquantError, require_positive
+from specquant.spec_decode.drafters import block, lm
 
-KINDS = ("block", "lm")
 BLOCK_INITS = ("random", "target")
 
 
@@ -147,7 +148,8 @@ class LMDraftTask:
                    extra_config={"torch_dtype": "bfloat16", "specquant_distill_draft": self.run_meta})
 
 
-def _block_task(target, target_dir, tokenizer, cfg: DraftConfig, bcfg, eval_tokens, init, seed, meta):
+def _block_task(target, target_dir, tokenizer, cfg: DraftConfig, bcfg, eval_tokens, init, seed, meta, dtype=None,
+                device=None):
     from specquant.drafter_loader import load_block_draft
     from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
     from specquant.train.block_draft import BlockDraftObjective, BlockDraftTask
@@ -168,7 +170,29 @@ def _block_task(target, target_dir, tokenizer, cfg: DraftConfig, bcfg, eval_toke
         init_block_drafter(drafter, target, seed, cfg.block_init)
     objective = BlockDraftObjective(drafter, target, bcfg)
     return BlockDraftTask(objective, eval_tokens, tokenizer_from=target_dir,
-                          extra_config={"specquant_distill_draft": meta})
+                          extra_config={"specquant_distill_draft": {**meta, "objective": dataclasses.asdict(bcfg)}})
+
+
+def _lm_task(target, target_dir, tokenizer, cfg: DraftConfig, bcfg, eval_tokens, init, seed, meta, dtype, device):
+    from specquant.loader import load_model
+
+    draft = load_model(init, dtype=dtype, device=str(device)).train()
+    return LMDraftTask(draft, target, eval_tokens, cfg.kl_chunk, target_dir, meta)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """How one drafter kind (spec_decode/drafters/) is trained here."""
+
+    # (target, target_dir, tokenizer, cfg, bcfg, eval_tokens, init, seed, meta, dtype, device) -> trainer task
+    task: Callable
+    needs_init: bool  # True: adapts an existing drafter (--init), never starts from scratch
+
+
+# keyed by the drafter registry's kinds; a kind without a row here cannot be trained
+OBJECTIVES = {block.KIND.name: Objective(_block_task, needs_init=False),
+              lm.KIND.name: Objective(_lm_task, needs_init=True)}
+KINDS = tuple(OBJECTIVES)
 
 
 def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: str | None = None,
@@ -206,10 +230,11 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
     rank, world, dev = setup_distributed(device)
     tokenizer = load_tokenizer(target_dirs[stages[-1][0]])
     results, init = [], cfg.init
-    if kind == "lm" and init is None:
+    objective = OBJECTIVES[kind]
+    if objective.needs_init and init is None:
         if target_dirs[stages[-1][0]] != resolve("tiny-target"):
-            raise SpecquantError("--kind lm needs --init: the small LM drafter to adapt")
-        init = "tiny-draft"
+            raise SpecquantError(f"--kind {kind} needs --init: the drafter to adapt")
+        init = "tiny-draft"  # the bundled target's own small LM drafter
     for name, t in stages:
         stage_train = dataclasses.replace(train, steps=cfg.stage2_steps) if name == "stage2" and cfg.stage2_steps \
             else train
@@ -221,12 +246,8 @@ def run_draft(kind: str, target: str, out, train, cfg: DraftConfig, bcfg, data: 
         eval_tokens = heldout_tokens(tokenizer, heldout, bcfg.eval_samples, cfg.eval_seq_len).to(dev)
         meta = {"kind": kind, "stage": name or "single", "target": str(target_dirs[name]), "data": str(data_path),
                 "init": str(init) if init else None, "train": stage_train.to_json(), "draft": dataclasses.asdict(cfg)}
-        if kind == "block":
-            task = _block_task(target_model, target_dirs[name], tokenizer, cfg, bcfg, eval_tokens, init, train.seed,
-                               {**meta, "objective": dataclasses.asdict(bcfg)})
-        else:
-            draft = load_model(init, dtype=DTYPES[dtype], device=str(dev)).train()
-            task = LMDraftTask(draft, target_model, eval_tokens, cfg.kl_chunk, target_dirs[name], meta)
+        task = objective.task(target_model, target_dirs[name], tokenizer, cfg, bcfg, eval_tokens, init, train.seed,
+                              meta, DTYPES[dtype], dev)
         d = dirs[name]
         if stage1_target and rank == 0:
             claim_out_dir(out, overwrite=True)  # marked as ours: a rerun there needs no --overwrite for its parent

@@ -134,7 +134,7 @@ def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None
     returns counts and tokens/s."""
     import time
 
-    from specquant.decode.generate import generate
+    from specquant.spec_decode.engine import generate
     from specquant.decode.sampling import SamplingConfig
     from specquant.loader import load_model
     from specquant.model.checkpoint import load_tokenizer, resolve

@@ -1,9 +1,10 @@
 """Build argparse flags from config dataclasses, so every default and help text lives in its dataclass only.
 
 A field gets a flag when its metadata has "help". Metadata keys: help; choices; flag (the flag's name when it is not
---field-name); negate (a bool field shown as its opposite, e.g. symmetric -> --asymmetric). Booleans get
---x / --no-x, lists nargs="+". A field whose type is itself a config dataclass (BenchConfig.spec) contributes its
-own fields' flags, and config_from_args builds it back.
+--field-name); negate (a bool field shown as its opposite, e.g. symmetric -> --asymmetric); store_true (a bool
+flag without --no-x). Booleans get --x / --no-x, lists nargs="+". A field whose type is itself a config dataclass
+(BenchConfig.spec) contributes its own fields' flags, and config_from_args builds it back; its metadata may hold
+"fields": {name: metadata overrides} to give flags to those fields only (a command's share of RuntimeConfig).
 """
 
 from __future__ import annotations
@@ -49,22 +50,30 @@ def _nested(hint) -> type | None:
     return hint if dataclasses.is_dataclass(hint) else None
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls, prefix: str = "", defaults=None) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, cls, prefix: str = "", defaults=None,
+                     fields: dict[str, dict] | None = None) -> None:
     """One flag per field of cls (and of its nested config dataclasses) that has metadata["help"]; defaults: an
-    instance whose values are the flags' defaults (a nested config's default comes from its parent's factory)."""
+    instance whose values are the flags' defaults (a nested config's default comes from its parent's factory);
+    fields: flags for these fields only, each with its metadata updated by the given dict."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint, meta, dest = hints[f.name], f.metadata, prefix + f.name
         default = getattr(defaults, f.name) if defaults is not None else _default(f)
         if _nested(hint):
-            add_config_flags(parser, hint, dest + ".", default)
+            add_config_flags(parser, hint, dest + ".", default, meta.get("fields"))
             continue
+        if fields is not None:
+            if f.name not in fields:
+                continue
+            meta = {**meta, **fields[f.name]}
         if "help" not in meta:
             continue
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         if hint is bool and "negate" in meta:
             parser.add_argument(meta["negate"], dest=dest, action="store_false", default=default,
                                 help=f"{meta['negate_help']} (default: {'off' if default else 'on'})")
+        elif hint is bool and meta.get("store_true"):
+            parser.add_argument(flag, dest=dest, action="store_true", default=default, help=meta["help"])
         elif hint is bool:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
                                 help=meta["help"])

@@ -1,4 +1,5 @@
-"""The LM drafter: an independent small causal LM sharing the target's tokenizer, one draft token per forward.
+"""The LM drafter: an independent small causal LM sharing the target's tokenizer, one draft token per forward
+(kind "lm": k forwards per step).
 
 Its KV cache may run a sliding window (SpecConfig.draft_window): a ring buffer, so its step cost and memory stay
 bounded by W. A windowed draft may be prefilled with only the last W prompt tokens ("window"): its positions are
@@ -11,17 +12,20 @@ import torch
 
 from specquant.decode.compiled import Stepper
 from specquant.decode.graphs import GraphStepper
+from specquant.decode.result import check_context
 from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from specquant.errors import SpecquantError
+from specquant.model.config import SUPPORTED_MODEL_TYPES
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import SpecConfig
-from specquant.spec_decode.drafter import Draft
+from specquant.spec_decode.drafter import Draft, DrafterKind, check_vocab
 
 
 class LMDrafter:
     """A Drafter (spec_decode/drafter.py) over a draft Transformer."""
 
     target_layers: tuple[int, ...] = ()
+    max_draft_len = None  # one forward per token: as many as k asks
 
     def __init__(self, model: Transformer, config: SpecConfig, compile: bool = False, graphs: bool = False,
                  aot: str = "off"):
@@ -41,6 +45,10 @@ class LMDrafter:
         self.longest = config.longest_draft
         self.offset = 0  # positions skipped by a window-only prefill: cache position = sequence position - offset
         self.valid = 0  # the cache holds sequence positions offset .. valid-1
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        if not self.window and self.model.config.sliding_window is None:  # a window never runs out of context
+            check_context(self.model, prompt_len, max_new_tokens, role="draft")
 
     def setup(self, batch: int, max_len: int) -> None:
         # the ring cache must survive a rollback of a whole draft (longest + 1 positions)
@@ -103,3 +111,24 @@ class LMDrafter:
     def rollback(self, length: int) -> None:
         self.valid = min(self.valid, length)
         self.model.rollback(self.valid - self.offset)
+
+
+def _load(name_or_dir, runtime):
+    from specquant.loader import load_model
+
+    return load_model(name_or_dir, runtime.dtype, runtime.device, fuse=True,
+                      w4_activations=runtime.draft_w4_activations)
+
+
+def _build(model: Transformer, target: Transformer, spec: SpecConfig, compile: bool = False, graphs: bool = False,
+           aot: str = "off", target_tokenizer=None, draft_tokenizer=None) -> LMDrafter:
+    check_vocab(target.config.vocab_size, model.config.vocab_size, target_tokenizer, draft_tokenizer)
+    return LMDrafter(model, spec, compile, graphs, aot)
+
+
+KIND = DrafterKind(
+    name="lm", title="LM drafter",
+    # after "block" in the table: a block drafter's config.json names a causal LM model_type too
+    detect=lambda hf: hf.get("model_type") in SUPPORTED_MODEL_TYPES,
+    load=_load, build=_build, forwards_per_step=lambda k: k, model_class=Transformer, standalone=True,
+    vllm_method="draft_model")

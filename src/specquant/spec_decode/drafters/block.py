@@ -1,4 +1,5 @@
-"""The block drafter (DFlash-style): one forward proposes up to block_size - 1 tokens from the target's features.
+"""The block drafter (DFlash-style): one forward proposes up to block_size - 1 tokens from the target's features
+(kind "block": one forward per step).
 
 Its context is the target's hidden states of verified positions only (drafter.py's call order): `prefill` projects
 the prompt's, `accept` the accepted ones', both taken from forwards the target runs anyway. `propose` runs the
@@ -16,9 +17,12 @@ import torch
 
 from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import BlockDraftModel
+from specquant.model.block_draft import ARCHITECTURE, BlockDraftModel
 from specquant.spec_decode.config import SpecConfig
-from specquant.spec_decode.drafter import Draft
+from specquant.spec_decode.drafter import Draft, DrafterKind
+
+# what vLLM's dflash method and llama.cpp's converter read from config.json
+EXPORT_REQUIRED = ("block_size", "dflash_config.target_layer_ids", "dflash_config.mask_token_id")
 
 
 class BlockDrafter:
@@ -29,7 +33,10 @@ class BlockDrafter:
         self.target_layers = tuple(model.config.target_layer_ids)
         # window: SpecConfig.draft_window when set, else the checkpoint's own serve-time window (or none)
         self.window = config.draft_window if config.draft_window else -1
-        self.max_tokens = model.config.block_size - 1
+        self.max_draft_len = model.config.block_size - 1  # the block's mask positions
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        pass  # its context is the target's; the engine checks the target
 
     def setup(self, batch: int, max_len: int) -> None:
         if batch != 1:
@@ -51,7 +58,7 @@ class BlockDrafter:
                 generator: torch.Generator | None) -> Draft:
         n = tokens.shape[1]
         assert self.model.context_len == n - 1, (self.model.context_len, n)  # context = verified prefix
-        k = min(k, self.max_tokens)
+        k = min(k, self.max_draft_len)
         logits = self.model.propose(tokens[0, n - 1], k)  # [k, vocab]
         if sampling.greedy:
             return Draft(argmax(logits)[None])
@@ -68,3 +75,38 @@ class BlockDrafter:
 
     def rollback(self, length: int) -> None:
         self.model.rollback(min(self.model.context_len, length))
+
+
+def _detect(hf: dict) -> bool:
+    return ARCHITECTURE in (hf.get("architectures") or []) or "dflash_config" in hf
+
+
+def _missing(hf: dict) -> list[str]:
+    missing = [key for key in EXPORT_REQUIRED if _get(hf, key) is None]
+    if ARCHITECTURE not in (hf.get("architectures") or []):
+        missing.insert(0, f"architectures [{ARCHITECTURE!r}]")
+    return missing
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _load(name_or_dir, runtime) -> BlockDraftModel:
+    from specquant.drafter_loader import load_block_draft
+
+    return load_block_draft(name_or_dir, runtime.dtype, runtime.device, runtime.draft_w4_activations)
+
+
+def _build(model: BlockDraftModel, target, spec: SpecConfig, **engine_options) -> BlockDrafter:
+    return BlockDrafter(model, target, spec)  # its one forward runs eagerly: no compile / graphs / aot options
+
+
+KIND = DrafterKind(
+    name="block", title="block drafter", detect=_detect, load=_load, build=_build,
+    forwards_per_step=lambda k: 1 if k else 0, model_class=BlockDraftModel, vllm_method="dflash",
+    fixed_draft_len=lambda hf: int(hf["block_size"]) - 1, missing=_missing)

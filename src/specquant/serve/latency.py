@@ -1,0 +1,179 @@
+"""`specquant latency`: the competition's latency protocol against any OpenAI-compatible server (ours, llama-server,
+vLLM): per category, `warmup` untimed then `runs` sequential raw /v1/completions requests at temperature 0 without
+ignore_eos; client-side wall times; medians, p90, speedup against a baseline server, and the mean acceptance length
+from the server's /metrics when it exposes vLLM-named counters. A table, then one JSON line.
+
+Prompts are built to a token count by asking the server: one calibration request reads usage.prompt_tokens for a
+known text, so no tokenizer is needed on the client. When the model's context (/v1/models max_model_len) is shorter
+than a category needs, every selected category's prompt length is scaled by one factor, which is printed."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+from specquant.errors import SpecquantError
+from specquant.serve.config import CATEGORIES, FILLER, LatencyConfig
+from specquant.util.flags import add_config_flags, config_from_args, print_json
+
+# tokens kept free below the context: a prompt rebuilt from text can tokenize a little longer than calibrated
+CONTEXT_MARGIN = 16
+SPEC_COUNTER = re.compile(r"^(\S+:)?spec_decode_num_(drafts|accepted_tokens)(_total)?(\{[^}]*\})?\s+(\S+)$", re.M)
+
+
+def add_parser(sub):
+    p = sub.add_parser("latency", help="time an OpenAI-compatible server with the competition's latency protocol")
+    p.add_argument("--server", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="model id the server serves")
+    p.add_argument("--baseline-server", default=None,
+                   help="base URL of the baseline server (speedup = its median / ours)")
+    p.add_argument("--baseline-model", default=None, help="the baseline's model id (default: --model)")
+    p.add_argument("--json", action="store_true", help="print only the JSON line")
+    add_config_flags(p, LatencyConfig)
+
+
+class Client:
+    """A raw HTTP client (stdlib: nothing beyond the server's own protocol, and no client-side pooling tricks)."""
+
+    def __init__(self, url: str, model: str, timeout_s: float):
+        self.url, self.model, self.timeout = url.rstrip("/"), model, timeout_s
+
+    def _call(self, path: str, body: dict | None = None) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return r.read()
+        except urllib.error.HTTPError as e:
+            raise SpecquantError(f"{self.url}{path} answered {e.code}: {e.read()[:300]!r}") from None
+        except urllib.error.URLError as e:
+            raise SpecquantError(f"cannot reach {self.url}{path} ({e.reason}); is the server running?") from None
+
+    def complete(self, prompt: str, max_tokens: int, temperature: float) -> dict:
+        return json.loads(self._call("/v1/completions", {"model": self.model, "prompt": prompt, "stream": False,
+                                                        "max_tokens": max_tokens, "temperature": temperature}))
+
+    def context(self) -> int | None:
+        """The model's context from /v1/models (vLLM and ours report max_model_len; llama-server meta.n_ctx_train)."""
+        for m in json.loads(self._call("/v1/models")).get("data", []):
+            if m.get("id") == self.model:
+                return m.get("max_model_len") or (m.get("meta") or {}).get("n_ctx_train")
+        return None
+
+    def spec_counters(self) -> tuple[float, float] | None:
+        """(num_drafts, num_accepted_tokens) from /metrics; None when the server exposes none."""
+        try:
+            text = self._call("/metrics").decode()
+        except SpecquantError:
+            return None
+        found = {}
+        for _, name, _, labels, value in SPEC_COUNTER.findall(text):
+            if not labels:  # the per-position series carry a label; the totals do not
+                found[name] = float(value)
+        return (found["drafts"], found["accepted_tokens"]) if len(found) == 2 else None
+
+
+def source_text(prompt: str) -> str:
+    if prompt == "filler":
+        return FILLER
+    path = Path(prompt).expanduser()
+    if not path.is_file():
+        raise SpecquantError(f"prompt {prompt!r} is neither 'filler' nor a text file; pass one of them")
+    text = path.read_text()
+    if not text.strip():
+        raise SpecquantError(f"prompt file {prompt} is empty; give it some text")
+    return text
+
+
+def prompt_of(client: Client, text: str, tokens: int) -> tuple[str, int]:
+    """text repeated or cut to about `tokens` prompt tokens (measured by the server) -> (prompt, its tokens)."""
+    probe = text * max(1, 256 // max(len(text), 1))
+    measured = client.complete(probe, 1, 0.0)["usage"]["prompt_tokens"]
+    chars = len(probe)
+    for _ in range(2):  # the second pass corrects for the text's tokens-per-character drifting with length
+        chars = max(1, round(chars * tokens / measured))
+        prompt = (text * (chars // len(text) + 1))[:chars]
+        measured = client.complete(prompt, 1, 0.0)["usage"]["prompt_tokens"]
+        if measured == tokens:
+            break
+    return prompt, measured
+
+
+def scale_of(context: int | None, categories: list[str]) -> float:
+    """One factor for every category's prompt length so the longest request fits the context (1: no scaling)."""
+    if context is None:
+        return 1.0
+    worst = max(CATEGORIES[c][0] / max(context - CATEGORIES[c][1] - CONTEXT_MARGIN, 1) for c in categories)
+    return min(1.0, 1.0 / worst)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def measure(client: Client, prompts: dict, config: LatencyConfig) -> dict:
+    """category -> {median_ms, p90_ms, mean_new_tokens, mean_acceptance_length (None without counters)}."""
+    out = {}
+    for cat, (prompt, _) in prompts.items():
+        new = CATEGORIES[cat][1]
+        for _ in range(config.warmup):
+            client.complete(prompt, new, config.temperature)
+        before = client.spec_counters()
+        times, tokens = [], []
+        for _ in range(config.runs):
+            t0 = time.perf_counter()
+            reply = client.complete(prompt, new, config.temperature)
+            times.append((time.perf_counter() - t0) * 1e3)
+            tokens.append(reply["usage"]["completion_tokens"])
+        after = client.spec_counters()
+        mal = None
+        if before and after and after[0] > before[0]:
+            mal = 1.0 + (after[1] - before[1]) / (after[0] - before[0])
+        out[cat] = {"median_ms": statistics.median(times), "p90_ms": percentile(times, 90),
+                    "mean_new_tokens": statistics.fmean(tokens), "mean_acceptance_length": mal}
+    return out
+
+
+def run(args):
+    config = config_from_args(LatencyConfig, args).validate()
+    client = Client(args.server, args.model, config.timeout_s)
+    baseline = (Client(args.baseline_server, args.baseline_model or args.model, config.timeout_s)
+                if args.baseline_server else None)
+    contexts = [c for c in (client.context(), baseline.context() if baseline else None) if c]
+    scale = scale_of(min(contexts) if contexts else None, config.categories)
+    text = source_text(config.prompt)
+    prompts = {cat: prompt_of(client, text, max(1, round(CATEGORIES[cat][0] * scale))) for cat in config.categories}
+    say = (lambda *a: None) if args.json else print
+    if scale < 1:
+        say(f"context {min(contexts)} tokens: prompt lengths scaled by {scale:.4f} ("
+            + ", ".join(f"{c} {CATEGORIES[c][0]} -> {prompts[c][1]}" for c in config.categories) + ")")
+    ours = measure(client, prompts, config)
+    base = measure(baseline, prompts, config) if baseline else None
+    rows = {}
+    for cat in config.categories:
+        row = {"prompt_tokens": prompts[cat][1], "max_tokens": CATEGORIES[cat][1], **ours[cat]}
+        if base:
+            row.update(baseline_median_ms=base[cat]["median_ms"], baseline_p90_ms=base[cat]["p90_ms"],
+                       speedup=base[cat]["median_ms"] / ours[cat]["median_ms"])
+        rows[cat] = row
+    say(f"{'category':<9} {'prompt':>6} {'new':>5} {'median ms':>10} {'p90 ms':>9} {'MAL':>5}"
+        + (f" {'base ms':>9} {'speedup':>8}" if base else ""))
+    for cat, r in rows.items():
+        mal = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] is not None else "-"
+        line = (f"{cat:<9} {r['prompt_tokens']:>6} {r['mean_new_tokens']:>5.0f} {r['median_ms']:>10.1f} "
+                f"{r['p90_ms']:>9.1f} {mal:>5}")
+        if base:
+            line += f" {r['baseline_median_ms']:>9.1f} {r['speedup']:>7.2f}x"
+        say(line)
+    print_json({"server": args.server, "model": args.model, "baseline_server": args.baseline_server,
+                "prompt_scale": scale, "config": asdict(config), "categories": rows})
+    return 0

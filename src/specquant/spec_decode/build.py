@@ -1,0 +1,50 @@
+"""build_engine: the one place an engine is assembled from checkpoints (directories or bundled names) or loaded
+models. `specquant generate`, the gates and bench call it; a server will too."""
+
+from __future__ import annotations
+
+import os
+
+from specquant.model.decoder import Transformer
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
+from specquant.spec_decode.drafter import Drafter
+from specquant.spec_decode.drafters import kind_of_model, parse_draft
+from specquant.spec_decode.engine import SpecEngine
+
+
+def build_engine(target: str | os.PathLike | Transformer, draft=None, runtime: RuntimeConfig | None = None,
+                 spec: SpecConfig | None = None, target_tokenizer=None, draft_tokenizer=None,
+                 profile: bool = False, graphs: bool = False) -> SpecEngine:
+    """A SpecEngine for target and draft.
+
+    target: a checkpoint (loaded with runtime's dtype, device and W4 activations, projections fused) or a loaded
+    Transformer. draft: None or "none" (target only), another drafter kind name that needs no checkpoint, a draft
+    checkpoint (its kind from config.json: spec_decode/drafters/), a loaded draft model, or a Drafter.
+    Tokenizers are loaded from the checkpoints when not given and the draft's kind checks vocabularies
+    (standalone kinds: the LM drafter)."""
+    from specquant.loader import load_model
+    from specquant.model.checkpoint import load_tokenizer, resolve
+
+    runtime = (runtime or RuntimeConfig()).validate()
+    spec = (spec or SpecConfig()).validate()
+    target_path = resolve(target) if not isinstance(target, Transformer) else None
+    source, kind = None, None
+    if draft is None or isinstance(draft, (str, os.PathLike)):
+        kind, source = parse_draft(None if draft is None else str(draft))  # every input is checked before loading
+        draft = None  # loaded below when the kind has a checkpoint
+    elif not isinstance(draft, Drafter):  # a loaded draft model (a Drafter is used as it is)
+        kind = kind_of_model(draft)
+    if target_path is not None:
+        target = load_model(target_path, runtime.dtype, runtime.device, fuse=True,
+                            w4_activations=runtime.w4_activations)
+    if source is not None:
+        draft = kind.load(source, runtime)
+    engine_options = dict(compile=runtime.compile, graphs=graphs, aot=runtime.step_aot)
+    if kind is not None:
+        if kind.standalone and source is not None:
+            draft_tokenizer = draft_tokenizer or load_tokenizer(source)
+            target_tokenizer = target_tokenizer or (load_tokenizer(target_path) if target_path else None)
+        draft = kind.build(draft, target, spec, target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer,
+                           **engine_options)
+    return SpecEngine(target, draft, spec, profile=profile, **engine_options)

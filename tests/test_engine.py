@@ -1,0 +1,251 @@
+"""One engine, one loop: SpecEngine.stream against generate, target-only decoding as the none drafter (against a
+plain cache-free reference), the drafter registry and build_engine, and a model-free point-mass drafter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import needs_bundled
+from specquant.cli import main
+from specquant.decode.sampling import SamplingConfig, logits_to_probs
+from specquant.errors import SpecquantError
+from specquant.model.checkpoint import BUNDLED_DIR, read_hf_config
+from specquant.model.config import ModelConfig
+from specquant.model.decoder import Transformer
+from specquant.spec_decode import Draft, SpecConfig, SpecEngine, generate
+from specquant.spec_decode.build import build_engine
+from specquant.spec_decode.runtime import RuntimeConfig
+from specquant.spec_decode.drafters import KINDS, kind_named, kind_of, parse_draft
+
+VOCAB = 96
+
+
+def _model(layers: int, seed: int, eos: int | None = None) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      eos_token_id=eos)
+    m = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3.0)  # peaky distributions: acceptance neither 0 nor 1
+    return m
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = _model(3, 0), _model(1, 1)
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    return target, draft
+
+
+PROMPT = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(19))
+
+
+@torch.no_grad()
+def _reference_greedy(model: Transformer, prompt: torch.Tensor, n: int) -> list[list[int]]:
+    """Target-only greedy written plainly: a cache-free forward over the whole sequence per token."""
+    seq = prompt.clone()
+    for _ in range(n):
+        model.clear_cache()
+        nxt = model(seq)[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+    return seq[:, prompt.shape[1]:].tolist()
+
+
+def test_target_only_is_the_none_drafter_and_matches_a_plain_reference(pair):
+    target, _ = pair
+    prompts = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(3))
+    out = generate(target, prompts, 20, stop_on_eos=False)
+    assert out.token_ids == _reference_greedy(target, prompts, 20)
+    assert out.spec is None and "num_drafts" not in out.stats  # target-only stats, as before
+    assert out.stats["new_tokens"] == 20 and out.stats["target_forwards"] == 20
+    engine = SpecEngine(target)
+    assert engine.drafter.max_draft_len == 0 and not engine.speculative
+    assert engine.generate(prompts[1:2], 20, stop_on_eos=False).token_ids == [out.token_ids[1]]  # rows independent
+
+
+def test_target_only_step_is_one_one_token_forward(pair, monkeypatch):
+    """No verify block, no extra forward: after the prefill, every forward takes one token per row and returns
+    the last position only."""
+    target, _ = pair
+    calls = []
+    forward = Transformer.forward
+
+    def counting(self, tokens, start_pos=0, last_only=False, *args, **kwargs):
+        calls.append((tokens.shape[1], last_only))
+        return forward(self, tokens, start_pos, last_only, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", counting)
+    generate(target, PROMPT, 12, stop_on_eos=False)
+    assert calls == [(PROMPT.shape[1], True)] + [(1, True)] * 11
+
+
+@pytest.mark.parametrize("draft_len", [1, 3])
+def test_stream_yields_what_generate_returns(pair, draft_len):
+    target, draft = pair
+    cfg = SpecConfig(draft_len=draft_len)
+    result = SpecEngine(target, draft, cfg).generate(PROMPT, 30, stop_on_eos=False)
+    engine = SpecEngine(target, draft, cfg)
+    steps = list(engine.stream(PROMPT, 30, stop_on_eos=False))
+    assert [t for s in steps for t in s.token_ids[0]] == result.token_ids[0]
+    assert steps[0].metrics.proposed == 0 and len(steps[0].token_ids[0]) == 1  # the prefill's token
+    assert all(len(s.token_ids[0]) == s.metrics.accepted + 1 for s in steps[1:])
+    assert sum(s.metrics.accepted for s in steps) == result.spec.num_accepted_tokens
+    assert sum(1 for s in steps if s.metrics.proposed) == result.spec.num_drafts
+    assert result.stats["target_forwards"] == len(steps)
+    assert engine.metrics == result.spec  # the engine's counters saw the same steps
+
+
+def test_stream_checks_before_running_and_counts_only_consumed_steps(pair):
+    target, draft = pair
+    engine = SpecEngine(target, draft)
+    with pytest.raises(SpecquantError, match="exceeds"):  # raised by the call, not by the first step
+        engine.stream(PROMPT, 10_000)
+    it = engine.stream(PROMPT, 30, stop_on_eos=False)
+    taken = [next(it), next(it)]
+    it.close()
+    assert engine.metrics.num_drafts == 1 and engine.metrics.num_accepted_tokens == taken[1].metrics.accepted
+
+
+def test_stream_stops_after_eos_in_every_row():
+    free = _model(3, 0)
+    reference = generate(free, PROMPT, 30, stop_on_eos=False).token_ids[0]
+    eos = reference[5]
+    stopping = _model(3, 0, eos=eos)
+    cut = reference[: reference.index(eos) + 1]
+    steps = list(SpecEngine(stopping).stream(PROMPT, 30))
+    assert [t for s in steps for t in s.token_ids[0]] == cut
+    assert generate(stopping, PROMPT, 30).token_ids[0] == cut
+    # batch: a row that stopped yields nothing while the other goes on
+    both = torch.cat([PROMPT, torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(5))])
+    rows = generate(stopping, both, 30).token_ids
+    assert rows[0] == cut and rows[1] == generate(stopping, both[1:], 30).token_ids[0]
+
+
+def test_speculative_engine_refuses_batches_target_only_takes_them(pair):
+    target, draft = pair
+    two = PROMPT.repeat(2, 1)
+    with pytest.raises(SpecquantError, match="batch 1"):
+        SpecEngine(target, draft).generate(two, 5)
+    assert len(SpecEngine(target).generate(two, 5).token_ids) == 2
+
+
+# --- the registry ------------------------------------------------------------------------------------------------
+
+
+def test_registry_kinds_costs_and_detection():
+    assert list(KINDS) == ["block", "lm", "none", "suffix"]
+    assert [KINDS[k].forwards_per_step(4) for k in ("lm", "block", "none", "suffix")] == [4, 1, 0, 0]
+    assert kind_of(read_hf_config(BUNDLED_DIR / "tiny-draft")).name == "lm"
+    assert kind_of(read_hf_config(BUNDLED_DIR / "tiny-block-draft")).name == "block"
+    assert (KINDS["lm"].vllm_method, KINDS["block"].vllm_method, KINDS["none"].vllm_method) == \
+        ("draft_model", "dflash", None)
+    assert not KINDS["suffix"].detect(read_hf_config(BUNDLED_DIR / "tiny-draft"))
+    with pytest.raises(SpecquantError, match="none of the drafter kinds"):
+        kind_of({"model_type": "gpt2"})
+
+
+def test_draft_names_kinds_and_directories():
+    assert parse_draft(None)[0].name == "none" and parse_draft("None") == (KINDS["none"], None)
+    assert parse_draft("tiny-draft") == (KINDS["lm"], "tiny-draft")
+    assert parse_draft(str(BUNDLED_DIR / "tiny-block-draft"))[0].name == "block"
+    with pytest.raises(SpecquantError, match="needs a checkpoint"):
+        parse_draft("lm")
+    assert parse_draft("suffix") == (KINDS["suffix"], None)
+    with pytest.raises(SpecquantError, match=r"drafter kind \(none, suffix\)"):
+        parse_draft("mtp")  # not a kind: one line that names the kinds there are
+    with pytest.raises(SpecquantError, match="block, lm, none, suffix"):
+        kind_named("mtp")
+
+
+def test_generate_cli_unknown_draft_is_one_error_line(capsys):
+    rc = main(["generate", "--draft", "ngram", "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "drafter kind" in err
+
+
+def test_runtime_config_is_checked():
+    with pytest.raises(SpecquantError, match="pick one"):
+        RuntimeConfig(compile=True, aot="build").validate()
+    with pytest.raises(SpecquantError, match="dtype 'float8'"):
+        RuntimeConfig(dtype="float8").validate()
+    assert RuntimeConfig(device="cuda:1").validate().device == "cuda:1"
+
+
+@needs_bundled("tiny-target")
+@pytest.mark.parametrize("draft", ["none", "tiny-draft", "tiny-block-draft"])
+def test_build_engine_from_names_is_lossless(draft):
+    engine = build_engine("tiny-target", draft)
+    prompt = torch.tensor([[5, 17, 99, 3, 250, 41]])
+    assert engine.generate(prompt, 24, stop_on_eos=False).token_ids == \
+        generate(engine.target, prompt, 24, stop_on_eos=False).token_ids
+    assert engine.speculative == (draft != "none")
+
+
+# --- a model-free drafter: point-mass drafts ---------------------------------------------------------------------
+
+
+class FixedDrafter:
+    """Model-free: proposes `token` k times, as point masses (Draft.probs None) also when sampling."""
+
+    target_layers: tuple[int, ...] = ()
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def setup(self, batch, max_len):
+        pass
+
+    def prefill(self, prompt_ids, target_hidden):
+        pass
+
+    def propose(self, tokens, k, sampling, generator):
+        return Draft(torch.full((1, k), self.token, dtype=torch.long))
+
+    def accept(self, length, target_hidden):
+        pass
+
+    def rollback(self, length):
+        pass
+
+
+def test_point_mass_drafter_is_lossless_greedy(pair):
+    target, _ = pair
+    ref = generate(target, PROMPT, 30, stop_on_eos=False).token_ids[0]
+    out = SpecEngine(target, FixedDrafter(ref[3]), SpecConfig(draft_len=2)).generate(PROMPT, 30, stop_on_eos=False)
+    assert out.token_ids[0] == ref
+
+
+def test_point_mass_drafter_samples_the_target_law(pair):
+    """End to end in sampling mode: the token after the prefill's is the first verified position; given the first
+    token, it follows the target's law although the drafter always proposes one fixed token. Binomial z-test on the
+    first token: |z| > 4.5 has probability < 1e-5; the second token's total variation bound sits far above the
+    sampling noise of a few hundred draws (expected TV ~ sqrt(vocab / hits) / 2 ~ 0.25)."""
+    target, _ = pair
+    prompt = PROMPT
+    target.clear_cache()
+    with torch.no_grad():
+        temperature = float(target(prompt)[0, -1].std()) / 2
+        law = SamplingConfig(temperature=temperature)
+        first_probs = logits_to_probs(target(prompt)[0, -1], law)
+        top = int(first_probs.argmax())
+        second_probs = logits_to_probs(target(torch.cat([prompt, torch.tensor([[top]])], 1))[0, -1], law)
+    drafted = int(second_probs.argmax())
+    engine = SpecEngine(target, FixedDrafter(drafted), SpecConfig(draft_len=2))
+    n, hits, counts = 500, 0, torch.zeros(VOCAB)
+    for seed in range(n):
+        toks = engine.generate(prompt, 3, SamplingConfig(temperature, seed=seed), stop_on_eos=False).token_ids[0]
+        if toks[0] == top:
+            hits += 1
+            counts[toks[1]] += 1
+    p = float(first_probs[top])
+    assert 0.05 < p < 0.95 and 0.05 < float(second_probs[drafted]) < 0.95  # the law has spread: the test can fail
+    assert abs(hits - n * p) / math.sqrt(n * p * (1 - p)) < 4.5
+    tv = 0.5 * float((counts / counts.sum() - second_probs).abs().sum())
+    assert tv < 0.35, tv
+    assert 0 < engine.metrics.num_accepted_tokens < engine.metrics.num_draft_tokens  # accepted and rejected both
