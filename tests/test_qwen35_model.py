@@ -16,7 +16,7 @@ import torch
 from _qwen35_models import VOCAB, hf_config, hf_model, hf_qwen35, randomize
 from safetensors.torch import load_file, save_file
 
-from specquant.decode.generate import generate
+from specquant.spec_decode.engine import generate
 from specquant.errors import SpecquantError
 from specquant.loader import load_model
 from specquant.model.checkpoint import save_model

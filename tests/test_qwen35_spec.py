@@ -13,14 +13,13 @@ import pytest
 import torch
 from _qwen35_models import VOCAB, hf_model
 
-from specquant.decode.generate import generate
 from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
-from specquant.spec_decode.block_drafter import BlockDrafter
+from specquant.spec_decode.drafters.block import BlockDrafter
 from specquant.spec_decode.config import SpecConfig
-from specquant.spec_decode.engine import SpecEngine
+from specquant.spec_decode.engine import SpecEngine, generate
 
 
 def ours(theirs) -> Transformer:
