@@ -144,3 +144,42 @@ def need_kernel(family, variant=None):
 def kernel_variants(family):
     """Parameters for a test to run on every variant of a kernel family (each one skips where it does not load)."""
     return [pytest.param(v, id=v.name) for v in family.variants]
+
+
+def target_law(target, prompt):
+    """(temperature, first_probs, top, second_probs): the target's sampling law at the first two new positions,
+    with the temperature set from the logits' spread so both positions have a few likely tokens; second_probs is
+    conditioned on the first token being `top`. Scored cache-free."""
+    from specquant.decode.sampling import SamplingConfig, logits_to_probs
+
+    target.clear_cache()
+    with torch.no_grad():
+        temperature = float(target(prompt)[0, -1].std()) / 2
+        law = SamplingConfig(temperature=temperature)
+        first_probs = logits_to_probs(target(prompt)[0, -1], law)
+        top = int(first_probs.argmax())
+        second_probs = logits_to_probs(target(torch.cat([prompt, torch.tensor([[top]])], 1))[0, -1], law)
+    return temperature, first_probs, top, second_probs
+
+
+def assert_follows_target_law(engine, prompt, law, n: int, tv_bound: float):
+    """Sample 3 tokens n times (seeds 0..n-1) and check the first two against `law` (from target_law).
+
+    First token: binomial z-test on P(top); |z| > 4.5 has probability < 1e-5 under the target's law. Second
+    token, given the first was `top`: total variation of its histogram against the law, with a bound the caller
+    sets far above the sampling noise of a few hundred hits (expected TV ~ sqrt(vocab / hits) / 2).
+    Returns the second-token probabilities, for the caller's own spread checks."""
+    from specquant.decode.sampling import SamplingConfig
+
+    temperature, first_probs, top, second_probs = law
+    hits, counts = 0, torch.zeros(second_probs.shape[-1])
+    for seed in range(n):
+        toks = engine.generate(prompt, 3, SamplingConfig(temperature, seed=seed), stop_on_eos=False).token_ids[0]
+        if toks[0] == top:
+            hits += 1
+            counts[toks[1]] += 1
+    p = float(first_probs[top])
+    assert 0.05 < p < 0.95, p  # the law has spread: the test can fail
+    assert abs(hits - n * p) / math.sqrt(n * p * (1 - p)) < 4.5
+    tv = 0.5 * float((counts / counts.sum() - second_probs).abs().sum())
+    assert tv < tv_bound, tv

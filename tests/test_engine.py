@@ -3,14 +3,12 @@ plain cache-free reference), the drafter registry and build_engine, and a model-
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
-from conftest import needs_bundled
+from conftest import assert_follows_target_law, needs_bundled, target_law
 from specquant.cli import main
-from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.errors import SpecquantError
 from specquant.model.checkpoint import BUNDLED_DIR, read_hf_config
 from specquant.model.config import ModelConfig
@@ -228,24 +226,9 @@ def test_point_mass_drafter_samples_the_target_law(pair):
     sampling noise of a few hundred draws (expected TV ~ sqrt(vocab / hits) / 2 ~ 0.25)."""
     target, _ = pair
     prompt = PROMPT
-    target.clear_cache()
-    with torch.no_grad():
-        temperature = float(target(prompt)[0, -1].std()) / 2
-        law = SamplingConfig(temperature=temperature)
-        first_probs = logits_to_probs(target(prompt)[0, -1], law)
-        top = int(first_probs.argmax())
-        second_probs = logits_to_probs(target(torch.cat([prompt, torch.tensor([[top]])], 1))[0, -1], law)
-    drafted = int(second_probs.argmax())
+    law = target_law(target, prompt)
+    drafted = int(law[3].argmax())
+    assert 0.05 < float(law[3][drafted]) < 0.95  # the drafted token is neither certain nor impossible
     engine = SpecEngine(target, FixedDrafter(drafted), SpecConfig(draft_len=2))
-    n, hits, counts = 500, 0, torch.zeros(VOCAB)
-    for seed in range(n):
-        toks = engine.generate(prompt, 3, SamplingConfig(temperature, seed=seed), stop_on_eos=False).token_ids[0]
-        if toks[0] == top:
-            hits += 1
-            counts[toks[1]] += 1
-    p = float(first_probs[top])
-    assert 0.05 < p < 0.95 and 0.05 < float(second_probs[drafted]) < 0.95  # the law has spread: the test can fail
-    assert abs(hits - n * p) / math.sqrt(n * p * (1 - p)) < 4.5
-    tv = 0.5 * float((counts / counts.sum() - second_probs).abs().sum())
-    assert tv < 0.35, tv
+    assert_follows_target_law(engine, prompt, law, n=500, tv_bound=0.35)
     assert 0 < engine.metrics.num_accepted_tokens < engine.metrics.num_draft_tokens  # accepted and rejected both

@@ -7,13 +7,12 @@ block drafter reading the hybrid's hidden states.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 from _qwen35_models import VOCAB, hf_model
+from conftest import assert_follows_target_law, target_law
 
-from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
@@ -109,28 +108,10 @@ def test_speculative_sampling_on_a_hybrid_follows_the_target_law(target, drafter
     """As tests/test_spec.py's law test: the first token (target prefill) and the second (the first verified
     draft position, after a rollback of the recurrent state) follow the target's sampling law."""
     prompt = PROMPTS[1]
-    target.clear_cache()
-    with torch.no_grad():
-        temperature = float(target(prompt)[0, -1].std()) / 2
-        law = SamplingConfig(temperature=temperature)
-        first_probs = logits_to_probs(target(prompt)[0, -1], law)
-        top = int(first_probs.argmax())
-        second_probs = logits_to_probs(target(torch.cat([prompt, torch.tensor([[top]])], 1))[0, -1], law)
+    law = target_law(target, prompt)
+    assert float(law[3].max()) < 0.95  # the second position has spread too
     eng = engine(target, drafters, kind, draft_len=3)
-    n, hits, counts = 400, 0, torch.zeros(VOCAB)
-    for seed in range(n):
-        toks = eng.generate(prompt, 3, SamplingConfig(temperature, seed=seed), stop_on_eos=False).token_ids[0]
-        if toks[0] == top:
-            hits += 1
-            counts[toks[1]] += 1
-    p = float(first_probs[top])
-    assert 0.05 < p < 0.95 and float(second_probs.max()) < 0.95  # the law has spread: the test can fail
-    # binomial z-test on the first token; |z| > 4.5 has probability < 1e-5
-    assert abs(hits - n * p) / math.sqrt(n * p * (1 - p)) < 4.5
-    # total variation of the conditional second-token histogram against the target law, with a bound far above
-    # the sampling noise of `hits` draws (expected TV ~ sqrt(vocab / hits) / 2, about 0.25 at ~150 hits)
-    tv = 0.5 * float((counts / counts.sum() - second_probs).abs().sum())
-    assert tv < 0.45, tv
+    assert_follows_target_law(eng, prompt, law, n=400, tv_bound=0.45)
 
 
 def test_compiled_aot_and_graph_steps_refuse_a_hybrid_in_one_line(target):
