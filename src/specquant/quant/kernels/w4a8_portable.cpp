@@ -53,4 +53,5 @@ void gemm(const int8_t* q, const float* d, const int32_t* qsum, int64_t M, int64
 
 }  // namespace
 
+#include "w4a8_quantize.h"
 #include "w4a8_entry.h"
