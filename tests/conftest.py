@@ -183,3 +183,25 @@ def assert_follows_target_law(engine, prompt, law, n: int, tv_bound: float):
     assert abs(hits - n * p) / math.sqrt(n * p * (1 - p)) < 4.5
     tv = 0.5 * float((counts / counts.sum() - second_probs).abs().sum())
     assert tv < tv_bound, tv
+
+
+def peaky_model(layers: int, seed: int, vocab: int = 96, eos: int | None = None) -> Transformer:
+    """A small random model with its weights scaled 3x: peaky distributions, so a draft's acceptance is neither
+    0 nor 1."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      eos_token_id=eos)
+    m = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3.0)
+    return m
+
+
+def peaky_pair(vocab: int = 96) -> tuple[Transformer, Transformer]:
+    """(3-layer target, 1-layer draft sharing its embedding): a pair that agrees only in part."""
+    target, draft = peaky_model(3, 0, vocab), peaky_model(1, 1, vocab)
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    return target, draft

@@ -4,8 +4,8 @@ any Drafter plugs into SpecEngine, and the confidence stop and profiling wrapper
 import pytest
 import torch
 
+from conftest import peaky_model, peaky_pair
 from specquant.spec_decode.engine import generate
-from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode import Drafter, LMDrafter, SpecConfig, SpecEngine
 from specquant.errors import SpecquantError
@@ -13,23 +13,13 @@ from specquant.errors import SpecquantError
 VOCAB = 96
 
 
-def _model(layers: int, seed: int) -> Transformer:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    m = Transformer(cfg).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(3.0)
-    return m
+def _model(layers: int, seed: int, eos: int | None = None) -> Transformer:
+    return peaky_model(layers, seed, VOCAB, eos)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target, draft = _model(3, 0), _model(1, 1)
-    with torch.no_grad():
-        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-    return target, draft
+    return peaky_pair(VOCAB)
 
 
 PROMPT = torch.randint(0, VOCAB, (1, 23), generator=torch.Generator().manual_seed(23))

@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_follows_target_law, needs_bundled, target_law
+from conftest import assert_follows_target_law, needs_bundled, peaky_model, peaky_pair, target_law
 from specquant.cli import main
 from specquant.errors import SpecquantError
 from specquant.model.checkpoint import BUNDLED_DIR, read_hf_config
-from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode import Draft, SpecConfig, SpecEngine, generate
 from specquant.spec_decode.build import build_engine
@@ -22,23 +21,12 @@ VOCAB = 96
 
 
 def _model(layers: int, seed: int, eos: int | None = None) -> Transformer:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      eos_token_id=eos)
-    m = Transformer(cfg).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(3.0)  # peaky distributions: acceptance neither 0 nor 1
-    return m
+    return peaky_model(layers, seed, VOCAB, eos)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target, draft = _model(3, 0), _model(1, 1)
-    with torch.no_grad():
-        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-    return target, draft
+    return peaky_pair(VOCAB)
 
 
 PROMPT = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(19))
