@@ -4,17 +4,13 @@ any Drafter plugs into SpecEngine, and the confidence stop and profiling wrapper
 import pytest
 import torch
 
-from conftest import peaky_model, peaky_pair
+from conftest import peaky_pair
 from specquant.spec_decode.engine import generate
 from specquant.model.decoder import Transformer
 from specquant.spec_decode import Drafter, LMDrafter, SpecConfig, SpecEngine
 from specquant.errors import SpecquantError
 
 VOCAB = 96
-
-
-def _model(layers: int, seed: int, eos: int | None = None) -> Transformer:
-    return peaky_model(layers, seed, VOCAB, eos)
 
 
 @pytest.fixture(scope="module")
