@@ -6,7 +6,6 @@ import torch
 
 from conftest import peaky_pair
 from specquant.spec_decode.engine import generate
-from specquant.model.decoder import Transformer
 from specquant.spec_decode import Drafter, LMDrafter, SpecConfig, SpecEngine
 from specquant.errors import SpecquantError
 
