@@ -168,15 +168,16 @@ def test_package_key_does_not_depend_on_whether_caches_exist(hybrid):
 
 
 def test_layer_types_are_validated_and_round_trip():
+    # the names are checked where layers are built (the layer-kind table), the count by the config itself
     with pytest.raises(SpecquantError, match=r"unsupported layer_types \['mamba'\] in config.json; supported: "
                                              "full_attention, linear_attention"):
-        ModelConfig(**CFG, layer_types=("full_attention", "mamba", "full_attention"))
+        Transformer(ModelConfig(**CFG, layer_types=("full_attention", "mamba", "full_attention")))
     with pytest.raises(SpecquantError, match="gated_attention"):  # internal kinds are not config.json's to name
-        ModelConfig(**CFG, layer_types=("full_attention", "gated_attention", "full_attention"))
+        layers.layer_kinds(ModelConfig(**CFG, layer_types=("full_attention", "gated_attention", "full_attention")))
     with pytest.raises(SpecquantError, match="lists 2 layers but num_hidden_layers is 3"):
         ModelConfig(**CFG, layer_types=("full_attention",) * 2)
     cfg = ModelConfig(**CFG)
-    assert cfg.per_layer_types == ("full_attention",) * 3 and "layer_types" not in cfg.to_hf()
+    assert layers.layer_kinds(cfg) == ("full_attention",) * 3 and "layer_types" not in cfg.to_hf()
     spelled = ModelConfig.from_hf({**cfg.to_hf(), "layer_types": ["full_attention"] * 3})
     assert spelled == cfg  # transformers' all-full list is the default
 

@@ -16,6 +16,7 @@ from specquant.model import gated_delta as GD
 from specquant.model.config import ModelConfig
 from specquant.model.deltanet import GatedDeltaNet
 from specquant.model.gated_attention import GatedAttention
+from specquant.model.layers import layer_kinds
 from specquant.model.modules import Linear
 from specquant.model.norms import GatedRMSNorm, ZeroCentredRMSNorm
 from specquant.model.rope import rope_tables
@@ -282,7 +283,7 @@ def test_config_from_hf_and_errors():
     cfg = ModelConfig.from_hf(hf)
     assert cfg.layer_types == tuple(SHAPES["gva"]["layer_types"]) and cfg.linear_num_value_heads == 4
     assert cfg.partial_rotary_factor == 0.25 and cfg.rotary_dim == 6 and cfg.attn_output_gate
-    assert cfg.per_layer_types == ("linear_attention",) * 3 + ("gated_attention",)
+    assert layer_kinds(cfg) == ("linear_attention",) * 3 + ("gated_attention",)
     default = dict(hf, layer_types=None, num_hidden_layers=8)
     assert ModelConfig.from_hf(default).layer_types == (("linear_attention",) * 3 + ("full_attention",)) * 2
     for bad, match in [(dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]),
@@ -293,7 +294,7 @@ def test_config_from_hf_and_errors():
                        (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.3}), "7 rotary dims"),
                        (dict(attn_output_gate=False), "always gates")]:
         with pytest.raises(SpecquantError, match=match) as e:
-            ModelConfig.from_hf(dict(hf, **bad))
+            layer_kinds(ModelConfig.from_hf(dict(hf, **bad)))  # the kinds' names are checked by the table
         assert "\n" not in str(e.value)
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from specquant.util.files import cache_root
+
 
 def compile_cache_dir() -> Path:
     """Where compiled graphs are kept across processes."""
-    root = os.environ.get("SPECQUANT_CACHE") or Path.home() / ".cache" / "specquant"
-    return Path(root) / "compile"
+    return cache_root() / "compile"
 
 
 def use_compile_cache() -> None:

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from specquant.errors import SpecquantError
+from specquant.util.files import cache_root
 
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built; gguf-py in pyproject.toml matches it
 # llama-completion: the plain generation loop (greedy at --temp 0), the target-alone row of the bench
@@ -45,10 +46,6 @@ CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGM
                  "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON")
 BUILD_INFO = "BUILD_INFO"  # written last into every install directory: what says this builder made it
 HOW = "`python -m specquant.export.llama_cpp_build` builds them"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECQUANT_CACHE") or Path.home() / ".cache" / "specquant")
 
 
 def install_dir(root: Path | None = None) -> Path:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from specquant.errors import SpecquantError
+from specquant.util.files import cache_root
 
 FILES = ("abbrev_types.txt", "collocations.tab", "sent_starters.txt", "ortho_context.tab")
 
@@ -50,7 +51,7 @@ def ensure_punkt() -> Path:
             return root
     # the environment's own nltk_data (on NLTK's default path) if writable, else specquant's cache
     candidates = [Path(sys.prefix) / "nltk_data",
-                  Path(os.environ.get("SPECQUANT_CACHE", Path.home() / ".cache" / "specquant")) / "nltk_data"]
+                  cache_root() / "nltk_data"]
     for root in candidates:
         try:
             _write(root / "tokenizers" / "punkt_tab" / "english")

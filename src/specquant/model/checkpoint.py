@@ -22,6 +22,7 @@ from specquant.errors import SpecquantError
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
+from specquant.model.layers import layer_kinds
 from specquant.util.dtypes import parse_dtype
 from specquant.util.files import atomic_dir
 
@@ -67,8 +68,16 @@ def read_hf_config(path: Path) -> dict:
         raise SpecquantError(f"{path / 'config.json'} is not valid JSON ({e}); restore the file") from None
 
 
+def config_from_hf(hf: dict) -> ModelConfig:
+    """ModelConfig.from_hf, with the layer kinds checked against the table too: every config error, before any
+    tensor is read."""
+    cfg = ModelConfig.from_hf(hf)
+    layer_kinds(cfg)
+    return cfg
+
+
 def read_config(name_or_dir) -> ModelConfig:
-    return ModelConfig.from_hf(read_hf_config(resolve(name_or_dir)))
+    return config_from_hf(read_hf_config(resolve(name_or_dir)))
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -129,7 +138,7 @@ def load_dense(name_or_dir, dtype: torch.dtype | str = torch.float32, device: st
     if hf.get("quantization_config"):
         raise SpecquantError(f"{path} is quantized (config.json has quantization_config); load it with "
                              "specquant.loader.load_model")
-    cfg = ModelConfig.from_hf(hf)  # before reading tensors: a config error is the one to report
+    cfg = config_from_hf(hf)  # before reading tensors: a config error is the one to report
     tensors, kept = split_tensors(load_tensors(path))
     log.info("loading %s from %s", cfg.describe(), path)
     with torch.device("meta"):

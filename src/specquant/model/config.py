@@ -75,14 +75,9 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # config.json keys we keep but do not interpret
 
     def __post_init__(self):
-        # imported here: layers.py imports the mixers, and they import this module
-        from specquant.model.layers import config_layer_types
-
+        # the names in layer_types are checked against the layer-kind table where layers are built
+        # (model/layers.py layer_kinds): this module sits below the table and the mixers it imports
         self.layer_types = tuple(self.layer_types)
-        unknown = sorted(set(self.layer_types) - set(config_layer_types()))
-        if unknown:
-            raise SpecquantError(f"unsupported layer_types {unknown} in config.json; supported: "
-                                 f"{', '.join(config_layer_types())}")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise SpecquantError(f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
                                  f"{self.num_hidden_layers}; give one kind per layer")
@@ -101,15 +96,6 @@ class ModelConfig:
         if not 0 < rot <= self.head_dim or rot % 2:
             raise SpecquantError(f"partial_rotary_factor={self.partial_rotary_factor} gives {rot} rotary dims of "
                                  f"head_dim={self.head_dim}; it needs an even count in 2..head_dim")
-
-    @property
-    def per_layer_types(self) -> tuple[str, ...]:
-        """The layer kind (model/layers.py's LAYER_KINDS key) of every layer: layer_types, or the default for each,
-        read through GATED_KINDS when the config gates its attention."""
-        from specquant.model.layers import GATED_KINDS
-
-        types = self.layer_types or (DEFAULT_LAYER_TYPE,) * self.num_hidden_layers
-        return tuple(GATED_KINDS.get(t, t) for t in types) if self.attn_output_gate else types
 
     @property
     def rotary_dim(self) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 from specquant.model.attention import FOLD_MAX_ROWS, FOLD_MIN_ROWS, Attention, attention_mask
 from specquant.model.cache import Cache, KVCache
 from specquant.model.config import DEFAULT_LAYER_TYPE, ModelConfig
-from specquant.model.layers import LAYER_KINDS
+from specquant.model.layers import LAYER_KINDS, layer_kinds
 from specquant.model.modules import MLP, SMALL_MIN_WEIGHT, SMALL_ROWS, Linear, RMSNorm, make_norm
 from specquant.model.rope import rope_tables
 
@@ -60,7 +60,7 @@ class Body(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kind) for kind in cfg.per_layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind) for kind in layer_kinds(cfg))
         self.norm = make_norm(cfg, cfg.hidden_size)
 
 

@@ -16,7 +16,7 @@ Mixer files import their building blocks from model.modules (not model.decoder, 
 
 Keys are config.json's `layer_types` entries, with one internal variant: on a config with attn_output_gate
 (Qwen3.5) a "full_attention" entry builds GATED_KINDS["full_attention"] instead, so the choice is data read from
-the config (ModelConfig.per_layer_types), not a branch in the decoder.
+the config (layer_kinds), not a branch in the decoder.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from specquant.errors import SpecquantError
 from specquant.model.attention import Attention
+from specquant.model.config import ModelConfig
 from specquant.model.deltanet import GatedDeltaNet
 from specquant.model.gated_attention import GatedAttention
 
@@ -48,3 +50,14 @@ GATED_KINDS = {"full_attention": "gated_attention"}
 def config_layer_types() -> tuple[str, ...]:
     """The kinds config.json's layer_types may name (the table's keys, less the internal gated variants)."""
     return tuple(k for k in LAYER_KINDS if k not in GATED_KINDS.values())
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """The layer kind (a LAYER_KINDS key) of every layer: cfg.layer_types (the default kind for each when empty),
+    read through GATED_KINDS when the config gates its attention. A name the table lacks is a one-line error."""
+    types = cfg.per_layer_types_hf
+    unknown = sorted(set(types) - set(config_layer_types()))
+    if unknown:
+        raise SpecquantError(f"unsupported layer_types {unknown} in config.json; supported: "
+                             f"{', '.join(config_layer_types())}")
+    return tuple(GATED_KINDS.get(t, t) for t in types) if cfg.attn_output_gate else types

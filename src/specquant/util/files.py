@@ -24,6 +24,12 @@ from specquant.errors import SpecquantError
 MARKER = ".specquant-out"  # written into every output directory specquant creates
 
 
+def cache_root() -> Path:
+    """specquant's own cache (built kernels, compiled graphs, llama.cpp, NLTK data): `${SPECQUANT_CACHE:-~/.cache/specquant}`;
+    an empty SPECQUANT_CACHE means unset."""
+    return Path(os.environ.get("SPECQUANT_CACHE") or Path.home() / ".cache" / "specquant")
+
+
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     """Write data to path via a temp file in the same directory and a rename: readers see the old file or the
     whole new one, never half of it; a failure (a full disk, say) leaves no temp file and is one SpecquantError."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specquant.errors import SpecquantError
+from specquant.util.files import cache_root
 
 KERNEL_DIR = Path(__file__).resolve().parent
 # no instruction-set flag here: those belong to each variant (a portable variant is built with none).
@@ -57,7 +58,7 @@ def disabled() -> bool:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPECQUANT_CACHE") or Path.home() / ".cache" / "specquant") / "kernels"
+    return cache_root() / "kernels"
 
 
 @functools.lru_cache(maxsize=1)
