@@ -228,6 +228,36 @@ def test_bench_rows_inside_llama_cpp(bin_dir, tmp_path):
     assert rows["w4+w4draft"]["acceptance"] > 0.8
 
 
+def test_bench_block_rows_inside_llama_cpp(bin_dir, tmp_path):
+    """The block-drafter rows: exported by export_block_files, drafting the whole block (k = 15) with
+    --spec-type draft-dflash, acceptance reported, the target's own text reproduced (the same loose bound as the LM
+    rows above: llama.cpp's batched verify is not bit-equal to its one-token decode)."""
+    from specquant.bench.llama_cpp import BLOCK_ROWS, export_block_files, format_table
+    from test_export_dflash import w4_block_draft
+
+    target = tmp_path / "target.gguf"
+    write_gguf(source_from_checkpoint("tiny-target"), target)
+    paths = {"target": Path("tiny-target"), "block_draft": Path("tiny-block-draft"),
+             "quantized_block_draft": w4_block_draft(tmp_path / "w4")}
+    logged = []
+    files = export_block_files(paths, tmp_path / "files", logged.append)
+    assert set(files) == {"block-draft-f32", "block-draft-w4"} and len(logged) == 2
+    files["target-f32"] = files["target-w4"] = target
+    tok = load_tokenizer("tiny-target")
+    rows = (ROWS[0], ROWS[2], *BLOCK_ROWS)  # f32, w4 (the block rows' target alone), the block rows
+    result = run_rows(files, [("p", "Once upon a time, in a small village by the sea, there lived")],
+                      lambda t: tok.backend_tokenizer.encode(t).ids, bin_dir=bin_dir, max_new_tokens=24, runs=1,
+                      warmup=0, threads=1, ctx=256, rows=rows, block_draft_len=15, log=lambda *_: None)
+    by_id = {r["id"]: r for r in result["rows"]}
+    for row in BLOCK_ROWS:
+        r = by_id[row.id]
+        assert r["draft_len"] == 15 and r["n_drafted"] > 0 and 0 < r["acceptance"] <= 1
+        assert r["match_vs_target_alone"] >= 0.5
+    assert "block drafter k=15" in format_table(result)
+    with pytest.raises(Exception, match="block_draft_len"):
+        run_rows(files, [], None, rows=rows)
+
+
 def test_parse_kl_reads_llama_perplexity_summary():
     """The summary lines as tools/perplexity/perplexity.cpp prints them (format strings copied from its LOG calls)."""
     from specquant.bench.llama_cpp_quality import parse_kl
