@@ -135,3 +135,18 @@ def test_export_for_llama_cpp_writes_the_pair_and_a_dflash_command(tmp_path):
         assert "--spec-type draft-dflash --spec-draft-n-max 15" in cmd and str(out / "draft.gguf") in cmd
     lm = export_llama_cpp("tiny-target", "tiny-draft", tmp_path / "lm", ExportConfig(num_speculative_tokens=4))
     assert "--spec-type draft-simple --spec-draft-n-max 4" in lm["commands"]["llama-server"]
+
+
+def test_sliding_window_is_carried_on_every_layer(tmp_path):
+    import shutil
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(BUNDLED_DIR / "tiny-block-draft", drafter)
+    hf = read_hf_config(drafter)
+    hf["specquant_sliding_window"] = 16
+    (drafter / "config.json").write_text(json.dumps(hf))
+    write_dflash_gguf(drafter, "tiny-target", tmp_path / "w.gguf")
+    kv = _fields(gguf.GGUFReader(tmp_path / "w.gguf"))
+    # llama.cpp's standard SWA (key at pos visible from p when p - pos < W) is our window rule
+    assert kv["dflash.attention.sliding_window"] == 16
+    assert kv["dflash.attention.sliding_window_pattern"] == [1, 1]

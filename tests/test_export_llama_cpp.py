@@ -90,7 +90,7 @@ def _our_block_draft_steps(draft, prompt_ids: list[int], continuation: list[int]
                            drafted: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy block speculation by our drafter, teacher-forced on the target's greedy `continuation`, keeping
     `drafted[i]` tokens at step i (llama.cpp caps its last drafts to the budget): context = target features of every
-    position before the anchor, anchor = the last committed token. Returns the accepted count per step and the
+    position before the anchor (within the drafter's window), anchor = the last committed token. Returns the accepted count per step and the
     draft's logits per step [B-1, vocab]."""
     target = load_model("tiny-target", torch.float32)
     draft = draft.attach_target(target)
@@ -100,7 +100,7 @@ def _our_block_draft_steps(draft, prompt_ids: list[int], continuation: list[int]
         features = hidden.flatten(2)  # [1, L, taps * hidden]
         m, accepted, logits = len(prompt_ids), [], []
         for b in drafted:
-            draft.setup_cache(seq.shape[1] + draft.config.block_size, window=None)
+            draft.setup_cache(seq.shape[1] + draft.config.block_size)  # the config's window
             draft.append_context(features[:, : m - 1])
             logits.append(draft.propose(seq[0, m - 1]))
             tokens = logits[-1].argmax(-1)[:b].tolist()
@@ -139,14 +139,26 @@ def _dflash_run(bin_dir, target: Path, draft: Path, prompt: Path, n: int):
     return _strip_prompt(proc.stdout, prompt), steps, summary, per_step
 
 
-def test_llama_cpp_dflash_runs_our_block_drafter_as_ours(bin_dir, tmp_path):
+@pytest.mark.parametrize("window", [None, 16])
+def test_llama_cpp_dflash_runs_our_block_drafter_as_ours(bin_dir, tmp_path, window):
     """Our block drafter inside llama.cpp (--spec-type draft-dflash, F32): the output is the target's greedy text;
     at every step llama.cpp accepts as many draft tokens as our drafter earns on the same context, and its draft
     distribution (top-3 of top-10, every block position) is ours. That holds only if the tap convention (layer l's
     output = llama.cpp's input of layer l + 1), the mask token, the positions (anchor at n over context < n), the
-    non-causal block and the shared embeddings/head all match."""
+    non-causal block, the shared embeddings/head and (window 16, shorter than the 66-token sequence) the sliding
+    window all match."""
+    import json
+    import shutil
+
     from specquant.drafter_loader import load_block_draft
     from specquant.export.gguf_dflash import write_dflash_gguf
+    from specquant.model.checkpoint import BUNDLED_DIR
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(BUNDLED_DIR / "tiny-block-draft", drafter)
+    hf = json.loads((drafter / "config.json").read_text())
+    hf["specquant_sliding_window"] = window
+    (drafter / "config.json").write_text(json.dumps(hf))
 
     tok = load_tokenizer("tiny-target")
     text = "Once upon a time, in a small village by the sea, there lived"
@@ -154,7 +166,7 @@ def test_llama_cpp_dflash_runs_our_block_drafter_as_ours(bin_dir, tmp_path):
     prompt.write_text(text)
     target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
     write_gguf(source_from_checkpoint("tiny-target"), target)
-    write_dflash_gguf("tiny-block-draft", "tiny-target", draft)
+    write_dflash_gguf(drafter, "tiny-target", draft)
     n = 48
     out, steps, summary, candidates = _dflash_run(bin_dir, target, draft, prompt, n)
     ids = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
@@ -162,7 +174,7 @@ def test_llama_cpp_dflash_runs_our_block_drafter_as_ours(bin_dir, tmp_path):
     assert out.startswith(tok.decode(ours[:n]))
     assert summary == {"n_drafted": sum(b for _, b in steps), "n_accept": sum(a for a, _ in steps)}
     assert summary["n_accept"] > 0
-    accepted, logits = _our_block_draft_steps(load_block_draft("tiny-block-draft", torch.float32), ids, ours,
+    accepted, logits = _our_block_draft_steps(load_block_draft(drafter, torch.float32), ids, ours,
                                               [b for _, b in steps])
     assert [a for a, _ in steps] == accepted
     assert len(candidates) == len(steps) and all(len(c) == 15 for c in candidates)
