@@ -7,7 +7,7 @@ Rows (all greedy, EOS ignored, the same prompts, interleaved prompt by prompt so
   w4+draft     w4 + our high-precision draft (F32 GGUF)                                 llama-speculative-simple
   w4+w4draft   w4 + our W4 draft as Q4_0                                               llama-speculative-simple
 with --block-draft, the block drafter as llama.cpp's dflash drafter (export/gguf_dflash.py), drafting its whole trained
-block (k = block_size - 1, whatever --draft-len says: a shorter block is not the computation it was trained on):
+block (k = block_size - 1, whatever --block-draft-len says: a shorter block is not what it was trained on):
   w4+blockdraft    w4 + our block drafter (F32 GGUF)                  llama-speculative-simple --spec-type draft-dflash
   w4+w4blockdraft  w4 + our W4 block drafter as Q4_0                  llama-speculative-simple --spec-type draft-dflash
 tokens/s is each tool's own timing of its decode loop (llama-completion: `eval time` + `sampling time` over the
