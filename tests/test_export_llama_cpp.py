@@ -90,8 +90,8 @@ def _our_block_draft_steps(draft, prompt_ids: list[int], continuation: list[int]
                            drafted: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy block speculation by our drafter, teacher-forced on the target's greedy `continuation`, keeping
     `drafted[i]` tokens at step i (llama.cpp caps its last drafts to the budget): context = target features of every
-    position before the anchor (within the drafter's window), anchor = the last committed token. Returns the accepted count per step and the
-    draft's logits per step [B-1, vocab]."""
+    position before the anchor (within the drafter's window), anchor = the last committed token. Returns the
+    accepted count per step and the draft's logits per step [B-1, vocab]."""
     target = load_model("tiny-target", torch.float32)
     draft = draft.attach_target(target)
     seq = torch.tensor([prompt_ids + continuation])
