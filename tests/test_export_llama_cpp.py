@@ -86,6 +86,127 @@ def test_llama_cpp_greedy_equals_ours_on_f32_export(bin_dir, draft_gguf, tmp_pat
     assert g.tokens_per_s > 0
 
 
+def _our_block_draft_steps(draft, prompt_ids: list[int], continuation: list[int],
+                           drafted: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy block speculation by our drafter, teacher-forced on the target's greedy `continuation`, keeping
+    `drafted[i]` tokens at step i (llama.cpp caps its last drafts to the budget): context = target features of every
+    position before the anchor (within the drafter's window), anchor = the last committed token. Returns the
+    accepted count per step and the draft's logits per step [B-1, vocab]."""
+    target = load_model("tiny-target", torch.float32)
+    draft = draft.attach_target(target)
+    seq = torch.tensor([prompt_ids + continuation])
+    with torch.no_grad():
+        _, hidden = target(seq, hidden_layers=tuple(draft.config.target_layer_ids))
+        features = hidden.flatten(2)  # [1, L, taps * hidden]
+        m, accepted, logits = len(prompt_ids), [], []
+        for b in drafted:
+            draft.setup_cache(seq.shape[1] + draft.config.block_size)  # the config's window
+            draft.append_context(features[:, : m - 1])
+            logits.append(draft.propose(seq[0, m - 1]))
+            tokens = logits[-1].argmax(-1)[:b].tolist()
+            want = seq[0, m : m + b].tolist()
+            a = next((i for i, (x, y) in enumerate(zip(tokens, want)) if x != y), len(tokens))
+            accepted.append(a)
+            m += a + 1
+    return accepted, logits
+
+
+def _dflash_run(bin_dir, target: Path, draft: Path, prompt: Path, n: int):
+    """llama-speculative-simple with --spec-type draft-dflash and the whole block. Returns (text, [(accepted,
+    drafted)] per step, {n_drafted, n_accept}, [[[(id, p)] * 3 candidates] * 15 positions] per step) from its
+    debug log; F32 KV caches, so its numbers are as close to ours as its arithmetic."""
+    import re
+
+    from specquant.bench.llama_cpp import _strip_prompt
+
+    proc = run_tool([bin_dir / "llama-speculative-simple", "-m", target, "-md", draft, "--spec-type", "draft-dflash",
+                     "--spec-draft-n-max", "15", "-f", prompt, "-n", n, "--temp", "0", "--ignore-eos", "-t", 1,
+                     "-td", 1, "-c", 256, "--seed", 0, "-v", "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd",
+                     "f32"])
+    steps = [(int(a), int(b)) for a, b in re.findall(r"accepted (\d+)/(\d+) draft tokens", proc.stderr)]
+    summary = {k: int(re.search(rf"{k}\s*=\s*(\d+)", proc.stderr).group(1)) for k in ("n_drafted", "n_accept")}
+    # " - seq_id 0, draft candidate K, pos P: ID (PROB) 'piece'": the top 3 of its top-10 draft sampler per position
+    cands = [(int(k), int(pos), int(i), float(pr)) for k, pos, i, pr in re.findall(
+        r"draft candidate\s+(\d+), pos\s+(\d+):\s+(\d+) \(\s*([\d.]+)\)", proc.stderr)]
+    per_step, step = [], None
+    for k, pos, i, pr in cands:
+        if k == 0 and pos == 0:
+            step = []
+            per_step.append(step)
+        if k == 0:
+            step.append([])
+        step[pos].append((i, pr))
+    return _strip_prompt(proc.stdout, prompt), steps, summary, per_step
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_llama_cpp_dflash_runs_our_block_drafter_as_ours(bin_dir, tmp_path, window):
+    """Our block drafter inside llama.cpp (--spec-type draft-dflash, F32): the output is the target's greedy text;
+    at every step llama.cpp accepts as many draft tokens as our drafter earns on the same context, and its draft
+    distribution (top-3 of top-10, every block position) is ours. That holds only if the tap convention (layer l's
+    output = llama.cpp's input of layer l + 1), the mask token, the positions (anchor at n over context < n), the
+    non-causal block, the shared embeddings/head and (window 16, shorter than the 66-token sequence) the sliding
+    window all match."""
+    import json
+    import shutil
+
+    from specquant.drafter_loader import load_block_draft
+    from specquant.export.gguf_dflash import write_dflash_gguf
+    from specquant.model.checkpoint import BUNDLED_DIR
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(BUNDLED_DIR / "tiny-block-draft", drafter)
+    hf = json.loads((drafter / "config.json").read_text())
+    hf["specquant_sliding_window"] = window
+    (drafter / "config.json").write_text(json.dumps(hf))
+
+    tok = load_tokenizer("tiny-target")
+    text = "Once upon a time, in a small village by the sea, there lived"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(text)
+    target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
+    write_gguf(source_from_checkpoint("tiny-target"), target)
+    write_dflash_gguf(drafter, "tiny-target", draft)
+    n = 48
+    out, steps, summary, candidates = _dflash_run(bin_dir, target, draft, prompt, n)
+    ids = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    ours = _ours_greedy("tiny-target", ids, n + 16)  # llama.cpp may emit up to a block past -n
+    assert out.startswith(tok.decode(ours[:n]))
+    assert summary == {"n_drafted": sum(b for _, b in steps), "n_accept": sum(a for a, _ in steps)}
+    assert summary["n_accept"] > 0
+    accepted, logits = _our_block_draft_steps(load_block_draft(drafter, torch.float32), ids, ours,
+                                              [b for _, b in steps])
+    assert [a for a, _ in steps] == accepted
+    assert len(candidates) == len(steps) and all(len(c) == 15 for c in candidates)
+    for step_logits, step in zip(logits, candidates):
+        top = step_logits.topk(10, -1)
+        probs = torch.zeros_like(step_logits).scatter_(-1, top.indices, top.values.softmax(-1))  # its top-k sampler
+        for pos, cands in enumerate(step):
+            assert cands[0][0] == int(step_logits[pos].argmax())
+            for i, p in cands:  # printed to 3 decimals
+                assert abs(float(probs[pos, i]) - p) < 2e-3, (pos, i, p, float(probs[pos, i]))
+
+
+def test_llama_cpp_dflash_w4_drafter_is_lossless(bin_dir, tmp_path):
+    """The W4 block drafter (Q4_0 from our codes): still the target's greedy text, and drafts do get accepted
+    (llama.cpp's Q4_0 matmul rounds activations to Q8_0, so per-step counts may differ from ours)."""
+    from specquant.export.gguf_dflash import write_dflash_gguf
+    from test_export_dflash import w4_block_draft
+
+    tok = load_tokenizer("tiny-target")
+    text = "The meaning of the word"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(text)
+    target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
+    write_gguf(source_from_checkpoint("tiny-target"), target)
+    write_dflash_gguf(w4_block_draft(tmp_path / "w4"), "tiny-target", draft, dense_dtype="bf16")
+    n = 40
+    out, steps, summary, _ = _dflash_run(bin_dir, target, draft, prompt, n)
+    ours = _ours_greedy("tiny-target", tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, n)
+    assert out.startswith(tok.decode(ours))
+    assert summary["n_accept"] > 0 and len(steps) < n
+
+
 def test_bench_rows_inside_llama_cpp(bin_dir, tmp_path):
     """run_rows on a W4 draft pair: every row runs, speculative rows report acceptance, and greedy speculative
     decoding reproduces its target alone (llama.cpp's batched verify is numerically close to one-token decode on
@@ -117,6 +238,36 @@ def test_bench_rows_inside_llama_cpp(bin_dir, tmp_path):
         assert rows[rid]["match_vs_target_alone"] >= 0.5
     # the W4 target drafting for itself: every draft token is the target's own greedy choice
     assert rows["w4+w4draft"]["acceptance"] > 0.8
+
+
+def test_bench_block_rows_inside_llama_cpp(bin_dir, tmp_path):
+    """The block-drafter rows: exported by export_block_files, drafting the whole block (k = 15) with
+    --spec-type draft-dflash, acceptance reported, the target's own text reproduced (the same loose bound as the LM
+    rows above: llama.cpp's batched verify is not bit-equal to its one-token decode)."""
+    from specquant.bench.llama_cpp import BLOCK_ROWS, export_block_files, format_table
+    from test_export_dflash import w4_block_draft
+
+    target = tmp_path / "target.gguf"
+    write_gguf(source_from_checkpoint("tiny-target"), target)
+    paths = {"target": Path("tiny-target"), "block_draft": Path("tiny-block-draft"),
+             "quantized_block_draft": w4_block_draft(tmp_path / "w4")}
+    logged = []
+    files = export_block_files(paths, tmp_path / "files", logged.append)
+    assert set(files) == {"block-draft-f32", "block-draft-w4"} and len(logged) == 2
+    files["target-f32"] = files["target-w4"] = target
+    tok = load_tokenizer("tiny-target")
+    rows = (ROWS[0], ROWS[2], *BLOCK_ROWS)  # f32, w4 (the block rows' target alone), the block rows
+    result = run_rows(files, [("p", "Once upon a time, in a small village by the sea, there lived")],
+                      lambda t: tok.backend_tokenizer.encode(t).ids, bin_dir=bin_dir, max_new_tokens=24, runs=1,
+                      warmup=0, threads=1, ctx=256, rows=rows, block_draft_len=15, log=lambda *_: None)
+    by_id = {r["id"]: r for r in result["rows"]}
+    for row in BLOCK_ROWS:
+        r = by_id[row.id]
+        assert r["draft_len"] == 15 and r["n_drafted"] > 0 and 0 < r["acceptance"] <= 1
+        assert r["match_vs_target_alone"] >= 0.5
+    assert "block drafter k=15" in format_table(result)
+    with pytest.raises(Exception, match="block_draft_len"):
+        run_rows(files, [], None, rows=rows)
 
 
 def test_parse_kl_reads_llama_perplexity_summary():

@@ -43,7 +43,7 @@ def run_llama_cpp(cfg: BenchConfig, args, log) -> int:
     from specquant.bench.llama_cpp import format_table, run_bench
 
     result = run_bench(cfg, args.target, args.draft, args.quantized_target, args.quantized_draft, args.llama_cpp,
-                       log)
+                       log, args.block_draft, args.quantized_block_draft)
     if args.json:
         print_json(result)
     else:

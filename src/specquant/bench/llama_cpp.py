@@ -6,6 +6,10 @@ Rows (all greedy, EOS ignored, the same prompts, interleaved prompt by prompt so
   w4           our W4 target (AWQ/GPTQ/QAD codes) as Q4_0, exact                        llama-completion
   w4+draft     w4 + our high-precision draft (F32 GGUF)                                 llama-speculative-simple
   w4+w4draft   w4 + our W4 draft as Q4_0                                               llama-speculative-simple
+with --block-draft, the block drafter as llama.cpp's dflash drafter (export/gguf_dflash.py), drafting its whole trained
+block (k = block_size - 1, whatever --block-draft-len says: a shorter block is not what it was trained on):
+  w4+blockdraft    w4 + our block drafter (F32 GGUF)                  llama-speculative-simple --spec-type draft-dflash
+  w4+w4blockdraft  w4 + our W4 block drafter as Q4_0                  llama-speculative-simple --spec-type draft-dflash
 tokens/s is each tool's own timing of its decode loop (llama-completion: `eval time` + `sampling time` over the
 generated tokens; llama-speculative-simple: `decoded N tokens in T s`, which includes drafting and sampling);
 acceptance is llama.cpp's n_accept / n_drafted. `match` is the fraction of generated tokens, from the start, equal
@@ -35,6 +39,7 @@ class RowSpec:
     target: str  # key of the GGUF files
     draft: str | None = None
     alone: str | None = None  # row id of the same target without a draft
+    spec_type: str = "draft-simple"  # llama.cpp's --spec-type for the draft
 
 
 ROWS = (
@@ -43,6 +48,12 @@ ROWS = (
     RowSpec("w4", "our W4 target as Q4_0", "target-w4"),
     RowSpec("w4+draft", "our W4 target + our draft", "target-w4", "draft-f32", alone="w4"),
     RowSpec("w4+w4draft", "our W4 target + our W4 draft", "target-w4", "draft-w4", alone="w4"),
+)
+BLOCK_ROWS = (  # with a block drafter
+    RowSpec("w4+blockdraft", "our W4 target + our block drafter", "target-w4", "block-draft-f32", alone="w4",
+            spec_type="draft-dflash"),
+    RowSpec("w4+w4blockdraft", "our W4 target + our W4 block drafter", "target-w4", "block-draft-w4", alone="w4",
+            spec_type="draft-dflash"),
 )
 
 
@@ -79,6 +90,26 @@ def export_files(paths: dict[str, Path], workdir: Path, bin_dir=None, log=print)
         files[key] = out
     files["target-q4_0-llama"] = llama_quantize(files["target-f32"], workdir / "target-q4_0-llama.gguf", "Q4_0",
                                                 bin_dir=bin_dir)
+    files.update(export_block_files(paths, workdir, log))
+    return files
+
+
+def export_block_files(paths: dict[str, Path], workdir: Path, log=print) -> dict[str, Path]:
+    """The block drafter's dflash GGUFs (F32, and its W4 as Q4_0 when paths has one), when paths has a block drafter.
+    The bench's GPTQ keeps the drafter's fp32 scales, which fp16 GGUF blocks round: that error is logged, not hidden."""
+    from specquant.export.gguf_dflash import write_dflash_gguf
+
+    files = {}
+    for key, role, dense, inexact in (("block-draft-f32", "block_draft", "f32", "error"),
+                                      ("block-draft-w4", "quantized_block_draft", "bf16", "warn")):
+        if role not in paths:
+            continue
+        out = workdir / f"{key}.gguf"
+        if not out.exists():
+            report = write_dflash_gguf(paths[role], paths["target"], out, dense_dtype=dense, inexact=inexact)
+            log(f"exported {paths[role]} -> {out} (dflash {report['file_type']}, max |error| quantized "
+                f"{report['max_abs_error_quantized']:.3g} in {report['inexact_tensors']} tensors)")
+        files[key] = out
     return files
 
 
@@ -124,8 +155,9 @@ def _run_until(cmd: list, needed: tuple[re.Pattern, ...]) -> tuple[subprocess.Co
 
 
 def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx: int,
-             draft: Path | None = None, draft_len: int = 3) -> Generation:
-    """Greedy continuation of the prompt by llama.cpp (with a draft: llama-speculative-simple)."""
+             draft: Path | None = None, draft_len: int = 3, spec_type: str = "draft-simple") -> Generation:
+    """Greedy continuation of the prompt by llama.cpp (with a draft: llama-speculative-simple --spec-type
+    spec_type)."""
     common = ["-m", target, "-f", prompt_file, "-n", n, "--temp", "0", "--ignore-eos", "-t", threads, "-c", ctx,
               "--seed", "0"]
     if draft is None:
@@ -135,7 +167,7 @@ def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx
         seconds = (float(m.group(1)) + float(ms.group(1))) / 1e3
         return Generation(proc.stdout, int(m.group(2)) / seconds)
     proc, (m, drafted, accepted) = _run_until(
-        [find_tool("llama-speculative-simple", bin_dir), *common, "-md", draft, "--spec-type", "draft-simple",
+        [find_tool("llama-speculative-simple", bin_dir), *common, "-md", draft, "--spec-type", spec_type,
          "--spec-draft-n-max", draft_len, "-td", threads], (_DECODED, _DRAFTED, _ACCEPTED))
     return Generation(_strip_prompt(proc.stdout, prompt_file), float(m.group(3)), int(drafted.group(1)),
                       int(accepted.group(1)))
@@ -183,9 +215,16 @@ class RowResult:
 
 def run_rows(files: dict[str, Path], prompts: list[tuple[str, str]], encode, *, bin_dir=None,
              max_new_tokens: int = 128, runs: int = 3, warmup: int = 1, threads: int = 2, ctx: int = 2048,
-             draft_len: int = 3, rows=ROWS, log=print) -> dict:
-    """Every row on every (id, text) prompt; returns the table rows as dicts."""
+             draft_len: int = 3, rows=ROWS, block_draft_len: int | None = None, log=print) -> dict:
+    """Every row on every (id, text) prompt; returns the table rows as dicts. draft-dflash rows draft
+    block_draft_len tokens (the drafter's block_size - 1), the others draft_len."""
     results = {r.id: RowResult(r) for r in rows}
+    if block_draft_len is None and any(r.spec_type == "draft-dflash" for r in rows):
+        raise SpecquantError("block-drafter rows need block_draft_len (the drafter's block_size - 1)")
+
+    def k_of(r: RowSpec) -> int:
+        return block_draft_len if r.spec_type == "draft-dflash" else draft_len
+
     with tempfile.TemporaryDirectory(prefix="specquant-llama-") as tmp:
         for pid, text in prompts:
             prompt_file = Path(tmp) / f"{pid}.txt"
@@ -194,7 +233,7 @@ def run_rows(files: dict[str, Path], prompts: list[tuple[str, str]], encode, *, 
             for rep in range(warmup + runs):
                 for r in rows:  # interleaved: each run visits every row before the next run
                     g = generate(bin_dir, files[r.target], prompt_file, max_new_tokens, threads, ctx,
-                                 files[r.draft] if r.draft else None, draft_len)
+                                 files[r.draft] if r.draft else None, k_of(r), r.spec_type)
                     if rep < warmup:
                         continue
                     speeds[r.id].append(g.tokens_per_s)
@@ -220,6 +259,7 @@ def run_rows(files: dict[str, Path], prompts: list[tuple[str, str]], encode, *, 
             alone = results[r.alone]
             row["acceptance"] = round(res.accepted / res.drafted, 4) if res.drafted else None
             row["n_drafted"], row["n_accept"] = res.drafted, res.accepted
+            row["draft_len"] = k_of(r)
             row["speedup_vs_target_alone"] = round(tps / statistics.mean(alone.tokens_per_s), 3)
             row["match_vs_target_alone"] = round(statistics.mean(
                 match_fraction(encode, t, b) for t, b in zip(res.texts, alone.texts)), 4)
@@ -238,27 +278,31 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['name']:<44} {r['tokens_per_s']:>8.1f} {f('speedup_vs_f32', '.2f'):>7} "
                      f"{f('speedup_vs_target_alone', '.2f'):>9} {f('acceptance', '.1%'):>7} "
                      f"{f('match_vs_f32', '.1%'):>10} {f('match_vs_target_alone', '.1%'):>12}")
+    block_k = {r["draft_len"] for r in result["rows"] if r["id"] in {b.id for b in BLOCK_ROWS}}
     lines.append(f"({len(result['prompts'])} prompts x {result['max_new_tokens']} new tokens, median of "
-                 f"{result['runs']} runs, {result['threads']} threads, k={result['draft_len']})")
+                 f"{result['runs']} runs, {result['threads']} threads, k={result['draft_len']}"
+                 + (f", block drafter k={block_k.pop()}" if block_k else "") + ")")
     return "\n".join(lines)
 
 
-def run_bench(cfg, target, draft, quantized_target=None, quantized_draft=None, bin_dir=None, log=print) -> dict:
+def run_bench(cfg, target, draft, quantized_target=None, quantized_draft=None, bin_dir=None, log=print,
+              block_draft=None, quantized_block_draft=None) -> dict:
     """`specquant bench --engine llama.cpp`: the same checked inputs as our bench (bench/prepare.py; W4 checkpoints
-    not given are quantized into --out/cache), exported to --out/llama.cpp/, every row run on the bench prompts;
-    writes llama_cpp.json / llama_cpp.md into --out. Greedy only."""
+    not given are quantized into --out/cache), exported to --out/llama.cpp/, every row run on the bench prompts
+    (with block_draft, the BLOCK_ROWS too); writes llama_cpp.json / llama_cpp.md into --out. Greedy only."""
     import json
     import os
 
     from specquant.bench.prepare import prepare_quantized, validate
     from specquant.bench.prompts import encode as encode_ids
     from specquant.bench.prompts import fit_lengths, load_prompts
-    from specquant.model.checkpoint import load_tokenizer, read_config
+    from specquant.model.checkpoint import load_tokenizer, read_config, read_hf_config
     from specquant.util.files import atomic_write, claim_out_dir
 
     if cfg.sampling.temperature != 0:
         raise SpecquantError(f"--temperature {cfg.sampling.temperature}: the llama.cpp rows are greedy; use 0")
-    paths = validate(cfg, target, draft, quantized_target, quantized_draft, "cpu")
+    paths = validate(cfg, target, draft, quantized_target, quantized_draft, "cpu",
+                     block_draft=block_draft, quantized_block_draft=quantized_block_draft)
     for tool in ("llama-completion", "llama-speculative-simple", "llama-quantize"):  # bad input fails before a build
         find_tool(tool, bin_dir)
     out = claim_out_dir(cfg.out, cfg.overwrite)
@@ -271,9 +315,16 @@ def run_bench(cfg, target, draft, quantized_target=None, quantized_draft=None, b
     prompts = load_prompts(tokenizer, lengths, cfg.content_sets, cfg.prompts_per_length, cfg.prompts_per_set,
                            cfg.content_max_tokens, cfg.prompts)
     texts = [(p.id, tokenizer.decode(p.ids)) for p in prompts]
+    block_len = None
+    if "block_draft" in paths:
+        from specquant.export.gguf_dflash import spec_draft_n_max
+        from specquant.model.block_draft import BlockDraftConfig
+
+        block_len = spec_draft_n_max(BlockDraftConfig.from_hf(read_hf_config(paths["block_draft"])))
     result = run_rows(files, texts, lambda t: encode_ids(tokenizer, t), bin_dir=bin_dir,
                       max_new_tokens=cfg.max_new_tokens, runs=cfg.runs, warmup=cfg.warmup, threads=threads,
-                      ctx=context, draft_len=cfg.spec.draft_len, log=log)
+                      ctx=context, draft_len=cfg.spec.draft_len, rows=ROWS + (BLOCK_ROWS if block_len else ()),
+                      block_draft_len=block_len, log=log)
     result["files"] = {k: str(v) for k, v in files.items()}
     atomic_write(out / "llama_cpp.json", json.dumps(result, indent=2) + "\n")
     atomic_write(out / "llama_cpp.md", "```\n" + format_table(result) + "\n```\n")

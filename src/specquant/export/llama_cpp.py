@@ -1,16 +1,25 @@
 """llama.cpp export: target (and draft) as GGUF files, the command lines that serve them, and where llama.cpp's
-tools are (built on first use by export/llama_cpp_build.py)."""
+tools are (built on first use by export/llama_cpp_build.py).
+
+Drafters llama.cpp runs, one row each in DRAFT_GGUF: an LM drafter as a whole causal LM (export/gguf.py,
+`--spec-type draft-simple`), a block drafter as llama.cpp's dflash architecture (export/gguf_dflash.py,
+`--spec-type draft-dflash` with the whole trained block drafted per step).
+"""
 
 from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from specquant.errors import SpecquantError
 from specquant.export import llama_cpp_build
 from specquant.export.config import ExportConfig, check_out, write_marker
 from specquant.export.gguf import source_from_checkpoint, write_gguf
+from specquant.export.gguf_dflash import spec_draft_n_max, write_dflash_gguf
+from specquant.model.block_draft import BlockDraftConfig
 from specquant.model.checkpoint import read_hf_config, resolve
 from specquant.util.files import atomic_dir
 
@@ -37,13 +46,38 @@ def find_tool(name: str, bin_dir: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def commands(target_gguf: Path, draft_gguf: Path | None, cfg: ExportConfig, ctx: int) -> dict[str, str]:
-    """Ready-to-run llama-server and llama-speculative-simple command lines (greedy, k draft tokens)."""
+@dataclass(frozen=True)
+class DraftGGUF:
+    """How llama.cpp runs one drafter kind: its GGUF writer and its `--spec-type`."""
+
+    spec_type: str
+    # (draft dir, target dir, out path, dense_dtype, inexact) -> write_gguf's report
+    write: Callable[..., dict]
+    # (draft config.json, ExportConfig) -> --spec-draft-n-max
+    n_max: Callable[[dict, ExportConfig], int]
+
+
+def _write_lm(draft, target, out, dense_dtype, inexact) -> dict:
+    return write_gguf(source_from_checkpoint(draft), out, dense_dtype, inexact)
+
+
+DRAFT_GGUF = {
+    "lm": DraftGGUF("draft-simple", _write_lm, lambda hf, cfg: cfg.num_speculative_tokens),
+    # a shorter noise block would be a different bidirectional computation than the trained one (gguf_dflash.py)
+    "block": DraftGGUF("draft-dflash", write_dflash_gguf,
+                       lambda hf, cfg: spec_draft_n_max(BlockDraftConfig.from_hf(hf))),
+}
+
+
+def commands(target_gguf: Path, draft_gguf: Path | None, cfg: ExportConfig, ctx: int,
+             spec_type: str = "draft-simple", n_max: int | None = None) -> dict[str, str]:
+    """Ready-to-run llama-server and llama-speculative-simple command lines (greedy, n_max draft tokens; default
+    cfg.num_speculative_tokens)."""
     server = ["llama-server", "-m", str(target_gguf), "-c", str(ctx), "--port", "8080"]
     out = {}
     if draft_gguf is not None:
-        spec = ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max",
-                str(cfg.num_speculative_tokens)]
+        spec = ["-md", str(draft_gguf), "--spec-type", spec_type, "--spec-draft-n-max",
+                str(cfg.num_speculative_tokens if n_max is None else n_max)]
         out["llama-server"] = shlex.join(server + spec)
         out["llama-speculative-simple"] = shlex.join(
             ["llama-speculative-simple", "-m", str(target_gguf), *spec, "-c", str(ctx), "--temp", "0", "-n", "128",
@@ -60,27 +94,31 @@ def export_llama_cpp(target, draft, out: Path, cfg: ExportConfig, overwrite: boo
     check_out(out, overwrite)
     target_path = resolve(target)
     draft_path = resolve(draft) if draft else None
+    how = None
     if draft_path is not None:
         from specquant.export.vllm import check_pair, drafter_kind
 
         draft_hf = read_hf_config(draft_path)
         kind = drafter_kind(draft_hf)
-        if not kind.standalone:  # our GGUF writer converts whole causal LMs only
-            raise SpecquantError(f"GGUF export of a {kind.title} is not implemented: llama.cpp reads it through its "
-                                 "own converter (convert_hf_to_gguf.py --target-model-dir), which the "
-                                 "llama-cpp-python sdist does not ship; export the pair --for vllm instead")
+        how = DRAFT_GGUF.get(kind.name)
+        if how is None:
+            raise SpecquantError(f"GGUF export of a {kind.title} is not implemented (llama.cpp runs the "
+                                 f"{', '.join(DRAFT_GGUF)} drafter kinds); export the target alone, or --for vllm")
         check_pair(read_hf_config(target_path), draft_hf)
-    sources = {"target": source_from_checkpoint(target_path)}
-    if draft_path is not None:
-        sources["draft"] = source_from_checkpoint(draft_path)
+    target_src = source_from_checkpoint(target_path)
+    ctx = cfg.ctx_size or target_src.config.max_position_embeddings
+    draft_out = (out / "draft.gguf").resolve() if draft_path else None
+    spec = {"spec_type": how.spec_type, "n_max": how.n_max(draft_hf, cfg)} if how else {}
+    cmds = commands((out / "target.gguf").resolve(), draft_out, cfg, ctx, **spec)
     reports = {}
-    ctx = cfg.ctx_size or sources["target"].config.max_position_embeddings
-    cmds = commands((out / "target.gguf").resolve(), (out / "draft.gguf").resolve() if draft_path else None, cfg, ctx)
     with atomic_dir(out, overwrite=True) as tmp:  # check_out above is the stricter rule
-        for role, src in sources.items():
-            reports[role] = write_gguf(src, tmp / f"{role}.gguf", cfg.dense_dtype, cfg.inexact)
-            reports[role]["path"] = str(out / f"{role}.gguf")
-            reports[role]["source"] = str(src.tokenizer_dir)
+        reports["target"] = write_gguf(target_src, tmp / "target.gguf", cfg.dense_dtype, cfg.inexact)
+        reports["target"]["source"] = str(target_path)
+        if draft_path is not None:
+            reports["draft"] = how.write(draft_path, target_path, tmp / "draft.gguf", cfg.dense_dtype, cfg.inexact)
+            reports["draft"]["source"] = str(draft_path)
+        for role, r in reports.items():
+            r["path"] = str(out / f"{role}.gguf")
         report = {"engine": "llama.cpp", "out": str(out), "files": reports, "commands": cmds}
         write_marker(tmp, report)
     return report
