@@ -3,8 +3,9 @@
 Method interface (shared by rtn, awq, gptq): `quantize_layer(layer, targets, inputs, cfg, scale_dtype, *, stats,
 call, seq_len)` where layer is a DecoderLayer, targets = {name within the layer: nn.Linear} to quantize, inputs =
 {name: captured input [tokens, in]} or None, call = the arguments the model's forward gives the layer after the
-hidden state (quant.calib.layer_calls; None without calibration), returns {name: QuantizedWeight}. The method may rewrite float weights of the layer (AWQ folds scales
-into norms) but must not replace modules; the caller swaps in QuantLinear.
+hidden state (quant.calib.layer_calls; None without calibration), returns {name: QuantizedWeight}. The method may
+rewrite float weights of the layer (AWQ folds scales into norms) but must not replace modules; the caller swaps in
+QuantLinear.
 """
 
 from __future__ import annotations
