@@ -66,6 +66,7 @@ def test_quantizes_exactly_the_reference_recipes_modules(quantized, method):
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
     dense_linears = {f"model.layers.{i}.linear_attn.{n}" for i in (0, 1, 2) for n in ("in_proj_a", "in_proj_b")}
     assert set(qc["ignore"]) == dense_linears | {"lm_head"}
+    assert report["kept_dense"] == sorted(dense_linears)
     tensors = load_file(path / "model.safetensors")
     for i in (0, 1, 2):  # DeltaNet's dense tensors are stored as they were, in float
         for n in ("in_proj_a.weight", "in_proj_b.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight"):
@@ -178,3 +179,16 @@ def test_transformers_loads_the_hybrid_checkpoint_with_our_logits_and_greedy_tok
         prompt = tokens[:1, :8]
         expect = hf.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert generate(ours, prompt, 24, stop_on_eos=False).token_ids[0] == expect[0, 8:].tolist()
+
+
+def test_quantize_cli_on_a_hybrid_says_what_it_kept_dense(dense_dir, tmp_path, capsys):
+    from specquant.cli import main
+
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(dense_dir), "--out", str(out), "--method", "gptq", "--group-size", "32",
+                 "--calib-samples", "2", "--seq-len", "32", "--dtype", "bfloat16"]) == 0
+    text = capsys.readouterr().out
+    assert "kept dense by the layer kind's recipe: 6 Linears (in_proj_a, in_proj_b)" in text
+    assert "25 Linears, gptq" in text
+    model = load_model(out)
+    assert {n for n, m in model.named_modules() if isinstance(m, QuantLinear)} == expected_quantized(model)

@@ -208,6 +208,7 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
         "layers": rows,
         "search": {k: v for k, v in stats.items() if v},  # AWQ: per layer, per group: chosen vs RTN loss
         "quantized_linears": len(rows),
+        "kept_dense": sorted(kept_dense(model)),  # layer Linears the recipe keeps dense (DENSE_BY_KIND)
         "bytes_before": bytes_before,
         "bytes_after": tensor_bytes(model),
         "seconds": round(time.perf_counter() - started, 2),
