@@ -82,3 +82,20 @@ def hybrid_checkpoint(path: Path, seed: int = 0, layers: int = 4, **over) -> Pat
     for f in (BUNDLED_DIR / "tiny-target").glob("tokenizer*"):
         shutil.copy(f, path / f.name)
     return path
+
+
+def noisy_copy(src: Path, dst: Path, rel: float = 0.1, seed: int = 1) -> Path:
+    """A copy of checkpoint src whose matrices (embeddings excepted) carry rel x their std of Gaussian noise: a draft
+    that agrees with src often but not always, so speculation both accepts and rolls back."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(dst / "model.safetensors")
+    for name, t in tensors.items():
+        if t.dim() == 2 and "embed" not in name:
+            tensors[name] = t + rel * t.std() * torch.randn(t.shape, generator=g)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

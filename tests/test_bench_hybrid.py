@@ -9,9 +9,8 @@ the bench itself (GPTQ on the hybrid's features).
 
 from __future__ import annotations
 
-import torch
-from _quant_models import hybrid_checkpoint
-from safetensors.torch import load_file, save_file
+import pytest
+from _quant_models import hybrid_checkpoint, noisy_copy
 
 from specquant.bench.ablation import rows_for, run_bench
 from specquant.bench.config import BenchConfig
@@ -21,8 +20,6 @@ from specquant.model.checkpoint import save_block_drafter
 from specquant.quant import QuantConfig, quantize, save_quantized
 from specquant.spec_decode.config import SpecConfig
 from specquant.train.draft import init_block_drafter
-
-import pytest
 
 # hidden 128 so the default group size (128) divides every Linear; 2 layers, one of each kind
 SHAPE = dict(layers=2, layer_types=["linear_attention", "full_attention"], hidden_size=128, intermediate_size=256,
@@ -37,13 +34,7 @@ TINY = dict(max_new_tokens=8, runs=1, warmup=0, spec=SpecConfig(draft_len=3, dra
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_hybrid")
     target = hybrid_checkpoint(root / "target", **SHAPE)
-    draft = hybrid_checkpoint(root / "draft", **SHAPE)  # then overwritten: the target's weights + 10% noise
-    g = torch.Generator().manual_seed(1)
-    tensors = load_file(target / "model.safetensors")
-    for name, t in tensors.items():
-        if t.dim() == 2 and "embed" not in name:
-            tensors[name] = t + 0.1 * t.std() * torch.randn(t.shape, generator=g)
-    save_file(tensors, draft / "model.safetensors", metadata={"format": "pt"})
+    draft = noisy_copy(target, root / "draft")
     paths = {"target": target, "draft": draft}
     for role in ("target", "draft"):
         m = load_model(paths[role])

@@ -9,9 +9,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from _quant_models import hybrid_checkpoint
+from _quant_models import hybrid_checkpoint, noisy_copy
 from lm_eval.api.instance import Instance
-from safetensors.torch import load_file, save_file
 
 from specquant.cli import main
 from specquant.gate.backend import SpecquantLM
@@ -30,13 +29,7 @@ def hybrid(tmp_path_factory):
     model = load_model(dense)
     quantize(model, QuantConfig(method="rtn", group_size=32))
     w4 = save_quantized(model, root / "w4", tokenizer_from=dense)
-    draft = hybrid_checkpoint(root / "draft", **SHAPE)
-    g = torch.Generator().manual_seed(1)
-    tensors = load_file(dense / "model.safetensors")
-    for name, t in tensors.items():
-        if t.dim() == 2 and "embed" not in name:
-            tensors[name] = t + 0.1 * t.std() * torch.randn(t.shape, generator=g)
-    save_file(tensors, draft / "model.safetensors", metadata={"format": "pt"})
+    draft = noisy_copy(dense, root / "draft")
     return {"dense": dense, "w4": w4, "draft": draft}
 
 
