@@ -59,7 +59,7 @@ def test_quantizes_exactly_the_reference_recipes_modules(quantized, method):
     got = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert got == expected_quantized(model)
     assert report["quantized_linears"] == len(got)
-    for i, layer in enumerate(model.model.layers):
+    for layer in model.model.layers:
         if layer.layer_type == "linear_attention":
             for n in ("in_proj_a", "in_proj_b"):
                 assert type(getattr(layer.linear_attn, n)) is not QuantLinear
