@@ -39,8 +39,15 @@ def tiny_lm(seed: int = 0, **overrides) -> Transformer:
     return model
 
 
-def write_teacher(path: Path, seed: int = 0, **overrides) -> Path:
-    save_model(tiny_lm(seed, **overrides), path, tokenizer_from=TOKENIZER)
+# a Qwen3.5 hybrid of the same size: one Gated DeltaNet layer (key heads != value heads), then gated attention
+HYBRID = dict(model_type="qwen3_5_text", layer_types=("linear_attention", "full_attention"), attn_output_gate=True,
+              zero_centred_norms=True, partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+ARCHS = {"dense": {}, "hybrid": HYBRID}
+
+
+def write_teacher(path: Path, seed: int = 0, arch: str = "dense", **overrides) -> Path:
+    save_model(tiny_lm(seed, **{**ARCHS[arch], **overrides}), path, tokenizer_from=TOKENIZER)
     return path
 
 
@@ -55,9 +62,10 @@ def write_student(teacher: Path, path: Path, group_size: int = 32) -> Path:
     return path
 
 
-def write_pair(root: Path, **overrides) -> tuple[Path, Path]:
-    """root/teacher (a tiny trained-shape LM) and root/student (its RTN W4): the distillation tests' pair."""
-    teacher = write_teacher(root / "teacher", **overrides)
+def write_pair(root: Path, arch: str = "dense", **overrides) -> tuple[Path, Path]:
+    """root/teacher (a tiny trained-shape LM of arch, ARCHS) and root/student (its RTN W4): the distillation tests'
+    pair."""
+    teacher = write_teacher(root / "teacher", arch=arch, **overrides)
     return teacher, write_student(teacher, root / "student")
 
 

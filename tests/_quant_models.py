@@ -61,3 +61,41 @@ def sample_text(model, n: int, length: int, seed: int) -> torch.Tensor:
         tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=g)], dim=1)
     model.clear_cache()
     return tokens
+
+
+def hybrid_checkpoint(path: Path, seed: int = 0, layers: int = 4, **over) -> Path:
+    """A random Qwen3.5 hybrid written by transformers (Qwen3_5ForCausalLM.save_pretrained) with the bundled
+    tokenizer, so calibration text tokenizes within its vocabulary (8192). Every quantized Linear reads 64 (or 128)
+    inputs, so g32 / g64 apply; the "gva" pattern: three Gated DeltaNet layers, then gated full attention, with key
+    heads != value heads."""
+    import shutil
+
+    from _qwen35_models import hf_model
+
+    from specquant.model.checkpoint import BUNDLED_DIR
+
+    kw = dict(vocab_size=8192, hidden_size=64, intermediate_size=128, linear_key_head_dim=16,
+              linear_value_head_dim=16, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+              partial_rotary_factor=0.25, eos_token_id=0)
+    kw.update(over)
+    hf_model("gva", layers, seed=seed, **kw).save_pretrained(path, safe_serialization=True)
+    for f in (BUNDLED_DIR / "tiny-target").glob("tokenizer*"):
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def noisy_copy(src: Path, dst: Path, rel: float = 0.1, seed: int = 1) -> Path:
+    """A copy of checkpoint src whose matrices (embeddings excepted) carry rel x their std of Gaussian noise: a draft
+    that agrees with src often but not always, so speculation both accepts and rolls back."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(dst / "model.safetensors")
+    for name, t in tensors.items():
+        if t.dim() == 2 and "embed" not in name:
+            tensors[name] = t + rel * t.std() * torch.randn(t.shape, generator=g)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

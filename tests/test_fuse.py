@@ -91,3 +91,26 @@ def test_fused_model_on_the_shape_static_cache_matches_unfused():
             logits += [m(tokens[:, i : i + 1], i) for i in range(15, 30)]
         outs.append(torch.cat(logits, 1))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_hybrid_fused_matches_unfused(tmp_path):
+    """A W4 Qwen3.5 hybrid: gated attention fuses [query | gate, k, v] and every MLP gate/up; Gated DeltaNet keeps
+    its projections (its forward reads them one by one) and its recurrent cache steps as before."""
+    from _quant_models import hybrid_checkpoint
+
+    model = load_model(hybrid_checkpoint(tmp_path / "hybrid"))
+    quantize(model, QuantConfig(method="rtn", group_size=32))
+    fused = copy.deepcopy(model)
+    kinds = [layer.layer_type for layer in model.model.layers]
+    assert fuse_projections(fused) == len(kinds) + kinds.count("gated_attention")
+    for layer in fused.model.layers:
+        assert layer.mlp.gate_proj is None
+        if layer.layer_type == "linear_attention":
+            assert layer.linear_attn.in_proj_qkv is not None
+        else:
+            assert layer.self_attn.q_proj is None
+    g = torch.Generator().manual_seed(1)
+    prompt, steps = torch.randint(0, 8192, (1, 7), generator=g), [torch.randint(0, 8192, (1, n), generator=g)
+                                                                   for n in (1, 4, 1)]
+    for a, b in zip(_steps(model, prompt, steps), _steps(fused, prompt, steps)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

@@ -31,10 +31,14 @@ from specquant.model.checkpoint import load_tokenizer
 from specquant.spec_decode.build import build_engine
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.runtime import RuntimeConfig
-from specquant.spec_decode.drafters import KINDS
+from specquant.spec_decode.drafters import KINDS, block, lm
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.dtypes import DTYPES
+
+
+# the drafter kinds the rows run, from the registry (spec_decode/drafters/): lm = k forwards per step, block = one
+LM, BLOCK = lm.KIND.name, block.KIND.name
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class Row:
     draft: str | None  # None (target alone), "hp" or "w4"
     window: bool = False  # draft attends to its last BenchConfig.spec.draft_window positions
     impl: str = "specquant"  # or "transformers"
-    drafter: str = "lm"  # the drafter kind's name (spec_decode/drafters/: lm = k forwards per step, block = one)
+    drafter: str = LM  # the drafter kind's name (a key of spec_decode.drafters.KINDS)
 
 
 ROWS = (
@@ -58,13 +62,19 @@ ROWS = (
 # The block drafter (DFlash-style, model/block_draft.py) beside the LM rows (c)-(e): same targets, same metrics;
 # its k is BenchConfig.block_draft_len.
 BLOCK_ROWS = (
-    Row("f", "W4 target + block draft", "w4", "hp", drafter="block"),
-    Row("g", "W4 target + W4 block draft", "w4", "w4", drafter="block"),
-    Row("h", "W4 target + W4 block draft + window", "w4", "w4", window=True, drafter="block"),
+    Row("f", "W4 target + block draft", "w4", "hp", drafter=BLOCK),
+    Row("g", "W4 target + W4 block draft", "w4", "w4", drafter=BLOCK),
+    Row("h", "W4 target + W4 block draft + window", "w4", "w4", window=True, drafter=BLOCK),
 )
 HF_ROW = Row("hf", "transformers assisted: target + draft", "hp", "hp", impl="transformers")
 BASELINE = "a"
 QAD_ROW = Row("q", "W4 + QAD target", "qad", None)
+
+
+# (drafter kind, precision, the paths key of its checkpoint): the draft models a run loads, keyed as the rows read
+# them (Row.drafter, Row.draft)
+DRAFT_INPUTS = ((LM, "hp", "draft"), (LM, "w4", "quantized_draft"), (BLOCK, "hp", "block_draft"),
+                (BLOCK, "w4", "quantized_block_draft"))
 
 
 def rows_for(with_qad: bool, with_block: bool = False) -> tuple[Row, ...]:
@@ -105,13 +115,12 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     models = {("target", kind): load_model(paths[key], runtime.dtype, device, fuse=True,
                                            w4_activations=runtime.w4_activations)
               for kind, key in (("hp", "target"), ("w4", "quantized_target"), ("qad", "qad_target")) if key in paths}
-    for kind, precision, key in (("lm", "hp", "draft"), ("lm", "w4", "quantized_draft"),
-                                 ("block", "hp", "block_draft"), ("block", "w4", "quantized_block_draft")):
+    for kind, precision, key in DRAFT_INPUTS:
         if key in paths:  # keyed by the rows' Row.drafter (a kind name) and Row.draft
             models[(kind, precision)] = KINDS[kind].load(paths[key], runtime)
-    table = rows_for("qad_target" in paths, ("block", "hp") in models)
+    table = rows_for("qad_target" in paths, (BLOCK, "hp") in models)
     context = min(models[("target", "hp")].config.max_position_embeddings,
-                  models[("lm", "hp")].config.max_position_embeddings)
+                  models[(LM, "hp")].config.max_position_embeddings)
     lengths = fit_lengths(cfg.lengths, context, cfg.max_new_tokens)
     prompts = load_prompts(tokenizer, lengths, cfg.content_sets, cfg.prompts_per_length, cfg.prompts_per_set,
                            min(cfg.content_max_tokens, context - cfg.max_new_tokens), cfg.prompts)
@@ -167,7 +176,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
                                                       desc="acceptance, whole block").items()}
 
     costs = measure_costs(cfg, models, lengths)
-    curve = drafter_curve(cfg, models[("lm", "w4")], context)
+    curve = drafter_curve(cfg, models[(LM, "w4")], context)
 
     results_rows = [_row_result(r, cfg, samples, acceptance_samples, skipped, prompts, lengths, costs)
                     for r in rows]
@@ -188,8 +197,8 @@ def row_spec(cfg: BenchConfig, row: Row, draft_len: int | None = None) -> SpecCo
 
 
 # per drafter kind: how its rows set k (the block drafter's one forward drafts any k up to its block)
-ROW_SPECS = {"lm": lambda cfg, window, draft_len: cfg.spec_for(window),
-             "block": lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len)}
+ROW_SPECS = {LM: lambda cfg, window, draft_len: cfg.spec_for(window),
+             BLOCK: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len)}
 
 
 def _engine(cfg: BenchConfig, runtime: RuntimeConfig, row: Row, models: dict, tokenizer, draft_tokenizer,
@@ -213,23 +222,22 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> di
         probes[ForwardKey("target", t)] = Probe(models[("target", t)])
         probes[ForwardKey("target", t, alone=True)] = Probe(models[("target", t)], burst=WARM_BURST)
         probes[ForwardKey("target", t, "verify")] = Probe(models[("target", t)], k1)
-    probes.update({ForwardKey("lm", "hp"): Probe(models[("lm", "hp")]),
-                   ForwardKey("lm", "w4"): Probe(models[("lm", "w4")]),
-                   ForwardKey("lm", "w4", window=True): Probe(models[("lm", "w4")],
-                                                                 window=cfg.spec.draft_window)})
-    if ("block", "hp") in models:
+    probes.update({ForwardKey(LM, "hp"): Probe(models[(LM, "hp")]),
+                   ForwardKey(LM, "w4"): Probe(models[(LM, "w4")]),
+                   ForwardKey(LM, "w4", window=True): Probe(models[(LM, "w4")], window=cfg.spec.draft_window)})
+    if (BLOCK, "hp") in models:
         kb = cfg.block_draft_len
         for t in targets:
             probes[ForwardKey("target", t, "verify_block")] = Probe(models[("target", t)], kb + 1)
         for kind in ("hp", "w4"):
-            if ("block", kind) not in models:
+            if (BLOCK, kind) not in models:
                 continue
-            fwd, acc = BlockForward(models[("block", kind)], kb), BlockAccept(models[("block", kind)])
+            fwd, acc = BlockForward(models[(BLOCK, kind)], kb), BlockAccept(models[(BLOCK, kind)])
             for windowed in ((False, True) if kind == "w4" else (False,)):
                 window = cfg.spec.draft_window if windowed else None
-                probes[ForwardKey("block", kind, window=windowed)] = Probe(fwd, window=window)
+                probes[ForwardKey(BLOCK, kind, window=windowed)] = Probe(fwd, window=window)
                 for rows in range(1, kb + 2):  # accept after 0 .. kb accepted drafts: 1 .. kb + 1 rows
-                    probes[ForwardKey("block", kind, "accept", rows, windowed)] = Probe(acc, rows, window=window)
+                    probes[ForwardKey(BLOCK, kind, "accept", rows, windowed)] = Probe(acc, rows, window=window)
     out = {}
     with _bar(len(lengths), "forward costs") as bar:
         for cat, n in lengths.items():

@@ -288,7 +288,9 @@ def forward_times(probes: dict, context: int, reps: int) -> dict:
     Interleaved: every repetition times every probe once, so background load hits them alike and ratios between
     them (c, verify ratio, window vs full) are taken side by side. Each (model, window) gets its own prefilled
     cache (a model probed with two windows is timed through a copy); every timed call writes the same positions
-    again, which the cache contract allows (model.decoder), so each repetition sees exactly `context` tokens.
+    again, which the cache contract allows (model.decoder), so each repetition sees exactly `context` tokens. A
+    recurrent layer (a hybrid's Gated DeltaNet) gets there by rolling its state back to `context` first, to its
+    anchor: a state copy, not the state_after of an accepted prefix that a real verify's rollback costs.
     """
     instances: dict[tuple[int, int | None], torch.nn.Module] = {}
     for probe in probes.values():

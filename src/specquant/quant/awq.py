@@ -8,10 +8,12 @@ Per decoder layer, for each group of Linears that read the same input produced b
   3. Fold: previous op's output is divided by s (RMSNorm weight, or the rows of a previous Linear and its bias),
      the group's weights are multiplied by s (columns). Full-precision output is unchanged; the captured inputs
      are divided by s in place so later steps see what the rescaled layer sees.
-Where the loss is measured is data too (the third entry of a mapping):
+Where the loss is measured is data too (a mapping's `scored_on`):
   * q/k/v: on the attention block's output, as llm-awq does, over the first `AWQConfig.block_samples` calibration
     sequences, because q/k errors act through softmax(q·kᵀ): scored on the Linear outputs instead, AWQ of q/k/v
     lowered their error but not the model's KL to full precision (docs/BENCH.md, "AWQ's q/k/v loss").
+  * Gated DeltaNet's in_proj_qkv / in_proj_z: on the mixer's output too, for the same reason: q and k pass
+    through a causal conv, SiLU and L2 normalization, and z through SiLU, before they meet.
   * every other group: on the group's own Linear outputs. That is a quadratic form, mean_tokens ‖x·ΔWᵀ‖² =
     Σ_rows ΔW·G·ΔWᵀ with the input second moment G = xᵀx/n, so every calibration token counts and each α costs
     out·in² instead of tokens·out·in. (llm-awq scores gate/up on the MLP output; that costs ~3× more per α
@@ -22,32 +24,58 @@ Where the loss is measured is data too (the third entry of a mapping):
      group's diagonal block of G (exact over all tokens). Like llm-awq, q_proj/k_proj are not clipped: their
      output error is a poor proxy through softmax(q·kᵀ).
   5. Quantize the rescaled weight with the chosen ranges.
-Groups are data per architecture (AWQ_MAPPINGS); a mapping is skipped when shapes do not allow it (v→o under
-GQA: v_proj has kv_heads·head_dim rows, o_proj reads heads·head_dim) or when one of its Linears is not targeted.
+Groups are data per layer kind (AWQ_MAPPINGS, keyed as model/layers.py's LAYER_KINDS, so a hybrid's layers each
+use their own kind's groups); a mapping is skipped when shapes do not allow it (v→o under GQA: v_proj has
+kv_heads·head_dim rows, o_proj reads heads·head_dim) or when one of its Linears is not targeted. Linears that read
+the rescaled output but stay dense (DeltaNet's in_proj_a / in_proj_b, beside in_proj_qkv / in_proj_z) get their
+columns multiplied by s too, unquantized, so the full-precision layer is unchanged.
+Zero-centred norms (Qwen3.5, y = (1 + w)·normalized(x)) fold s into 1 + w.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
+from specquant.model.norms import ZeroCentredRMSNorm
 from specquant.quant.calib import abs_mean, gram
 from specquant.quant.grid import QuantizedWeight, compute_qparams, quantize_codes, rtn_fake_quant
 
 NEEDS_CALIBRATION = True
 
-# (previous op, Linears reading its output, block whose output scores α or None = the Linears' own outputs),
-# module names relative to a decoder layer.
-_LLAMA_LIKE = [
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
-    ("self_attn.v_proj", ("self_attn.o_proj",), None),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), None),
-    ("mlp.up_proj", ("mlp.down_proj",), None),
+
+class Mapping(NamedTuple):
+    """Linears reading one op's output, module names relative to a decoder layer."""
+
+    prev: str  # the op whose output is divided by s (a norm or a Linear)
+    linears: tuple[str, ...]  # the quantized Linears reading it: their columns are multiplied by s
+    scored_on: str | None = None  # the block whose output scores α (None: the Linears' own outputs)
+    dense_readers: tuple[str, ...] = ()  # other readers kept dense: columns multiplied by s, not quantized
+
+
+_MLP = [
+    Mapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    Mapping("mlp.up_proj", ("mlp.down_proj",)),
 ]
-AWQ_MAPPINGS: dict[str, list[tuple[str, tuple[str, ...], str | None]]] = {
-    "llama": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
+_ATTENTION = [
+    Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+    # under Qwen3.5's output gate too: sigmoid(gate) multiplies the attention output per channel, which commutes
+    # with v's per-channel 1/s
+    Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
+    *_MLP,
+]
+AWQ_MAPPINGS: dict[str, list[Mapping]] = {
+    "full_attention": _ATTENTION,
+    "gated_attention": _ATTENTION,
+    # out_proj has no foldable predecessor: its input is GatedRMSNorm(o)·SiLU(z), a norm whose weight is shared by
+    # every value head and a nonlinear gate; it is quantized with clipping only
+    "linear_attention": [
+        Mapping("input_layernorm", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"), "linear_attn",
+                ("linear_attn.in_proj_a", "linear_attn.in_proj_b")),
+        *_MLP,
+    ],
 }
 NO_CLIP = ("q_proj", "k_proj")
 
@@ -86,17 +114,18 @@ def linear_output_loss(linears: list[nn.Linear], g: torch.Tensor):
     return lambda fq: sum(output_error(q - w, g) for q, w in zip(fq, weights))
 
 
-def block_output_loss(block: nn.Module, linears: list[nn.Linear], x: torch.Tensor, rope):
-    """Score fake-quantized weights by the block's output MSE on x [sequences, T, hidden] (block = attention)."""
-    cos, sin = rope
-    reference = block(x, cos, sin, 0)
+def block_output_loss(block: nn.Module, linears: list[nn.Linear], x: torch.Tensor, call: tuple[tuple, dict]):
+    """Score fake-quantized weights by the block's output MSE on x [sequences, T, hidden] (block = the layer's
+    mixer, called with the arguments the model's forward gives it: call = (args, kwargs), calib.layer_calls)."""
+    args, kwargs = call
+    reference = block(x, *args, **kwargs)
 
     def loss(fq):
         originals = [lin.weight.data for lin in linears]
         try:
             for lin, q in zip(linears, fq):
                 lin.weight.data = q.to(lin.weight.dtype)
-            return float((block(x, cos, sin, 0) - reference).float().pow(2).mean())
+            return float((block(x, *args, **kwargs) - reference).float().pow(2).mean())
         finally:
             for lin, w in zip(linears, originals):
                 lin.weight.data = w
@@ -105,15 +134,19 @@ def block_output_loss(block: nn.Module, linears: list[nn.Linear], x: torch.Tenso
 
 
 @torch.no_grad()
-def apply_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor, x: torch.Tensor):
-    """prev's output /= s, each Linear's columns *= s, captured input x /= s (in place; x is shared)."""
+def apply_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor, x: torch.Tensor,
+                dense_readers: tuple[nn.Linear, ...] = ()):
+    """prev's output /= s, each Linear's columns (and each dense reader's) *= s, captured input x /= s (in place;
+    x is shared)."""
     if isinstance(prev, nn.Linear):
         prev.weight.div_(s.to(prev.weight.dtype).unsqueeze(1))
         if prev.bias is not None:
             prev.bias.div_(s.to(prev.bias.dtype))
+    elif isinstance(prev, ZeroCentredRMSNorm):  # y = (1 + weight) * normalized(x)
+        prev.weight.copy_(((1.0 + prev.weight.float()) / s - 1.0).to(prev.weight.dtype))
     else:  # RMSNorm: y = weight * normalized(x)
         prev.weight.div_(s.to(prev.weight.dtype))
-    for lin in linears:
+    for lin in (*linears, *dense_readers):
         lin.weight.mul_(s.to(lin.weight.dtype).unsqueeze(0))
     x.div_(s.to(x.dtype))
 
@@ -144,7 +177,9 @@ def search_clip(w: torch.Tensor, g: torch.Tensor, group: int, cfg, scale_dtype) 
 
 @torch.no_grad()
 def quantize_layer(layer: nn.Module, targets: dict[str, nn.Linear], inputs: dict[str, torch.Tensor], cfg,
-                   scale_dtype, model_type: str = "llama", stats: dict | None = None, rope=None, seq_len=None, **_):
+                   scale_dtype, stats: dict | None = None, call=None, seq_len=None, **_):
+    """layer: a DecoderLayer (its `layer_type` picks the mappings); call: the model's arguments for it after the
+    hidden state (calib.layer_calls), None when there is no calibration stream."""
     modules = dict(layer.named_modules())
     grams: dict[int, torch.Tensor] = {}  # id(captured input) -> xᵀx/n; inputs are shared by q/k/v and gate/up
 
@@ -153,8 +188,9 @@ def quantize_layer(layer: nn.Module, targets: dict[str, nn.Linear], inputs: dict
             grams[id(x)] = gram(x)
         return grams[id(x)]
 
-    for prev_name, names, block_name in AWQ_MAPPINGS[model_type]:
-        prev = modules.get(prev_name)
+    for mapping in AWQ_MAPPINGS[layer.layer_type]:
+        prev = modules.get(mapping.prev)
+        names = mapping.linears
         if prev is None or any(n not in targets for n in names):
             continue
         linears = [targets[n] for n in names]
@@ -162,19 +198,19 @@ def quantize_layer(layer: nn.Module, targets: dict[str, nn.Linear], inputs: dict
             continue  # e.g. v_proj -> o_proj under grouped-query attention
         x = inputs[names[0]]
         assert all(inputs[n] is x for n in names), f"{names} do not share one captured input"
-        if block_name is not None and rope is not None:
+        if mapping.scored_on is not None and call is not None:
             # captured rows are whole sequences in order: [samples·T, hidden] -> [samples, T, hidden]
             seqs = x[: cfg.method.block_samples * seq_len].reshape(-1, seq_len, x.shape[-1])
-            loss_fn = block_output_loss(modules[block_name], linears, seqs, rope)
+            loss_fn = block_output_loss(modules[mapping.scored_on], linears, seqs, call)
         else:
             loss_fn = linear_output_loss(linears, gram_of(x))
         groups = [cfg.group_for(n, lin.in_features) for n, lin in zip(names, linears)]
         s, loss, rtn_loss = search_scale(loss_fn, abs_mean(x), linears, groups, cfg, scale_dtype)
-        apply_scale(prev, linears, s, x)
+        apply_scale(prev, linears, s, x, tuple(modules[n] for n in mapping.dense_readers))
         if id(x) in grams:
             grams[id(x)] = grams[id(x)] / s.unsqueeze(1) / s.unsqueeze(0)  # second moment of the rescaled x/s
         if stats is not None:
-            key = f"{prev_name}->" + "+".join(n.rsplit(".", 1)[-1] for n in names)
+            key = f"{mapping.prev}->" + "+".join(n.rsplit(".", 1)[-1] for n in names)
             stats[key] = {"awq_loss": loss, "rtn_loss": rtn_loss}
     results = {}
     for name, lin in targets.items():

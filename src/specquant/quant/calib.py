@@ -14,6 +14,9 @@ for tiny-target) instead of one copy per Linear. After the method has quantized 
 is pushed through the *quantized* layer, so layer i+1 calibrates on what it will see at inference.
 Whole-model capture would need every layer's inputs at once (N× the memory) and would calibrate each layer on
 full-precision predecessors; the sequential form is both smaller and better.
+Each layer is called with the arguments the model's own forward gives it (RoPE rows of the kind's width, the
+step's attention plan, positions), recorded by `layer_calls` from one cache-free forward, so calibration knows
+nothing of how a layer kind is called and a hybrid's kinds (Gated DeltaNet beside attention) calibrate as they run.
 """
 
 from __future__ import annotations
@@ -87,16 +90,37 @@ class LinearInputs:
         return out
 
 
-def _rope(model, seq_len: int, dtype):
-    return model.rope_cos[:seq_len].to(dtype), model.rope_sin[:seq_len].to(dtype)
+@torch.no_grad()
+def layer_calls(model, tokens: torch.Tensor) -> list[tuple[tuple, dict]]:
+    """The arguments after the hidden state, (args, kwargs), that the model's forward passes each decoder layer
+    for tokens [1, T] (cache-free). They depend on T, the dtype and the device, not on the batch or the values, so
+    one short forward gives the calls every calibration batch of T tokens makes."""
+    layers = list(model.model.layers)
+    calls: list[tuple[tuple, dict] | None] = [None] * len(layers)
+
+    def hook(i):
+        def record(module, args, kwargs):
+            calls[i] = (tuple(args[1:]), dict(kwargs))
+
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        model(tokens)  # one sequence, so its cost is small beside the calibration passes
+    finally:
+        for h in handles:
+            h.remove()
+    assert all(c is not None for c in calls), "the model's forward did not call every decoder layer"
+    return calls
 
 
 @torch.no_grad()
 def run_sequential(model, tokens: torch.Tensor, per_layer: Callable, batch_size: int = 8,
                    progress: Iterable | None = None):
-    """Embed tokens [N, L], then for each decoder layer i call per_layer(i, layer, capture, (cos, sin)) and
-    propagate.
+    """Embed tokens [N, L], then for each decoder layer i call per_layer(i, layer, capture, call) and propagate.
 
+    `call` = (args, kwargs): what follows the hidden state in the model's own call of layer i (layer_calls); a
+    method that runs a part of the layer itself (AWQ's block loss runs the mixer) passes the same arguments.
     `capture(linears)` runs the layer on the current residual stream with LinearInputs hooks and returns the
     captured inputs; per_layer may replace the layer's Linears before the stream is pushed through it, and may
     return a function, called once the stream has gone through the layer (to swap in modules that are slower to
@@ -104,20 +128,20 @@ def run_sequential(model, tokens: torch.Tensor, per_layer: Callable, batch_size:
     """
     model.clear_cache()
     emb = model.model.embed_tokens
-    dtype = emb.weight.dtype
-    hidden = [emb(tokens[i : i + batch_size].to(emb.weight.device)) for i in range(0, len(tokens), batch_size)]
-    cos, sin = _rope(model, tokens.shape[1], dtype)
-    for i, layer in enumerate(model.model.layers):
+    tokens = tokens.to(emb.weight.device)
+    calls = layer_calls(model, tokens[:1])
+    hidden = [emb(tokens[i : i + batch_size]) for i in range(0, len(tokens), batch_size)]
+    for i, (layer, (args, kwargs)) in enumerate(zip(model.model.layers, calls)):
 
-        def capture(linears: dict[str, nn.Module], layer=layer) -> dict[str, torch.Tensor]:
+        def capture(linears: dict[str, nn.Module], layer=layer, args=args, kwargs=kwargs) -> dict[str, torch.Tensor]:
             with LinearInputs(linears) as rec:
                 for h in hidden:
                     rec.next_batch()
-                    layer(h, cos, sin, 0)
+                    layer(h, *args, **kwargs)
             return rec.result()
 
-        after = per_layer(i, layer, capture, (cos, sin))
-        hidden = [layer(h, cos, sin, 0) for h in hidden]
+        after = per_layer(i, layer, capture, (args, kwargs))
+        hidden = [layer(h, *args, **kwargs) for h in hidden]
         if after is not None:
             after()
         if progress is not None:

@@ -50,6 +50,10 @@ def _table(report: dict) -> str:
     if report["method"] == "rtn" and all(r.get("output_sqnr_db") is None for r in report["layers"]):
         lines.append("output errors not measured (RTN reads no text): --report-samples 1 runs one calibration "
                      "sequence for them")
+    if report.get("kept_dense"):
+        kinds = sorted({n.rsplit(".", 1)[-1] for n in report["kept_dense"]})
+        lines.append(f"kept dense by the layer kind's recipe: {len(report['kept_dense'])} Linears "
+                     f"({', '.join(kinds)})")
     b0, b1 = report["bytes_before"], report["bytes_after"]
     lines.append(f"bytes: {b0:,} -> {b1:,} ({b1 / b0:.1%}); {report['quantized_linears']} Linears, "
                  f"{report['method']}, {report['seconds']} s")

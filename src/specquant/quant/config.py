@@ -102,7 +102,8 @@ class QuantConfig:
     ignore: list[str] = field(
         default_factory=lambda: ["lm_head", "embed_tokens"],
         metadata={"help": "module-name patterns left unquantized (fnmatch; 're:' prefix = regex); a bare name "
-                          "also matches as the last name component(s)", "metavar": "PATTERN"},
+                          "also matches as the last name component(s); a hybrid's DeltaNet in_proj_a / in_proj_b "
+                          "stay dense whatever this says (quant.pipeline.DENSE_BY_KIND)", "metavar": "PATTERN"},
     )
     lm_head: str = field(
         default="dense",

@@ -37,11 +37,30 @@ def is_ignored(name: str, patterns: list[str]) -> bool:
     return False
 
 
+# The Linears of each layer kind (model/layers.py's LAYER_KINDS keys) that stay dense whatever --ignore says, as the
+# reference recipe keeps them (../shared/REFERENCE.md §2): Gated DeltaNet's in_proj_a / in_proj_b are value_heads
+# rows each (32 at Qwen3.5-4B, under 0.1% of the layer's weights, so W4 would save almost nothing), and their
+# outputs set the state's decay (exp of a softplus) and write strength (sigmoid), whose errors persist in the
+# recurrent state over every later token. Every other Linear of a layer is quantized.
+DENSE_BY_KIND: dict[str, tuple[str, ...]] = {
+    "full_attention": (),
+    "gated_attention": (),
+    "linear_attention": ("linear_attn.in_proj_a", "linear_attn.in_proj_b"),
+}
+
+
+def kept_dense(model: nn.Module) -> set[str]:
+    """Full names of the layer Linears DENSE_BY_KIND keeps dense in this model."""
+    return {f"model.layers.{i}.{name}" for i, layer in enumerate(model.model.layers)
+            for name in DENSE_BY_KIND[layer.layer_type]}
+
+
 def target_linears(model: nn.Module, cfg: QuantConfig) -> dict[str, nn.Linear]:
     """{full name: nn.Linear} to quantize; checks every group size before any work is done."""
     targets = {}
+    dense = kept_dense(model)
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and not is_ignored(name, cfg.ignore):
+        if isinstance(m, nn.Linear) and name not in dense and not is_ignored(name, cfg.ignore):
             cfg.group_for(name, m.in_features)
             targets[name] = m
     if not targets and any(isinstance(m, QuantLinear) for m in model.modules()):
@@ -132,14 +151,14 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     rows, stats = [], {}
     n_layers = len(model.model.layers)
 
-    def per_layer(i, layer, capture, rope=None):
+    def per_layer(i, layer, capture, call=None):
         prefix = f"model.layers.{i}."
         local = {n[len(prefix):]: m for n, m in targets.items() if n.startswith(prefix)}
         if not local:
             return
         inputs = capture(local) if capture is not None else {}
-        results = method.quantize_layer(layer, local, inputs, cfg, scale_dtype, model_type=model.config.model_type,
-                                        stats=stats.setdefault(prefix[:-1], {}), rope=rope,
+        results = method.quantize_layer(layer, local, inputs, cfg, scale_dtype,
+                                        stats=stats.setdefault(prefix[:-1], {}), call=call,
                                         seq_len=None if calib_tokens is None else calib_tokens.shape[1])
         for name, res in results.items():
             # float32 and exact; rounded to scale_dtype it is bit-identical to QuantLinear.dequantized_weight()
@@ -189,6 +208,7 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
         "layers": rows,
         "search": {k: v for k, v in stats.items() if v},  # AWQ: per layer, per group: chosen vs RTN loss
         "quantized_linears": len(rows),
+        "kept_dense": sorted(kept_dense(model)),  # layer Linears the recipe keeps dense (DENSE_BY_KIND)
         "bytes_before": bytes_before,
         "bytes_after": tensor_bytes(model),
         "seconds": round(time.perf_counter() - started, 2),

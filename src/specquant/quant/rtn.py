@@ -1,9 +1,11 @@
 """Round-to-nearest: min/max scales per group, no calibration data. The baseline AWQ and GPTQ must beat.
 
-Method interface (shared by rtn, awq, gptq): `quantize_layer(layer, targets, inputs, cfg, scale_dtype)` where
-targets = {name within the layer: nn.Linear} to quantize, inputs = {name: captured input [tokens, in]} or
-None, returns {name: QuantizedWeight}. The method may rewrite float weights of the layer (AWQ folds scales
-into norms) but must not replace modules; the caller swaps in QuantLinear.
+Method interface (shared by rtn, awq, gptq): `quantize_layer(layer, targets, inputs, cfg, scale_dtype, *, stats,
+call, seq_len)` where layer is a DecoderLayer, targets = {name within the layer: nn.Linear} to quantize, inputs =
+{name: captured input [tokens, in]} or None, call = the arguments the model's forward gives the layer after the
+hidden state (quant.calib.layer_calls; None without calibration), returns {name: QuantizedWeight}. The method may
+rewrite float weights of the layer (AWQ folds scales into norms) but must not replace modules; the caller swaps in
+QuantLinear.
 """
 
 from __future__ import annotations

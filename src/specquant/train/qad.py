@@ -26,7 +26,9 @@ from torch.utils.checkpoint import checkpoint
 
 from specquant.errors import SpecquantError
 from specquant.model.checkpoint import read_hf_config, resolve, save_model
+from specquant.model.config import HYBRID_FIELDS, ModelConfig
 from specquant.model.decoder import RMSNorm, Transformer
+from specquant.model.norms import GatedRMSNorm, ZeroCentredRMSNorm
 from specquant.quant.grid import dequantize, fake_quant, quantize_codes
 from specquant.quant.linear import QuantLinear
 from specquant.quant.pack import pack_codes
@@ -86,14 +88,19 @@ def to_fake_quant(model: Transformer) -> list[str]:
     return names
 
 
+NORMS = (RMSNorm, ZeroCentredRMSNorm, GatedRMSNorm)  # every norm kind a decoder layer holds (model/norms.py)
+
+
 def set_trainable(model: Transformer, cfg: QADConfig) -> list[str]:
-    """Latent weights of the fake-quant Linears train; norms / embeddings only when cfg says so. Returns names."""
+    """Latent weights of the fake-quant Linears train; norms / embeddings only when cfg says so. Everything else
+    stays frozen: the Linears the checkpoint keeps dense (a hybrid's in_proj_a / in_proj_b) and Gated DeltaNet's
+    conv1d, A_log and dt_bias, which the grid does not cover. Returns the trained parameters' names."""
     for p in model.parameters():
         p.requires_grad_(False)
     for m in model.modules():
         if isinstance(m, FakeQuantLinear):
             m.weight.requires_grad_(True)
-        elif isinstance(m, RMSNorm) and cfg.train_norms:
+        elif isinstance(m, NORMS) and cfg.train_norms:
             m.weight.requires_grad_(True)
     if cfg.train_embeddings:
         model.model.embed_tokens.weight.requires_grad_(True)
@@ -152,8 +159,10 @@ class KLStudent(nn.Module):
 
 # --- checks ---------------------------------------------------------------------------------------------------
 
+# ModelConfig fields teacher and student must share (a hybrid's layer pattern and DeltaNet shape included)
 ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "layer_types",
+               "partial_rotary_factor", *HYBRID_FIELDS)
 
 
 def check_pair(teacher_dir: Path, student_dir: Path) -> tuple[dict, dict]:
@@ -165,7 +174,9 @@ def check_pair(teacher_dir: Path, student_dir: Path) -> tuple[dict, dict]:
     if t_hf.get("quantization_config"):
         raise SpecquantError(f"teacher {str(teacher_dir)!r} is quantized; pass the high-precision checkpoint the "
                              "student was quantized from as --teacher")
-    diff = {f: (t_hf.get(f), s_hf.get(f)) for f in ARCH_FIELDS if t_hf.get(f) != s_hf.get(f)}
+    # compared as parsed, so spellings of one architecture (layer_types written out or implied) are equal
+    t_cfg, s_cfg = ModelConfig.from_hf(t_hf), ModelConfig.from_hf(s_hf)
+    diff = {f: (getattr(t_cfg, f), getattr(s_cfg, f)) for f in ARCH_FIELDS if getattr(t_cfg, f) != getattr(s_cfg, f)}
     if diff:
         pairs = ", ".join(f"{k}: teacher {a} vs student {b}" for k, (a, b) in diff.items())
         raise SpecquantError(f"teacher and student differ in architecture ({pairs}); the student must be the "
