@@ -9,7 +9,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +23,7 @@ openai = pytest.importorskip("openai")
 
 from specquant import cli  # noqa: E402
 from specquant.model.checkpoint import load_tokenizer  # noqa: E402
-from specquant.serve import latency  # noqa: E402
+from specquant.serve import latency, loopback  # noqa: E402
 from specquant.serve.app import create_app  # noqa: E402
 from specquant.serve.config import ServeConfig  # noqa: E402
 from specquant.serve.metrics import ServerMetrics  # noqa: E402
@@ -41,23 +40,9 @@ PROMPT = "The meaning of the word"
 
 @contextmanager
 def serving(app):
-    """app served by uvicorn on a free loopback port in a thread; yields the base URL, then shuts down."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "server did not shut down"
-        sock.close()
+    """app served on a free loopback port in a thread; yields the base URL, then checks it shut down."""
+    with loopback.serving(app) as url:
+        yield url
 
 
 def make_app(**config):
@@ -366,3 +351,35 @@ def test_shutdown_stops_the_running_request():
     assert time.monotonic() - start < 10 and not app.state.worker.thread.is_alive()
     assert metric(app.state.metrics.render().decode(), "generation_tokens_total") < 2000
     stream.close()
+
+
+def test_prefix_cache_serves_the_same_tokens_and_counts_hits(client):
+    """--prefix-cache: the same replies as the plain server for a prompt, its repeat, an extension and one that
+    diverges; /metrics counts the lookups and the tokens restored."""
+    prompts = [PROMPT * 4, PROMPT * 4, PROMPT * 4 + " and the rest", PROMPT + " is plain"]
+    app, _ = make_app(prefix_cache=True, prefix_cache_block=8)
+    with serving(app) as url:
+        cached = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for p in prompts:
+            want = client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+            got = cached.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+            assert got.choices[0].text == want.choices[0].text
+        text = metrics_text(url)
+    assert metric(text, 'prefix_cache_requests_total{result="miss"}') == 1
+    assert metric(text, 'prefix_cache_requests_total{result="hit"}') == 3
+    # the repeat restores its whole prompt, the extension the whole first one
+    first = len(load_tokenizer(MODEL)(PROMPT * 4)["input_ids"])
+    assert metric(text, "prefix_cache_hits_total") >= 2 * first
+    assert metric(text, "prefix_cache_queries_total") == metric(text, "prompt_tokens_total")
+    assert metric(text, "prefix_cache_entries") == 3 and metric(text, "prefix_cache_bytes") > 0
+
+
+def test_serve_prefix_benchmark_at_a_tiny_setting(capsys):
+    from conftest import load_benchmark
+
+    bench = load_benchmark("serve_prefix.py")
+    assert bench.main(["--prompt-tokens", "20", "--runs", "1", "--block", "8", "--new-tokens", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["benchmark"] == "serve_prefix" and [r["case"] for r in result["rows"]] == list(bench.CASES)
+    assert all(r["same_text"] and r["ttft_on_ms"] > 0 and r["ttft_off_ms"] > 0 for r in result["rows"])
+    assert bench.main(["--prompt-tokens", "1"]) == 2
