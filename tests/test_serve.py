@@ -383,3 +383,29 @@ def test_serve_prefix_benchmark_at_a_tiny_setting(capsys):
     assert result["benchmark"] == "serve_prefix" and [r["case"] for r in result["rows"]] == list(bench.CASES)
     assert all(r["same_text"] and r["ttft_on_ms"] > 0 and r["ttft_off_ms"] > 0 for r in result["rows"])
     assert bench.main(["--prompt-tokens", "1"]) == 2
+
+
+def test_demo_serve_step_times_the_pair(monkeypatch):
+    """`specquant demo --serve`: after the bench, the W4 pair (here the bundled one, the bench stubbed) is served
+    on loopback and timed with latency's protocol; off by default."""
+    from types import SimpleNamespace
+
+    import specquant.bench.ablation as ablation
+    import specquant.bench.report as report
+    import specquant.gate.kl as kl
+    from specquant.bench.demo import run_demo
+
+    fake = SimpleNamespace(quantized={"quantized_target": {"path": MODEL}, "quantized_draft": "tiny-draft"},
+                           to_json=lambda: {"rows": []})
+    monkeypatch.setattr(ablation, "run_bench", lambda *a, **k: (fake, []))
+    monkeypatch.setattr(kl, "demo_gate", lambda *a, **k: {"passed": True})
+    monkeypatch.setattr(report, "summary_table", lambda results: "")
+    logged = []
+    assert "served" not in run_demo("unused", quick=True, log=logged.append)
+    out = run_demo("unused", quick=True, log=logged.append, serve=True)
+    row = out["served"]["categories"]["short"]
+    assert out["served"]["config"]["runs"] == 3 and abs(row["prompt_tokens"] - 64) <= 2
+    assert row["median_ms"] > 0 and 1.0 <= row["mean_acceptance_length"] <= 4.0
+    assert any("specquant latency --server http://127.0.0.1:" in line for line in logged)
+    parser, _ = cli.build_parser()
+    assert parser.parse_args(["demo"]).serve is False and parser.parse_args(["demo", "--serve"]).serve is True

@@ -27,12 +27,12 @@ The cache protocol (`Cache`):
   dtype; not the device). A cache made on the meta device has the same layout, which is how an AOT key describes the
   caches before they exist (Transformer.cache_layout).
 - `snapshot(length=None) -> Snapshot`: a copy of the state after the `length` positions processed (serve's prefix
-  cache keeps it across requests; a caller passes the length it has reached, which a static K/V cache does not
-  count, and a state that cannot be cut refuses any other); `restore(snapshot, length)` makes the cache hold the state after `length` positions of it,
-  writing the buffers in place. A state indexed by position (a full K/V cache) can be cut: restore takes any
-  length up to the snapshot's (`Snapshot.cuttable`; `snapshot_cuttable` says so before snapshotting). One that is
-  not (a recurrent state, a ring) restores only the length it was taken at, so a caller that wants earlier restore
-  points snapshots there.
+  cache keeps it across requests). The caller passes the length it has reached (a static K/V cache keeps no
+  count); a state that cannot be cut refuses any other. `restore(snapshot, length=None)` makes the cache hold the
+  state after `length` positions of it (default: all), writing the buffers in place. A state indexed by position
+  (a full K/V cache) can be cut: restore takes any length up to the snapshot's (`Snapshot.cuttable`;
+  `snapshot_cuttable` says so before snapshotting). One that is not (a recurrent state, a ring) restores only the
+  length it was taken at, so a caller that wants earlier restore points snapshots there.
 """
 
 from __future__ import annotations

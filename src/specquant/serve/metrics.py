@@ -4,8 +4,9 @@ Speculative counters carry vLLM's names (spec_decode/metrics.py defines them) un
 spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens and
 spec_decode_num_accepted_tokens_per_pos{position}; mean acceptance length = 1 + accepted / drafts.
 prefix_cache_queries / prefix_cache_hits count prompt tokens looked up / restored (vLLM's names), with
-prefix_cache_requests{result=hit|miss} and the cache's entries and bytes. The rolling gauge averages the last `window` requests, and a warning is logged when it first drops below the
-threshold (acceptance collapse under a quantized target is otherwise invisible)."""
+prefix_cache_requests{result=hit|miss} and the cache's entries and bytes. The rolling gauge averages the last
+`window` requests, and a warning is logged when it first drops below the threshold (acceptance collapse under a
+quantized target is otherwise invisible)."""
 
 from __future__ import annotations
 

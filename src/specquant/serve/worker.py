@@ -181,6 +181,9 @@ class EngineWorker:
         if tail:
             job.emit("text", tail)
         self._release(job)
-        job.emit("done", finish, {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
-                                  "total_tokens": len(req.prompt_ids) + generated})
+        usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
+                 "total_tokens": len(req.prompt_ids) + generated}
+        if self.prefix_cache is not None:  # OpenAI's field for prompt tokens served from a cache
+            usage["prompt_tokens_details"] = {"cached_tokens": self.prefix_cache.last[1]}
+        job.emit("done", finish, usage)
         return finish
