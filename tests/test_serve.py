@@ -409,3 +409,34 @@ def test_demo_serve_step_times_the_pair(monkeypatch):
     assert any("specquant latency --server http://127.0.0.1:" in line for line in logged)
     parser, _ = cli.build_parser()
     assert parser.parse_args(["demo"]).serve is False and parser.parse_args(["demo", "--serve"]).serve is True
+
+
+def test_serve_load_benchmark_at_a_tiny_setting(capsys):
+    from conftest import load_benchmark
+
+    bench = load_benchmark("serve_load.py")
+    assert bench.main(["--clients", "16", "--requests", "32", "--max-tokens", "4", "--time-limit", "200"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert (result["completed"], result["failures"], result["corrupted"], result["not_run"]) == (32, 0, 0, 0)
+    assert result["p99_ms"] >= result["p50_ms"] > 0 and result["requests_per_s"] > 0
+    assert any("spec_decode_num_drafts_total" in line for line in result["metrics"])
+    assert out[0].startswith("32/32 requests from 16 clients")
+    assert bench.main(["--clients", "0"]) == 2
+
+
+def test_serve_latency_benchmark_runs_our_server(tmp_path, capsys):
+    """benchmarks/serve_latency.py with the target-only row: a `specquant serve` process, `specquant latency`
+    against it, the side-by-side table and JSON (the W4 and llama-server rows run the same steps on other
+    servers)."""
+    from conftest import load_benchmark
+
+    bench = load_benchmark("serve_latency.py")
+    assert bench.main(["--rows", "specquant", "--tiny", "--work", str(tmp_path), "--threads", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    row = result["rows"]["specquant"]["categories"]["short"]
+    assert out[1].split()[:2] == ["specquant", "short"] and row["median_ms"] > 0
+    assert row["mean_acceptance_length"] is None  # target only: no drafts, no MAL
+    assert not (tmp_path / "w4-draft").exists()  # only the rows that need it quantize the draft
+    assert bench.main(["--rows", "vllm"]) == 2
