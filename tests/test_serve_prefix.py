@@ -71,29 +71,37 @@ def run(engine, prompt, prefill=None, sampling=None):
 def check_equal(target, draft, vocab, sampling=None, **kw):
     plain, cached = make_engine(target, draft, **kw), make_engine(target, draft, **kw)
     cache = PrefixCache(target, max_entries=8, max_bytes=1 << 30, block=BLOCK)
-    restored = []
+    restored, draft = [], []
     for prompt in prompts(vocab):
         assert run(cached, prompt, cache.prefill, sampling) == run(plain, prompt, None, sampling)
         restored.append(cache.last[1])
-    return restored
+        draft.append(cache.last_restored.get("draft"))
+    return restored, draft  # positions the target / the LM drafter resumed from (draft None: not cached)
 
 
 @pytest.mark.parametrize("kind", ["lm", "block", "none", "suffix"])
 def test_hybrid_target_outputs_equal_without_the_cache(hybrid, kind):
     target, drafts = hybrid
-    restored = check_equal(target, drafts[kind], VOCAB)
+    restored, draft = check_equal(target, drafts[kind], VOCAB)
+    if kind == "lm":  # a hybrid drafter: its DeltaNet state resumes at boundaries (or an earlier prompt's end)
+        assert draft == [0, 29, 29, 8, 16, 16, 0, 29]
     # the repeat restores all 30 tokens; the extension the whole first prompt (its end is a snapshot); the
     # divergences at 13 and 16 resume from boundary 8 and 16; the prefix of 21 tokens from boundary 16 of
     # the extension; the unrelated prompt nothing
     assert restored == [0, 30, 30, 8, 16, 16, 0, 30]
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_dense_pair_outputs_equal_without_the_cache(window):
+@pytest.mark.parametrize("window,prefill", [(None, "window"), (6, "window"), (6, "full")])
+def test_dense_pair_outputs_equal_without_the_cache(window, prefill):
+    """A windowed LM drafter prefilled in full has ring caches: snapshotted at block boundaries, as DeltaNet."""
     target, draft = peaky_pair()
-    restored = check_equal(target, draft, 96, draft_window=window)
+    restored, drafted = check_equal(target, draft, 96, draft_window=window, draft_prefill=prefill)
     # a K/V cache is cut at any shared length (a prompt keeps one token to run, unless it repeats exactly)
     assert restored == [0, 30, 30, 13, 16, 20, 0, 30]
+    # the drafter prefills all but the last token; a ring resumes at block boundaries or an earlier prompt's end;
+    # a window-only prefill shifts positions, so that drafter prefills as usual
+    assert drafted == {(None, "window"): [0, 29, 29, 13, 16, 20, 0, 29], (6, "window"): [None] * 8,
+                       (6, "full"): [0, 29, 29, 8, 16, 16, 0, 29]}[window, prefill]
 
 
 def test_sampling_outputs_equal_without_the_cache(hybrid):

@@ -114,6 +114,7 @@ class PrefixCache:
         self.serial = 0
         self.bytes = 0
         self.last = (0, 0)  # (prompt tokens, target tokens restored) of the last request
+        self.last_restored: dict[str, int] = {}  # positions restored per track (target, draft) of the last request
         self.warned = False
 
     def _supported(self, target, caches) -> str | None:
@@ -142,6 +143,7 @@ class PrefixCache:
         """loop.prefill, resuming from the longest stored prefix: prompt_ids [1, L] -> the first new token [1]."""
         from specquant.spec_decode.loop import prefill as plain
 
+        self.last, self.last_restored = (prompt_ids.shape[1], 0), {}
         if prompt_ids.shape[0] != 1:
             return plain(target, drafter, prompt_ids, sampling, generator)
         refusal = self._supported(target, self.model.caches())
@@ -166,8 +168,9 @@ class PrefixCache:
             # boundaries before the restore point are the same tokens' states: share the old entry's snapshots
             states[track.name] = TrackState(track.end, [], {p: s for p, s in old.points.items() if p <= start}
                                             if old is not None and start else {})
-        hidden = [entry.hidden[:, : starts["target"]]] if entry is not None and entry.hidden is not None and \
-            drafter.target_layers else []
+        hidden = []  # the target's hidden states of the prompt, for a drafter that reads them
+        if drafter.target_layers and entry is not None and starts["target"]:
+            hidden.append(entry.hidden[:, : starts["target"]])
         logits = entry.logits if full else None
         for track in tracks:
             if starts[track.name] < track.end:
@@ -182,6 +185,7 @@ class PrefixCache:
         else:
             drafter.prefill(prompt_ids, hidden)
         self._record(plen, starts["target"])
+        self.last_restored = starts
         if full:
             self.entries.move_to_end(next(k for k, e in self.entries.items() if e is entry))
         else:
