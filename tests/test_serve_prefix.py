@@ -42,7 +42,7 @@ def hybrid():
     return target, {"lm": draft, "block": block, "none": None, "suffix": "suffix"}
 
 
-def make_engine(target, draft, **kw):
+def make_engine(target, draft, graphs=False, **kw):
     cfg = SpecConfig(draft_len=3, **kw)
     if isinstance(draft, BlockDraftModel):
         draft = BlockDrafter(draft, target, cfg)
@@ -50,7 +50,7 @@ def make_engine(target, draft, **kw):
         from specquant.spec_decode.drafters import KINDS
 
         draft = KINDS["suffix"].build(None, target, cfg)
-    return SpecEngine(target, draft, cfg)
+    return SpecEngine(target, draft, cfg, graphs=graphs)
 
 
 def prompts(vocab: int) -> list[torch.Tensor]:
@@ -91,11 +91,14 @@ def test_hybrid_target_outputs_equal_without_the_cache(hybrid, kind):
     assert restored == [0, 30, 30, 8, 16, 16, 0, 30]
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("window,prefill", [(None, "window"), (6, "window"), (6, "full")])
-def test_dense_pair_outputs_equal_without_the_cache(window, prefill):
-    """A windowed LM drafter prefilled in full has ring caches: snapshotted at block boundaries, as DeltaNet."""
+def test_dense_pair_outputs_equal_without_the_cache(window, prefill, graphs):
+    """A windowed LM drafter prefilled in full has ring caches: snapshotted at block boundaries, as DeltaNet.
+    graphs: CUDA-graph steps (their eager stand-in on CPU) over static caches, restored in place."""
     target, draft = peaky_pair()
-    restored, drafted = check_equal(target, draft, 96, draft_window=window, draft_prefill=prefill)
+    restored, drafted = check_equal(target, draft, 96, draft_window=window, draft_prefill=prefill, graphs=graphs)
+    assert {c.static for m in (target, draft) for c in m.caches()} == {graphs}
     # a K/V cache is cut at any shared length (a prompt keeps one token to run, unless it repeats exactly)
     assert restored == [0, 30, 30, 13, 16, 20, 0, 30]
     # the drafter prefills all but the last token; a ring resumes at block boundaries or an earlier prompt's end;

@@ -117,9 +117,9 @@ class PrefixCache:
         self.last_restored: dict[str, int] = {}  # positions restored per track (target, draft) of the last request
         self.warned = False
 
-    def _supported(self, target, caches) -> str | None:
-        if getattr(target, "aot_steps", None):
-            return "AOT-packaged steps hold their own caches"
+    def _supported(self, caches) -> str | None:
+        # compiled, AOT-packaged and CUDA-graph steps run over the model's own static buffers (bound by address),
+        # which restore writes in place: they need no exception here
         bad = {type(c).__name__ for c in caches if c is not None and type(c).snapshot is Cache.snapshot}
         return f"{', '.join(sorted(bad))} cannot snapshot" if bad else None
 
@@ -146,7 +146,7 @@ class PrefixCache:
         self.last, self.last_restored = (prompt_ids.shape[1], 0), {}
         if prompt_ids.shape[0] != 1:
             return plain(target, drafter, prompt_ids, sampling, generator)
-        refusal = self._supported(target, self.model.caches())
+        refusal = self._supported(self.model.caches())
         if refusal:
             if not self.warned:
                 log.warning("prefix cache off for this engine: %s", refusal)
