@@ -105,7 +105,7 @@ class Track:
 
 class PrefixCache:
     """An LRU of prompt-prefix cache states for one engine (its target model and drafter). `prefill` has
-    loop.prefill's signature; `stats` holds the last request's lookup (prompt tokens, tokens restored)."""
+    loop.prefill's signature; `last` holds the last request's lookup (prompt tokens, target tokens restored)."""
 
     def __init__(self, target_model, max_entries: int, max_bytes: int, block: int, metrics=None):
         self.model, self.max_entries, self.max_bytes, self.block = target_model, max_entries, max_bytes, block
@@ -177,7 +177,8 @@ class PrefixCache:
                 out, pieces = track.run(prompt_ids, starts[track.name], self.block, states[track.name].points)
                 if track.name == "target":
                     logits, hidden = out[:, -1], hidden + pieces
-            states[track.name].final = [None if c is None else c.snapshot(track.end) for c in track.caches]
+            if not full:  # the same prompt again keeps its entry: nothing new to snapshot
+                states[track.name].final = [None if c is None else c.snapshot(track.end) for c in track.caches]
         first = next_token(logits, sampling, generator)  # [1]
         hidden = torch.cat(hidden, 1) if drafter.target_layers else None
         if len(tracks) > 1:  # the LM drafter is where its own prefill leaves it
