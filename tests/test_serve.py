@@ -9,7 +9,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +23,7 @@ openai = pytest.importorskip("openai")
 
 from specquant import cli  # noqa: E402
 from specquant.model.checkpoint import load_tokenizer  # noqa: E402
-from specquant.serve import latency  # noqa: E402
+from specquant.serve import latency, loopback  # noqa: E402
 from specquant.serve.app import create_app  # noqa: E402
 from specquant.serve.config import ServeConfig  # noqa: E402
 from specquant.serve.metrics import ServerMetrics  # noqa: E402
@@ -41,23 +40,9 @@ PROMPT = "The meaning of the word"
 
 @contextmanager
 def serving(app):
-    """app served by uvicorn on a free loopback port in a thread; yields the base URL, then shuts down."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "server did not shut down"
-        sock.close()
+    """app served on a free loopback port in a thread; yields the base URL, then checks it shut down."""
+    with loopback.serving(app) as url:
+        yield url
 
 
 def make_app(**config):
@@ -366,3 +351,92 @@ def test_shutdown_stops_the_running_request():
     assert time.monotonic() - start < 10 and not app.state.worker.thread.is_alive()
     assert metric(app.state.metrics.render().decode(), "generation_tokens_total") < 2000
     stream.close()
+
+
+def test_prefix_cache_serves_the_same_tokens_and_counts_hits(client):
+    """--prefix-cache: the same replies as the plain server for a prompt, its repeat, an extension and one that
+    diverges; /metrics counts the lookups and the tokens restored."""
+    prompts = [PROMPT * 4, PROMPT * 4, PROMPT * 4 + " and the rest", PROMPT + " is plain"]
+    app, _ = make_app(prefix_cache=True, prefix_cache_block=8)
+    with serving(app) as url:
+        cached = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for p in prompts:
+            want = client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+            got = cached.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+            assert got.choices[0].text == want.choices[0].text
+        text = metrics_text(url)
+    assert metric(text, 'prefix_cache_requests_total{result="miss"}') == 1
+    assert metric(text, 'prefix_cache_requests_total{result="hit"}') == 3
+    # the repeat restores its whole prompt, the extension the whole first one
+    first = len(load_tokenizer(MODEL)(PROMPT * 4)["input_ids"])
+    assert metric(text, "prefix_cache_hits_total") >= 2 * first
+    assert metric(text, "prefix_cache_queries_total") == metric(text, "prompt_tokens_total")
+    assert metric(text, "prefix_cache_entries") == 3 and metric(text, "prefix_cache_bytes") > 0
+
+
+def test_serve_prefix_benchmark_at_a_tiny_setting(capsys):
+    from conftest import load_benchmark
+
+    bench = load_benchmark("serve_prefix.py")
+    assert bench.main(["--prompt-tokens", "20", "--runs", "1", "--block", "8", "--new-tokens", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["benchmark"] == "serve_prefix" and [r["case"] for r in result["rows"]] == list(bench.CASES)
+    assert all(r["same_text"] and r["ttft_on_ms"] > 0 and r["ttft_off_ms"] > 0 for r in result["rows"])
+    assert bench.main(["--prompt-tokens", "1"]) == 2
+
+
+def test_demo_serve_step_times_the_pair(monkeypatch):
+    """`specquant demo --serve`: after the bench, the W4 pair (here the bundled one, the bench stubbed) is served
+    on loopback and timed with latency's protocol; off by default."""
+    from types import SimpleNamespace
+
+    import specquant.bench.ablation as ablation
+    import specquant.bench.report as report
+    import specquant.gate.kl as kl
+    from specquant.bench.demo import run_demo
+
+    fake = SimpleNamespace(quantized={"quantized_target": {"path": MODEL}, "quantized_draft": "tiny-draft"},
+                           to_json=lambda: {"rows": []})
+    monkeypatch.setattr(ablation, "run_bench", lambda *a, **k: (fake, []))
+    monkeypatch.setattr(kl, "demo_gate", lambda *a, **k: {"passed": True})
+    monkeypatch.setattr(report, "summary_table", lambda results: "")
+    logged = []
+    assert "served" not in run_demo("unused", quick=True, log=logged.append)
+    out = run_demo("unused", quick=True, log=logged.append, serve=True)
+    row = out["served"]["categories"]["short"]
+    assert out["served"]["config"]["runs"] == 3 and abs(row["prompt_tokens"] - 64) <= 2
+    assert row["median_ms"] > 0 and 1.0 <= row["mean_acceptance_length"] <= 4.0
+    assert any("specquant latency --server http://127.0.0.1:" in line for line in logged)
+    parser, _ = cli.build_parser()
+    assert parser.parse_args(["demo"]).serve is False and parser.parse_args(["demo", "--serve"]).serve is True
+
+
+def test_serve_load_benchmark_at_a_tiny_setting(capsys):
+    from conftest import load_benchmark
+
+    bench = load_benchmark("serve_load.py")
+    assert bench.main(["--clients", "16", "--requests", "32", "--max-tokens", "4", "--time-limit", "200"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert (result["completed"], result["failures"], result["corrupted"], result["not_run"]) == (32, 0, 0, 0)
+    assert result["p99_ms"] >= result["p50_ms"] > 0 and result["requests_per_s"] > 0
+    assert any("spec_decode_num_drafts_total" in line for line in result["metrics"])
+    assert out[0].startswith("32/32 requests from 16 clients")
+    assert bench.main(["--clients", "0"]) == 2
+
+
+def test_serve_latency_benchmark_runs_our_server(tmp_path, capsys):
+    """benchmarks/serve_latency.py with the target-only row: a `specquant serve` process, `specquant latency`
+    against it, the side-by-side table and JSON (the W4 and llama-server rows run the same steps on other
+    servers)."""
+    from conftest import load_benchmark
+
+    bench = load_benchmark("serve_latency.py")
+    assert bench.main(["--rows", "specquant", "--tiny", "--work", str(tmp_path), "--threads", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    row = result["rows"]["specquant"]["categories"]["short"]
+    assert out[1].split()[:2] == ["specquant", "short"] and row["median_ms"] > 0
+    assert row["mean_acceptance_length"] is None  # target only: no drafts, no MAL
+    assert not (tmp_path / "w4-draft").exists()  # only the rows that need it quantize the draft
+    assert bench.main(["--rows", "vllm"]) == 2

@@ -36,6 +36,8 @@ def add_parser(sub):
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory, relative to the cwd (default: {DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true", help="fewer prompts, tokens and runs, small calibration (≤ 2 min)")
     p.add_argument("--overwrite", action="store_true", help=BenchConfig.__dataclass_fields__["overwrite"].metadata["help"])
+    p.add_argument("--serve", action="store_true",
+                   help="then serve the W4 pair on loopback and time it with `specquant latency` (short category)")
     return p
 
 
@@ -44,9 +46,9 @@ def demo_config(out: str, quick: bool) -> BenchConfig:
 
 
 def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-target", draft: str = "tiny-draft",
-             log=print, block_draft: str | None = "tiny-block-draft", **overrides) -> dict:
+             log=print, block_draft: str | None = "tiny-block-draft", serve: bool = False, **overrides) -> dict:
     """The demo as a function (the tests call it on small random checkpoints); returns results.json's content with
-    the quality gate's verdict added ("quality_gate")."""
+    the quality gate's verdict added ("quality_gate"), and with serve the served pair's latency ("served")."""
     from specquant.bench.ablation import run_bench
     from specquant.bench.report import summary_table
 
@@ -66,13 +68,22 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
 
     w4 = results.quantized["quantized_target"]
     gate = demo_gate(w4["path"] if isinstance(w4, dict) else w4, target, quick, log)
+    served = None
+    if serve:  # optional: needs the serve extra, and its time is outside the demo's budget
+        from specquant.serve.config import LatencyConfig
+        from specquant.serve.latency import serve_and_time
+
+        path = lambda p: p["path"] if isinstance(p, dict) else p  # noqa: E731
+        log("      serve: the W4 pair on loopback, timed with specquant latency's protocol (short category)")
+        served = serve_and_time(path(w4), path(results.quantized["quantized_draft"]),
+                                LatencyConfig(categories=["short"], runs=3 if quick else 10, warmup=1), log)
     log(f"[3/3] done in {time.perf_counter() - t0:.0f} s\n")
     log(summary_table(results))
     log(f"\nreport: {Path(cfg.out) / 'report.md'}; numbers: {Path(cfg.out) / 'results.json'}; plots: "
         + ", ".join(f.name for f in files if f.suffix == ".png"))
-    return {**results.to_json(), "quality_gate": gate}
+    return {**results.to_json(), "quality_gate": gate, **({"served": served} if serve else {})}
 
 
 def run(args) -> int:
-    run_demo(args.out, args.quick, overwrite=args.overwrite)
+    run_demo(args.out, args.quick, overwrite=args.overwrite, serve=args.serve)
     return 0

@@ -26,20 +26,51 @@ The cache protocol (`Cache`):
 - `layout() -> dict`: JSON-able description of the buffers (kind, batch, capacity, settings, every buffer's shape and
   dtype; not the device). A cache made on the meta device has the same layout, which is how an AOT key describes the
   caches before they exist (Transformer.cache_layout).
+- `snapshot(length=None) -> Snapshot`: a copy of the state after the `length` positions processed (serve's prefix
+  cache keeps it across requests). The caller passes the length it has reached (a static K/V cache keeps no
+  count); a state that cannot be cut refuses any other. `restore(snapshot, length=None)` makes the cache hold the
+  state after `length` positions of it (default: all), writing the buffers in place. A state indexed by position
+  (a full K/V cache) can be cut: restore takes any length up to the snapshot's (`Snapshot.cuttable`;
+  `snapshot_cuttable` says so before snapshotting). One that is not (a recurrent state, a ring) restores only the
+  length it was taken at, so a caller that wants earlier restore points snapshots there.
 """
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One cache's state after `length` positions: tensors copied off its buffers (never views of them)."""
+
+    kind: str
+    length: int
+    cuttable: bool  # restore may take any length <= length (the state is indexed by position)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def check(self, kind: str, length: int) -> None:
+        """Refuse a snapshot of another cache kind, or a length it cannot be restored to."""
+        if self.kind != kind:
+            raise ValueError(f"a {self.kind} snapshot cannot restore a {kind} cache")
+        if not (length == self.length or (self.cuttable and 0 <= length < self.length)):
+            allowed = f"0..{self.length}" if self.cuttable else str(self.length)
+            raise ValueError(f"{kind} snapshot of {self.length} positions restores length {allowed}, not {length}")
 
 
 class Cache(nn.Module, abc.ABC):
     """Base of the layer kinds' caches (the protocol is in the module docstring)."""
 
     kind: str  # layout()'s name for this kind of cache
+    snapshot_cuttable = False  # whether snapshot() gives a Snapshot restorable at any shorter length
 
     def __init__(self, batch: int, capacity: int):
         super().__init__()
@@ -54,6 +85,13 @@ class Cache(nn.Module, abc.ABC):
     @abc.abstractmethod
     def fits(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, window: int | None,
              static: bool, max_block: int | None = None) -> bool: ...
+
+    # not abstract: a cache kind without them still decodes; only serve's prefix cache needs them (and says so)
+    def snapshot(self, length: int | None = None) -> Snapshot:
+        raise NotImplementedError(f"{type(self).__name__} cannot snapshot its state")
+
+    def restore(self, snapshot: Snapshot, length: int | None = None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot restore a snapshot")
 
     def layout(self) -> dict:
         """Kind, batch, capacity and every buffer's [shape, dtype]; subclasses add the settings their code reads."""
@@ -152,3 +190,42 @@ class KVCache(Cache):
     def rollback(self, length: int):
         """Forget positions >= length: nothing to undo, later writes overwrite them."""
         self.length = min(self.length, length)
+
+    @property
+    def snapshot_cuttable(self) -> bool:
+        return self.window is None  # a ring's slots hold whichever positions last wrote them
+
+    def snapshot(self, length: int | None = None) -> Snapshot:
+        """The K/V of positions < length (default: those written; the static path keeps no count, so its caller
+        says); a ring (and its slot map) whole, restorable only at that length."""
+        n = self.length if length is None else length
+        if self.window is None:
+            if n > self.capacity:
+                raise ValueError(f"K/V cache holds {self.capacity} positions; asked to snapshot {n}")
+            return Snapshot(self.kind, n, True, {"k": self.k[:, :, :n].clone(), "v": self.v[:, :, :n].clone()})
+        tensors = {"k": self.k.clone(), "v": self.v.clone()}
+        if self.static:
+            tensors["slot_pos"] = self.slot_pos.clone()
+        return Snapshot(self.kind, n, False, tensors)
+
+    def restore(self, snapshot: Snapshot, length: int | None = None) -> None:
+        """Hold the snapshot's first `length` positions (default: all) in these buffers."""
+        n = snapshot.length if length is None else length
+        snapshot.check(self.kind, n)
+        k, v = snapshot.tensors["k"], snapshot.tensors["v"]
+        if self.window is None:
+            if n > self.capacity or k.shape[:2] != self.k.shape[:2] or k.shape[3:] != self.k.shape[3:]:
+                raise ValueError(f"K/V snapshot {list(k.shape)} does not fit this cache {list(self.k.shape)}")
+            self.k[:, :, :n].copy_(k[:, :, :n])
+            self.v[:, :, :n].copy_(v[:, :, :n])
+            if self.static:  # slot = position in a full cache
+                self.slot_pos.fill_(-1)
+                self.slot_pos[:n].copy_(torch.arange(n, device=self.slot_pos.device))
+        else:
+            if k.shape != self.k.shape or self.static != ("slot_pos" in snapshot.tensors):
+                raise ValueError(f"ring snapshot {list(k.shape)} does not fit this ring {list(self.k.shape)}")
+            self.k.copy_(k)
+            self.v.copy_(v)
+            if self.static:
+                self.slot_pos.copy_(snapshot.tensors["slot_pos"])
+        self.length = n

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specquant.model.cache import Cache
+from specquant.model.cache import Cache, Snapshot
 from specquant.model.modules import Linear
 from specquant.model.gated_delta import DEFAULT_CHUNK, gated_delta_rule, l2_normalize, state_after, zero_state
 from specquant.model.norms import GatedRMSNorm
@@ -160,6 +160,25 @@ class DeltaNetCache(Cache):
         self._set("state", state)
         self._set("conv", self.hist[..., j : j + self.kernel - 1].clone())
         self.length, self.block, self.rolled_back = length, j, True
+
+    def snapshot(self, length: int | None = None) -> Snapshot:
+        """The state and conv state after `length` positions (not the rollback record: a restore re-anchors)."""
+        if length is not None and length != self.length:
+            raise ValueError(f"DeltaNet state is at length {self.length}; it cannot snapshot length {length}")
+        return Snapshot(self.kind, self.length, False, {"state": self.state.clone(), "conv": self.conv.clone()})
+
+    def restore(self, snapshot: Snapshot, length: int | None = None) -> None:
+        """Continue from the snapshot's state: the record re-anchors there, so later rollbacks reach back to it."""
+        snapshot.check(self.kind, snapshot.length if length is None else length)
+        state, conv = snapshot.tensors["state"], snapshot.tensors["conv"]
+        if state.shape != self.state.shape or conv.shape != self.conv.shape:
+            raise ValueError(f"DeltaNet snapshot {list(state.shape)} does not fit this cache {list(self.state.shape)}")
+        self._set("state", state.clone())  # clones: the snapshot outlives this sequence
+        self._set("state0", self.state)  # the anchor, as advance() sets it
+        self._set("conv", conv.to(self.dtype).clone())
+        self.hist[..., : self.kernel - 1].copy_(conv)
+        self.length = self.start = snapshot.length
+        self.block, self.has_factors, self.rolled_back = 0, True, False
 
 
 class GatedDeltaNet(nn.Module):

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specquant.errors import SpecquantError
 from specquant.serve.config import ServeConfig
 from specquant.serve.metrics import ServerMetrics
+from specquant.serve.prefix import PrefixCache
 from specquant.serve.requests import CHATML, RequestError, chat_ids_of, parse_request, prompt_ids_of
 from specquant.serve.worker import EngineWorker, Job
 
@@ -49,7 +50,9 @@ def create_app(engine, tokenizer, config: ServeConfig, model_name: str, threads:
     template = chat_template_of(tokenizer, config.chat_template)
     context = engine.target.config.max_position_embeddings
     metrics = ServerMetrics(config.mal_window, config.mal_warn_below)
-    worker = EngineWorker(engine, tokenizer, metrics, config.max_queue, threads)
+    prefix = (PrefixCache(engine.target, config.prefix_cache_entries, config.prefix_cache_mib << 20,
+                          config.prefix_cache_block, metrics) if config.prefix_cache else None)
+    worker = EngineWorker(engine, tokenizer, metrics, config.max_queue, threads, prefix)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -34,10 +34,21 @@ class ServeConfig:
     # 0 disables the warning; acceptance collapse under a quantized target shows as MAL falling towards 1
     mal_warn_below: float = field(default=1.5, metadata={
         "help": "log a warning when the rolling mean acceptance length drops below this (0 = never)"})
+    # off by default: it holds device memory, and a hybrid target then prefills in prefix_cache_block pieces
+    prefix_cache: bool = field(default=False, metadata={
+        "store_true": True, "help": "reuse the cache state of an earlier prompt's shared prefix (serve/prefix.py)"})
+    prefix_cache_entries: int = field(default=16, metadata={"help": "prompts the prefix cache keeps (LRU)"})
+    prefix_cache_mib: int = field(default=2048, metadata={
+        "help": "the most MiB of snapshots the prefix cache keeps, on the model's device (LRU)"})
+    # a recurrent state (Qwen3.5 DeltaNet) cannot be cut: snapshots every this many tokens are where a diverging
+    # prompt can resume
+    prefix_cache_block: int = field(default=256, metadata={
+        "help": "tokens between the restore points of states that cannot be cut at any length (DeltaNet, rings)"})
 
     def validate(self) -> "ServeConfig":
         require_positive(self, ("max_queue", "max_tokens_limit", "default_max_tokens", "max_stop", "max_stop_chars",
-                                "mal_window"), prefix="serve ")
+                                "mal_window", "prefix_cache_entries", "prefix_cache_mib", "prefix_cache_block"),
+                         prefix="serve ")
         if not 0 <= self.port <= 65535:
             raise SpecquantError(f"port {self.port} is outside 0..65535 (0: any free port)")
         if self.shutdown_timeout_s < 0:

@@ -4,8 +4,18 @@ ignore_eos; client-side wall times; medians, p90, speedup against a baseline ser
 from the server's /metrics when it exposes vLLM-named counters. A table, then one JSON line.
 
 Prompts are built to a token count by asking the server: one calibration request reads usage.prompt_tokens for a
-known text, so no tokenizer is needed on the client. When the model's context (/v1/models max_model_len) is shorter
-than a category needs, every selected category's prompt length is scaled by one factor, which is printed."""
+known text, so no tokenizer is needed on the client. When the model's context is shorter than a category needs,
+every selected category's prompt length is scaled by one factor, which is printed.
+
+Servers differ in what they report, and this reads each one's way:
+- the model: --model, else the one /v1/models lists first (llama-server's id is its GGUF path; it answers any
+  name);
+- the context: max_model_len in /v1/models (vLLM, ours), else llama-server's per-slot n_ctx from /props, else its
+  /v1/models meta (n_ctx, then n_ctx_train);
+- MAL: /metrics counters named spec_decode_num_drafts / _num_accepted_tokens under any prefix (vllm:, specquant:,
+  llamacpp: with `llama-server --metrics`); "-" when a server has none;
+- prompt caching: usage.prompt_tokens_details.cached_tokens (llama-server caches prompts by default, ours with
+  --prefix-cache), reported per category so a repeated prompt's reuse is visible beside the times."""
 
 from __future__ import annotations
 
@@ -31,7 +41,7 @@ SPEC_COUNTER = re.compile(r"^(\S+:)?spec_decode_num_(drafts|accepted_tokens)(_to
 def add_parser(sub):
     p = sub.add_parser("latency", help="time an OpenAI-compatible server with the competition's latency protocol")
     p.add_argument("--server", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", required=True, help="model id the server serves")
+    p.add_argument("--model", default=None, help="model id the server serves (default: the first it lists)")
     p.add_argument("--baseline-server", default=None,
                    help="base URL of the baseline server (speedup = its median / ours)")
     p.add_argument("--baseline-model", default=None, help="the baseline's model id (default: --model)")
@@ -42,8 +52,18 @@ def add_parser(sub):
 class Client:
     """A raw HTTP client (stdlib: nothing beyond the server's own protocol, and no client-side pooling tricks)."""
 
-    def __init__(self, url: str, model: str, timeout_s: float):
-        self.url, self.model, self.timeout = url.rstrip("/"), model, timeout_s
+    def __init__(self, url: str, model: str | None, timeout_s: float):
+        self.url, self.timeout = url.rstrip("/"), timeout_s
+        self.listed = self._models()
+        if model is None and not self.listed:
+            raise SpecquantError(f"{self.url}/v1/models lists no model; pass --model NAME")
+        self.model = model or self.listed[0]["id"]
+
+    def _models(self) -> list[dict]:
+        try:
+            return json.loads(self._call("/v1/models")).get("data") or []
+        except (SpecquantError, json.JSONDecodeError, AttributeError):
+            return []
 
     def _call(self, path: str, body: dict | None = None) -> bytes:
         data = None if body is None else json.dumps(body).encode()
@@ -61,11 +81,21 @@ class Client:
                                                         "max_tokens": max_tokens, "temperature": temperature}))
 
     def context(self) -> int | None:
-        """The model's context from /v1/models (vLLM and ours report max_model_len; llama-server meta.n_ctx_train)."""
-        for m in json.loads(self._call("/v1/models")).get("data", []):
-            if m.get("id") == self.model:
-                return m.get("max_model_len") or (m.get("meta") or {}).get("n_ctx_train")
-        return None
+        """The context a request may fill (None: the server does not say)."""
+        mine = [m for m in self.listed if m.get("id") == self.model]
+        if not mine and len(self.listed) == 1:  # llama-server answers any model name with its one model
+            mine = self.listed
+        if mine and mine[0].get("max_model_len"):
+            return int(mine[0]["max_model_len"])
+        try:  # llama-server: a slot's context (its -c split over parallel slots unless the KV cache is unified)
+            slot = json.loads(self._call("/props")).get("default_generation_settings", {}).get("n_ctx")
+        except (SpecquantError, json.JSONDecodeError, AttributeError):
+            slot = None
+        if slot:
+            return int(slot)
+        meta = (mine[0].get("meta") or {}) if mine else {}
+        found = meta.get("n_ctx") or meta.get("n_ctx_train")
+        return int(found) if found else None
 
     def spec_counters(self) -> tuple[float, float] | None:
         """(num_drafts, num_accepted_tokens) from /metrics; None when the server exposes none."""
@@ -128,31 +158,34 @@ def measure(client: Client, prompts: dict, config: LatencyConfig) -> dict:
         for _ in range(config.warmup):
             client.complete(prompt, new, config.temperature)
         before = client.spec_counters()
-        times, tokens = [], []
+        times, tokens, cached = [], [], []
         for _ in range(config.runs):
             t0 = time.perf_counter()
             reply = client.complete(prompt, new, config.temperature)
             times.append((time.perf_counter() - t0) * 1e3)
             tokens.append(reply["usage"]["completion_tokens"])
+            details = reply["usage"].get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                cached.append(details["cached_tokens"])
         after = client.spec_counters()
         mal = None
         if before and after and after[0] > before[0]:
             mal = 1.0 + (after[1] - before[1]) / (after[0] - before[0])
         out[cat] = {"median_ms": statistics.median(times), "p90_ms": percentile(times, 90),
-                    "mean_new_tokens": statistics.fmean(tokens), "mean_acceptance_length": mal}
+                    "mean_new_tokens": statistics.fmean(tokens), "mean_acceptance_length": mal,
+                    "mean_cached_prompt_tokens": statistics.fmean(cached) if len(cached) == len(times) else None}
     return out
 
 
-def run(args):
-    config = config_from_args(LatencyConfig, args).validate()
-    client = Client(args.server, args.model, config.timeout_s)
-    baseline = (Client(args.baseline_server, args.baseline_model or args.model, config.timeout_s)
-                if args.baseline_server else None)
+def time_server(config: LatencyConfig, server: str, model: str | None = None, baseline_server: str | None = None,
+                baseline_model: str | None = None, say=print) -> dict:
+    """The protocol against server (and baseline_server): the table through say, the JSON line's object back."""
+    client = Client(server, model, config.timeout_s)
+    baseline = Client(baseline_server, baseline_model or model, config.timeout_s) if baseline_server else None
     contexts = [c for c in (client.context(), baseline.context() if baseline else None) if c]
     scale = scale_of(min(contexts) if contexts else None, config.categories)
     text = source_text(config.prompt)
     prompts = {cat: prompt_of(client, text, max(1, round(CATEGORIES[cat][0] * scale))) for cat in config.categories}
-    say = (lambda *a: None) if args.json else print
     if scale < 1:
         say(f"context {min(contexts)} tokens: prompt lengths scaled by {scale:.4f} ("
             + ", ".join(f"{c} {CATEGORIES[c][0]} -> {prompts[c][1]}" for c in config.categories) + ")")
@@ -174,6 +207,36 @@ def run(args):
         if base:
             line += f" {r['baseline_median_ms']:>9.1f} {r['speedup']:>7.2f}x"
         say(line)
-    print_json({"server": args.server, "model": args.model, "baseline_server": args.baseline_server,
-                "prompt_scale": scale, "config": asdict(config), "categories": rows})
+    for cat, r in rows.items():
+        if r["mean_cached_prompt_tokens"]:
+            say(f"note: {cat}: the server reused {r['mean_cached_prompt_tokens']:.0f} of {r['prompt_tokens']} "
+                "prompt tokens per request from its prompt cache (the protocol repeats each prompt)")
+    return {"server": server, "model": client.model, "baseline_server": baseline_server,
+            "baseline_model": baseline.model if baseline else None, "context": min(contexts) if contexts else None,
+            "prompt_scale": scale, "config": asdict(config), "categories": rows}
+
+
+def run(args):
+    config = config_from_args(LatencyConfig, args).validate()
+    say = (lambda *a: None) if args.json else print
+    print_json(time_server(config, args.server, args.model, args.baseline_server, args.baseline_model, say))
     return 0
+
+
+def serve_and_time(target, draft, config: LatencyConfig, log=print, threads: int = 0) -> dict:
+    """target (and draft) served by `specquant serve`'s app on a loopback port of this process and timed with the
+    protocol: the demo's optional step (`specquant demo --serve`)."""
+    from specquant.model.checkpoint import load_tokenizer
+    from specquant.serve.app import create_app
+    from specquant.serve.config import ServeConfig
+    from specquant.serve.loopback import serving
+    from specquant.spec_decode.build import build_engine
+    from specquant.spec_decode.runtime import RuntimeConfig
+
+    tokenizer = load_tokenizer(target)
+    engine = build_engine(target, draft, RuntimeConfig(threads=threads, aot="off").validate(),
+                          target_tokenizer=tokenizer)
+    app = create_app(engine, tokenizer, ServeConfig(), "specquant", threads=threads)
+    with serving(app) as url:
+        log(f"      serving on {url} (OpenAI API; /metrics); specquant latency --server {url}")
+        return time_server(config.validate(), url, say=lambda line: log("      " + line))

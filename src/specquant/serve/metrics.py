@@ -3,8 +3,10 @@
 Speculative counters carry vLLM's names (spec_decode/metrics.py defines them) under the `specquant:` prefix:
 spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens and
 spec_decode_num_accepted_tokens_per_pos{position}; mean acceptance length = 1 + accepted / drafts.
-The rolling gauge averages the last `window` requests, and a warning is logged when it first drops below the
-threshold (acceptance collapse under a quantized target is otherwise invisible)."""
+prefix_cache_queries / prefix_cache_hits count prompt tokens looked up / restored (vLLM's names), with
+prefix_cache_requests{result=hit|miss} and the cache's entries and bytes. The rolling gauge averages the last
+`window` requests, and a warning is logged when it first drops below the threshold (acceptance collapse under a
+quantized target is otherwise invisible)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,16 @@ class ServerMetrics:
                                ("position",), registry=r)
         self.mal = Gauge(name + "mean_acceptance_length_rolling",
                          "1 + accepted / drafts over the last requests (0 before any draft)", registry=r)
+        # prefix cache (vLLM's names for the token counters): hit rate = hits / queries
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "prompt tokens the prefix cache restored (not "
+                                   "prefilled)", registry=r)
+        self.prefix_requests = Counter(PREFIX + "prefix_cache_requests", "prefix cache lookups, by result",
+                                       ("result",), registry=r)
+        self.prefix_entries = Gauge(PREFIX + "prefix_cache_entries", "prompts the prefix cache holds", registry=r)
+        self.prefix_bytes = Gauge(PREFIX + "prefix_cache_bytes", "bytes of snapshots the prefix cache holds",
+                                  registry=r)
         self.window = deque(maxlen=window)  # (drafts, accepted) per request
         self.warn_below = warn_below
         self.warned = False

@@ -17,6 +17,7 @@ import torch
 
 from specquant.errors import SpecquantError
 from specquant.serve.metrics import ServerMetrics
+from specquant.serve.prefix import PrefixCache
 from specquant.serve.requests import Request, RequestError
 from specquant.serve.text import TextStream
 from specquant.spec_decode.metrics import SpecMetrics
@@ -42,8 +43,10 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, engine, tokenizer, metrics: ServerMetrics, max_queue: int, threads: int = 0):
+    def __init__(self, engine, tokenizer, metrics: ServerMetrics, max_queue: int, threads: int = 0,
+                 prefix_cache: PrefixCache | None = None):
         self.engine, self.tokenizer, self.metrics, self.max_queue = engine, tokenizer, metrics, max_queue
+        self.prefix_cache = prefix_cache
         self.threads = threads
         self.device = next(engine.target.parameters()).device
         self.eos = set(engine.target.config.eos_ids)
@@ -134,7 +137,8 @@ class EngineWorker:
         req = job.request
         prompt = torch.tensor([req.prompt_ids], device=self.device)
         try:
-            steps = self.engine.stream(prompt, req.max_tokens, req.sampling, stop_on_eos=not req.ignore_eos)
+            steps = self.engine.stream(prompt, req.max_tokens, req.sampling, stop_on_eos=not req.ignore_eos,
+                                       prefill=self.prefix_cache.prefill if self.prefix_cache else None)
         except SpecquantError as e:  # a limit of the drafter's the HTTP layer does not know (e.g. its window)
             self._release(job)
             job.emit("error", RequestError("prompt", str(e)))
@@ -177,6 +181,9 @@ class EngineWorker:
         if tail:
             job.emit("text", tail)
         self._release(job)
-        job.emit("done", finish, {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
-                                  "total_tokens": len(req.prompt_ids) + generated})
+        usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": generated,
+                 "total_tokens": len(req.prompt_ids) + generated}
+        if self.prefix_cache is not None:  # OpenAI's field for prompt tokens served from a cache
+            usage["prompt_tokens_details"] = {"cached_tokens": self.prefix_cache.last[1]}
+        job.emit("done", finish, usage)
         return finish

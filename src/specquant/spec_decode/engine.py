@@ -22,7 +22,7 @@ from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Drafter
 from specquant.spec_decode.drafters import KINDS, kind_of_model
-from specquant.spec_decode.loop import decode_steps, prefill
+from specquant.spec_decode.loop import decode_steps, prefill as loop_prefill
 from specquant.spec_decode.metrics import SpecMetrics, StepMetrics
 from specquant.spec_decode.timing import StepTimes, timed
 from specquant.util.device import sync
@@ -93,11 +93,12 @@ class SpecEngine:
         return need + self.longest + 1 if self.speculative else need
 
     def stream(self, prompt_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig | None = None,
-               stop_on_eos: bool = True, times: StepTimes | None = None) -> Iterator[Step]:
+               stop_on_eos: bool = True, times: StepTimes | None = None, prefill=None) -> Iterator[Step]:
         """prompt_ids [batch, prompt_len] (batch 1 with drafts) -> the request's steps, each with the tokens it
         committed; ends after max_new_tokens tokens or once every row has emitted EOS (kept; with stop_on_eos).
         The request is checked and the caches are set up before this returns; the forwards run as steps are
-        asked for. times: with profile=True, where this request's per-component times are added."""
+        asked for. times: with profile=True, where this request's per-component times are added. prefill: a
+        stand-in for loop.prefill with its signature and result (serve's prefix cache)."""
         sampling = (sampling or SamplingConfig()).validate()
         need = self._check(prompt_ids, max_new_tokens)
         device = prompt_ids.device
@@ -111,10 +112,11 @@ class SpecEngine:
         eos = set(self.target.config.eos_ids) if stop_on_eos else set()
         seq = torch.empty(batch, plen + max_new_tokens + self.longest + 1, dtype=torch.long, device=device)
         seq[:, :plen] = prompt_ids
-        return self._steps(target, drafter, prompt_ids, seq, max_new_tokens, sampling, gen, eos)
+        return self._steps(target, drafter, prompt_ids, seq, max_new_tokens, sampling, gen, eos, prefill or
+                           loop_prefill)
 
     def _steps(self, target, drafter, prompt_ids: torch.Tensor, seq: torch.Tensor, max_new_tokens: int,
-               sampling: SamplingConfig, gen: torch.Generator, eos: set[int]) -> Iterator[Step]:
+               sampling: SamplingConfig, gen: torch.Generator, eos: set[int], prefill) -> Iterator[Step]:
         plen = prompt_ids.shape[1]
         first = prefill(target, drafter, prompt_ids, sampling, gen)  # the draft's prefill counts to TTFT
         seq[:, plen] = first
