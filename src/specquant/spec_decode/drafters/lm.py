@@ -121,7 +121,7 @@ def _load(name_or_dir, runtime):
 
 
 def _build(model: Transformer, target: Transformer, spec: SpecConfig, compile: bool = False, graphs: bool = False,
-           aot: str = "off", target_tokenizer=None, draft_tokenizer=None) -> LMDrafter:
+           aot: str = "off", target_tokenizer=None, draft_tokenizer=None, **engine_options) -> LMDrafter:
     check_vocab(target.config.vocab_size, model.config.vocab_size, target_tokenizer, draft_tokenizer)
     return LMDrafter(model, spec, compile, graphs, aot)
 
