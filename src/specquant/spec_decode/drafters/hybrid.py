@@ -68,6 +68,11 @@ class HybridDrafter:
         self.totals = {s: SpecMetrics() for s in self.SOURCES}
         self._pending: tuple[str, int, int] | None = None  # (source, committed length, proposed) of the last draft
 
+    def take_totals(self) -> dict[str, SpecMetrics]:
+        """The per-source counters over every request since the last call (a bench pass's), reset."""
+        totals, self.totals = self.totals, {s: SpecMetrics() for s in self.SOURCES}
+        return totals
+
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         check = getattr(self.model, "check_request", None)
         if check is not None:
