@@ -236,3 +236,24 @@ def test_draft_flag_builds_the_hybrid_with_its_own_k():
 def test_bad_hybrid_drafts_are_refused(value):
     with pytest.raises(SpecquantError):
         build_engine("tiny-target", value)
+
+
+@needs_bundled("tiny-block-draft")
+def test_generate_cli_drafts_past_draft_len_and_reports_sources(capsys):
+    """`generate --draft suffix` drafts up to --suffix-max-draft-len, not --draft-len; `suffix+DRAFT` reports its
+    steps per source, and they add up to the request's."""
+    import json
+
+    from specquant.cli import main
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    base = ["generate", "--prompt", prompt, "--max-new-tokens", "40", "--ignore-eos", "--json", "--draft-len", "2"]
+    assert main([*base, "--draft", "suffix", "--suffix-max-draft-len", "9"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    s = out["stats"]
+    assert s["num_drafts"] and 2 < len(s["num_accepted_tokens_per_pos"]) <= 9  # drafts longer than --draft-len
+    assert main([*base, "--draft", "suffix+tiny-block-draft", "--hybrid-min-match", "4"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    by = out["drafted_by"]
+    assert set(by) == {"suffix", "model"}
+    assert sum(m["num_drafts"] for m in by.values()) == out["stats"]["num_drafts"]

@@ -65,8 +65,10 @@ def run(args):
     result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     new = result.token_ids[0]
     text = tokenizer.decode(new, skip_special_tokens=True)
+    choices = getattr(engine.drafter, "choices", None)  # the hybrid drafter: steps per source
     if args.json:
-        print_json({"text": text, "token_ids": new, "stats": result.stats})
+        extra = {"drafted_by": {src: m.to_dict() for src, m in choices.items()}} if choices else {}
+        print_json({"text": text, "token_ids": new, "stats": result.stats, **extra})
     else:
         print(args.prompt + text)
         s = result.stats
@@ -74,5 +76,7 @@ def run(args):
                 f"{s['tokens_per_s']:.1f} tok/s")
         if "mean_acceptance_length" in s:
             line += f", mean acceptance length {s['mean_acceptance_length']:.2f}"
+        if choices:
+            line += ", steps drafted by " + ", ".join(f"{src} {m.num_drafts}" for src, m in choices.items())
         print(line + "]")
     return 0
