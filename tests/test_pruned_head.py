@@ -13,6 +13,7 @@ from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.errors import SpecquantError
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.modules import Linear
+from specquant.quant.head import CastLinear
 from specquant.quant.linear import QuantLinear
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafters.block import BlockDrafter
@@ -35,8 +36,10 @@ def test_pruned_rows_equal_the_full_heads_kept_columns():
     codes = torch.randint(-8, 8, (64, 128), generator=g, dtype=torch.int8)
     w4 = QuantLinear.from_codes(codes, torch.rand(64, 4, generator=g) + 0.1, None, 4, torch.randn(64, generator=g))
     w4.backend = "reference"  # the kernels' own rounding (bf16 activations) is theirs to test; here: the rows
+    bf16 = CastLinear(torch.randn(64, 32, generator=g).to(torch.bfloat16))
     with torch.no_grad():
-        for head, x in ((dense, torch.randn(3, 32, generator=g)), (w4, torch.randn(2, 128, generator=g))):
+        for head, x in ((dense, torch.randn(3, 32, generator=g)), (w4, torch.randn(2, 128, generator=g)),
+                        (bf16, torch.randn(3, 32, generator=g))):
             pruned = PrunedHead(head, ids)
             assert type(pruned.rows) is type(head)
             assert getattr(pruned.rows, "backend", None) == getattr(head, "backend", None)

@@ -20,7 +20,7 @@ answer to the current draft).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -131,11 +131,7 @@ class HybridDrafter:
 
 def _capped(spec: SpecConfig, longest: int) -> SpecConfig:
     """spec with its adaptive ceiling cut to what the model drafter can draft (a block: block_size - 1)."""
-    if spec.max_draft_len <= longest:
-        return spec
-    from dataclasses import replace
-
-    return replace(spec, max_draft_len=longest)
+    return spec if spec.max_draft_len <= longest else replace(spec, max_draft_len=longest)
 
 
 @dataclass(frozen=True)
@@ -182,5 +178,6 @@ def _build(parts: HybridParts, target, spec: SpecConfig, suffix_config: SuffixCo
 KIND = DrafterKind(
     name="hybrid", title="hybrid drafter (suffix, else a model drafter)", detect=lambda hf: False, load=_load,
     build=_build,
-    # a suffix step runs no forward, a model step its drafter's: the bench counts each source's steps instead
+    # A suffix step runs no forward, a model step its drafter's (1 for a block drafter, k for an LM), which the
+    # kind cannot know: the bench predicts no hybrid row and counts each source's steps instead (bench/ablation.py)
     forwards_per_step=lambda k: 1 if k else 0)

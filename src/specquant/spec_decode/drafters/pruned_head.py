@@ -35,7 +35,8 @@ ATTRIBUTE = "draft_vocab"  # a loaded draft model's kept ids (a [N] tensor), whe
 
 
 class PrunedHead(nn.Module):
-    """The rows `token_ids` of a head (a dense Linear or a W4 QuantLinear), as a module of the same kind:
+    """The rows `token_ids` of a head (a dense Linear, a BF16 CastLinear or a W4 / W8 QuantLinear), as a module of
+    the same kind:
     x [..., hidden] -> logits [..., N]."""
 
     def __init__(self, head: nn.Module, token_ids: torch.Tensor):
@@ -82,8 +83,11 @@ def reference_logits(head: nn.Module, token_ids: torch.Tensor, x: torch.Tensor) 
 def _rows(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
     """A module of head's kind computing head(x)[..., token_ids] (its own copy of those rows)."""
     from specquant.model.modules import Linear
+    from specquant.quant.head import CastLinear
     from specquant.quant.linear import QuantLinear
 
+    if isinstance(head, CastLinear):  # a BF16 head (QuantConfig.lm_head="bf16")
+        return CastLinear(head.weight.detach()[token_ids].clone())
     if isinstance(head, QuantLinear):
         zero = head.zero_point()
         rows = QuantLinear.from_codes(head.codes()[token_ids], head.weight_scale[token_ids],
@@ -99,8 +103,8 @@ def _rows(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
             if head.bias is not None:
                 rows.bias.copy_(head.bias.detach()[token_ids])
         return rows.requires_grad_(False)
-    raise SpecquantError(f"a {type(head).__name__} head cannot be pruned; a pruned draft head needs a Linear or a "
-                         "W4 QuantLinear head")
+    raise SpecquantError(f"a {type(head).__name__} head cannot be pruned; a pruned draft head needs a Linear, "
+                         "CastLinear or QuantLinear head (quant/head.py's precisions)")
 
 
 def check_token_ids(token_ids, vocab_size: int) -> torch.Tensor:
