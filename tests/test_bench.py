@@ -203,9 +203,13 @@ def test_packaged_prompts_hit_lengths_exactly_and_are_small():
     cfg = BenchConfig()
     lengths = fit_lengths(cfg.lengths, 2048, cfg.max_new_tokens)
     assert lengths == cfg.lengths  # the bundled 2048-token context holds long (1024) + 128 new tokens
-    prompts = load_prompts(tok, lengths, cfg.content_sets, 99, 99, cfg.content_max_tokens)
+    prompts = load_prompts(tok, lengths, cfg.content_sets, 99, 99, cfg.content_max_tokens,
+                           filler_sets=cfg.filler_sets)
     cats = {p.category for p in prompts}
-    assert cats == set(cfg.lengths) | set(cfg.content_sets)
+    assert cats == set(cfg.lengths) | set(cfg.content_sets) | set(cfg.filler_sets)
+    filler = [p for p in prompts if p.kind == "filler"]
+    assert {p.category for p in filler} == {"filler"} and len(filler) == 2  # the latency prompt at 64 and 2048
+    assert tok.decode(filler[0].ids).startswith("The quick brown fox jumps over the lazy dog. The quick")
     for p in prompts:
         if p.kind == "length":
             assert len(p.ids) == lengths[p.category]
@@ -281,16 +285,27 @@ def test_report_agrees_with_its_raw_numbers(bench_run):
             assert e["speedup"] == pytest.approx(base[cat]["latency_s"] / e["latency_s"], rel=1e-12)
             assert all(n == results["config"]["max_new_tokens"] for n in e["new_tokens"])  # EOS ignored
         assert r["speedup_avg"] == pytest.approx(statistics.mean(e["speedup"] for e in r["categories"].values()))
-        for name, acc in {**r.get("acceptance", {}), "all": r.get("acceptance_all")}.items():
+        for name, acc in {**r.get("acceptance", {}), "all": r.get("acceptance_all"), **r.get("filler", {})}.items():
             if acc is None:
                 continue
-            assert acc["num_drafts"] > 0
+            # the suffix drafter drafts only where the committed text's end repeats: the random test target's 8 new
+            # tokens may never repeat, even after the filler prompt
+            if acc["num_drafts"] == 0 and r["drafter"] == "suffix":
+                assert acc["mean_acceptance_length"] == 0.0 and sum(acc["histogram"]) == 0
+                continue
+            assert acc["num_drafts"] > 0, (r["id"], name)
             assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["num_accepted_tokens"] / acc["num_drafts"])
-            assert 1.0 <= acc["mean_acceptance_length"] <= results["config"]["spec"]["draft_len"] + 1
+            assert 1.0 <= acc["mean_acceptance_length"] <= r["draft_len"] + 1  # the suffix row's own k: 20
             assert sum(acc["histogram"]) == acc["num_drafts"]
             assert sum(a * n for a, n in enumerate(acc["histogram"])) == acc["num_accepted_tokens"]
     spec = [r for r in results["rows"] if r["id"] in "cde"]
     assert all(set(r["acceptance"]) == {"prose", "code", "qa"} for r in spec)
+    # the filler prompt is its own set, kept out of the content sets' merged acceptance
+    suffix = next(r for r in results["rows"] if r["id"] == "s")
+    assert all(set(r["filler"]) == {"filler"} for r in spec + [suffix])
+    for r in spec + [suffix]:
+        merged = sum(a["num_drafts"] for a in r["acceptance"].values())
+        assert r["acceptance_all"]["num_drafts"] == merged
     # the noisy-copy draft is neither always right nor always wrong
     assert any(1.0 < r["acceptance_all"]["mean_acceptance_length"] < 5.0 for r in spec)
 
@@ -338,6 +353,18 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
     assert results["quantized"]["quantized_block_draft"]["produced"]
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "## Which drafter wins" in report and "## Block drafter, whole block verified" in report
+    # the levers' rows: lossless against the QAD target, no prediction; the hybrid's steps split by source
+    for rid in ("s", "u", "p"):
+        assert rows[rid]["status"] == "ok" and rows[rid]["target"] == "qad"
+        for e in rows[rid]["categories"].values():
+            assert e["same_tokens_as"] == {"row": "q", "match": True} and "predicted" not in e
+    for run, acc in (("content", rows["u"]["acceptance_all"]), ("filler", rows["u"]["filler"]["filler"])):
+        sources = rows["u"]["by_source"][run]
+        assert set(sources) == {"suffix", "model"}
+        assert sum(m["num_drafts"] for m in sources.values()) == acc["num_drafts"]
+        assert sum(m["num_accepted_tokens"] for m in sources.values()) == acc["num_accepted_tokens"]
+    assert rows["p"]["acceptance_all"]["num_drafts"] > 0
+    assert "## Hybrid drafter: which drafter drafted" in report and "## Filler prompt (filler)" in report
     gate = results["quality_gate"]  # the kl gate: W4 target against its fp32 source, quick preset's 4 x 128 tokens
     assert gate["kl"]["tokens"] == 4 * 128 and gate["kl"]["kl"] > 0 and len(gate["gates"]) == 3
     assert any(line == f"quality gate: {'PASS' if gate['passed'] else 'FAIL'}" for line in logged)

@@ -125,7 +125,8 @@ def test_speculative_engine_refuses_batches_target_only_takes_them(pair):
 
 
 def test_registry_kinds_costs_and_detection():
-    assert list(KINDS) == ["block", "lm", "none", "suffix"]
+    assert list(KINDS) == ["block", "lm", "none", "suffix", "hybrid"]
+    assert KINDS["hybrid"].vllm_method is None and not KINDS["hybrid"].detect(read_hf_config(BUNDLED_DIR / "tiny-draft"))
     assert [KINDS[k].forwards_per_step(4) for k in ("lm", "block", "none", "suffix")] == [4, 1, 0, 0]
     assert kind_of(read_hf_config(BUNDLED_DIR / "tiny-draft")).name == "lm"
     assert kind_of(read_hf_config(BUNDLED_DIR / "tiny-block-draft")).name == "block"
@@ -143,6 +144,7 @@ def test_draft_names_kinds_and_directories():
     with pytest.raises(SpecquantError, match="needs a checkpoint"):
         parse_draft("lm")
     assert parse_draft("suffix") == (KINDS["suffix"], None)
+    assert parse_draft("suffix+tiny-draft") == (KINDS["hybrid"], "tiny-draft")
     with pytest.raises(SpecquantError, match=r"drafter kind \(none, suffix\)"):
         parse_draft("mtp")  # not a kind: one line that names the kinds there are
     with pytest.raises(SpecquantError, match="block, lm, none, suffix"):

@@ -31,14 +31,14 @@ from specquant.model.checkpoint import load_tokenizer
 from specquant.spec_decode.build import build_engine
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.runtime import RuntimeConfig
-from specquant.spec_decode.drafters import KINDS, block, lm
+from specquant.spec_decode.drafters import KINDS, block, hybrid, lm, suffix
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.dtypes import DTYPES
 
 
 # the drafter kinds the rows run, from the registry (spec_decode/drafters/): lm = k forwards per step, block = one
-LM, BLOCK = lm.KIND.name, block.KIND.name
+LM, BLOCK, SUFFIX, HYBRID = lm.KIND.name, block.KIND.name, suffix.KIND.name, hybrid.KIND.name
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class Row:
     window: bool = False  # draft attends to its last BenchConfig.spec.draft_window positions
     impl: str = "specquant"  # or "transformers"
     drafter: str = LM  # the drafter kind's name (a key of spec_decode.drafters.KINDS)
+    pruned: bool = False  # the drafter's head keeps BenchConfig.pruned_head_fraction of the vocabulary
 
 
 ROWS = (
@@ -66,6 +67,13 @@ BLOCK_ROWS = (
     Row("g", "W4 target + W4 block draft", "w4", "w4", drafter=BLOCK),
     Row("h", "W4 target + W4 block draft + window", "w4", "w4", window=True, drafter=BLOCK),
 )
+# The levers (issue 25): the suffix drafter (model-free; its own k), the hybrid (suffix on a long match, else the W4
+# block drafter) and the W4 block drafter with a vocabulary-pruned head; no prediction (their costs are not probed)
+SUFFIX_ROW = Row("s", "W4 target + suffix draft", "w4", "model-free", drafter=SUFFIX)
+LEVER_BLOCK_ROWS = (
+    Row("u", "W4 target + hybrid: suffix, else W4 block draft", "w4", "w4", drafter=HYBRID),
+    Row("p", "W4 target + W4 block draft, pruned head", "w4", "w4", drafter=BLOCK, pruned=True),
+)
 HF_ROW = Row("hf", "transformers assisted: target + draft", "hp", "hp", impl="transformers")
 BASELINE = "a"
 QAD_ROW = Row("q", "W4 + QAD target", "qad", None)
@@ -80,7 +88,7 @@ DRAFT_INPUTS = ((LM, "hp", "draft"), (LM, "w4", "quantized_draft"), (BLOCK, "hp"
 def rows_for(with_qad: bool, with_block: bool = False) -> tuple[Row, ...]:
     """ROWS (+ BLOCK_ROWS), or with a QAD target: row (q) after (b), and every draft row runs against the QAD
     target."""
-    table = (*ROWS, *BLOCK_ROWS) if with_block else ROWS
+    table = (*ROWS, *BLOCK_ROWS, SUFFIX_ROW, *LEVER_BLOCK_ROWS) if with_block else (*ROWS, SUFFIX_ROW)
     if not with_qad:
         return table
     drafted = tuple(dataclasses.replace(r, target="qad", name=r.name.replace("W4 target", "W4 + QAD target"))
@@ -119,22 +127,26 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
         if key in paths:  # keyed by the rows' Row.drafter (a kind name) and Row.draft
             models[(kind, precision)] = KINDS[kind].load(paths[key], runtime)
     table = rows_for("qad_target" in paths, (BLOCK, "hp") in models)
+    if (BLOCK, "w4") in models:  # row (p): its own copy of the W4 block drafter, with the token map
+        models[(BLOCK, "w4", "pruned")] = _pruned_block(cfg, paths, runtime)
     context = min(models[("target", "hp")].config.max_position_embeddings,
                   models[(LM, "hp")].config.max_position_embeddings)
     lengths = fit_lengths(cfg.lengths, context, cfg.max_new_tokens)
     prompts = load_prompts(tokenizer, lengths, cfg.content_sets, cfg.prompts_per_length, cfg.prompts_per_set,
-                           min(cfg.content_max_tokens, context - cfg.max_new_tokens), cfg.prompts)
+                           min(cfg.content_max_tokens, context - cfg.max_new_tokens), cfg.prompts,
+                           filler_sets=cfg.filler_sets)
     length_prompts = [p for p in prompts if p.kind == "length"]
     content_prompts = [p for p in prompts if p.kind == "content"]
+    filler_prompts = [p for p in prompts if p.kind == "filler"]
 
-    runners, skipped = {}, {}
+    runners, skipped, engines = {}, {}, {}
     for row in table:
         target = models[("target", row.target)]
         if row.draft is None:
             runners[row.id] = ours_target_only(target, cfg.max_new_tokens, sampling)
             continue
-        runners[row.id] = ours_speculative(_engine(cfg, runtime, row, models, tokenizer, draft_tokenizer),
-                                           cfg.max_new_tokens, sampling)
+        engines[row.id] = _engine(cfg, runtime, row, models, tokenizer, draft_tokenizer)
+        runners[row.id] = ours_speculative(engines[row.id], cfg.max_new_tokens, sampling)
     if cfg.hf_compare:
         try:
             dtype = DTYPES[runtime.dtype]
@@ -157,9 +169,17 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     samples = interleaved(runners, length_prompts, cfg.warmup + cfg.runs, cfg.warmup, device, transformers_failed)
 
     spec_runners = {r.id: runners[r.id] for r in rows if r.draft is not None and r.impl == "specquant"}
-    acceptance_samples = {rid: {pid: ss[0].spec for pid, ss in per_prompt.items()}  # greedy: one pass suffices
-                          for rid, per_prompt in interleaved(spec_runners, content_prompts, 1, 0, device,
-                                                             desc="acceptance").items()}
+    by_source = {}  # a hybrid row's steps per source, per pass (content sets, filler sets)
+    acceptance_samples = {}
+    for name, pass_prompts in (("content", content_prompts), ("filler", filler_prompts)):
+        for rid, engine in engines.items():
+            if hasattr(engine.drafter, "take_totals"):
+                engine.drafter.take_totals()  # what the timed runs drafted is not this pass's
+        for rid, per_prompt in interleaved(spec_runners, pass_prompts, 1, 0, device, desc=f"acceptance, {name}").items():
+            acceptance_samples.setdefault(rid, {}).update({pid: ss[0].spec for pid, ss in per_prompt.items()})
+        for rid, engine in engines.items():
+            if hasattr(engine.drafter, "take_totals") and pass_prompts:
+                by_source.setdefault(rid, {})[name] = engine.drafter.take_totals()
 
     # the rows whose drafter fixes its longest draft (a block drafter: block_size - 1) again at that length:
     # acceptance at every block position
@@ -168,7 +188,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
         if r.draft is not None and r.impl == "specquant":
             drafter = _engine(cfg, runtime, r, models, tokenizer, draft_tokenizer).drafter
             longest = getattr(drafter, "max_draft_len", None)
-            if longest:
+            if longest and not getattr(drafter, "own_draft_len", None):  # suffix, hybrid: their k is already theirs
                 whole[r.id] = ours_speculative(_engine(cfg, runtime, r, models, tokenizer, draft_tokenizer, longest),
                                                cfg.max_new_tokens, sampling)
     whole_block = {rid: SpecMetrics.total(ss[0].spec for ss in per_prompt.values())
@@ -182,6 +202,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
                     for r in rows]
     for res in results_rows:
         res.acceptance_whole_block = whole_block.get(res.id)
+        res.by_source = by_source.get(res.id)
     _add_speedups(results_rows)
     return BenchResults(
         config=cfg, environment=env, models=dict(paths),
@@ -196,17 +217,44 @@ def row_spec(cfg: BenchConfig, row: Row, draft_len: int | None = None) -> SpecCo
     return ROW_SPECS[row.drafter](cfg, row.window, draft_len)
 
 
-# per drafter kind: how its rows set k (the block drafter's one forward drafts any k up to its block)
+# per drafter kind: how its rows set k (the block drafter's one forward drafts any k up to its block; the suffix
+# drafter's k is its own, SuffixConfig.max_draft_len; the hybrid's block drafter drafts block_draft_len)
 ROW_SPECS = {LM: lambda cfg, window, draft_len: cfg.spec_for(window),
-             BLOCK: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len)}
+             BLOCK: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len),
+             SUFFIX: lambda cfg, window, draft_len: dataclasses.replace(
+                 cfg.spec_for(window), draft_len=cfg.suffix.max_draft_len, adaptive=False),
+             HYBRID: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len)}
+PREDICTED = (LM, BLOCK)  # the kinds whose forwards measure_costs probes (rows with a pruned head excepted)
 
 
 def _engine(cfg: BenchConfig, runtime: RuntimeConfig, row: Row, models: dict, tokenizer, draft_tokenizer,
             draft_len: int | None = None) -> SpecEngine:
     """The SpecEngine of a speculative row (build_engine over the loaded models)."""
-    return build_engine(models[("target", row.target)], models[(row.drafter, row.draft)], runtime,
-                        row_spec(cfg, row, draft_len),
-                        target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    target, spec = models[("target", row.target)], row_spec(cfg, row, draft_len)
+    if row.drafter == SUFFIX:
+        draft = SUFFIX
+    elif row.drafter == HYBRID:
+        from specquant.spec_decode.drafters.hybrid import HybridDrafter
+        from specquant.spec_decode.suffix_drafter import SuffixDrafter
+
+        draft = HybridDrafter(SuffixDrafter(cfg.suffix), KINDS[BLOCK].build(models[(BLOCK, row.draft)], target,
+                                                                              spec), spec, cfg.hybrid)
+    else:
+        draft = models[(row.drafter, row.draft, "pruned") if row.pruned else (row.drafter, row.draft)]
+    return build_engine(target, draft, runtime, spec, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+                        suffix_config=cfg.suffix, hybrid_config=cfg.hybrid)
+
+
+def _pruned_block(cfg: BenchConfig, paths: dict, runtime: RuntimeConfig):
+    """Row (p)'s drafter: the W4 block drafter loaded again, its head keeping the most frequent
+    pruned_head_fraction of the vocabulary, counted on the calibration text (spec_decode/drafters/pruned_head.py)."""
+    from specquant.spec_decode.drafters.pruned_head import ATTRIBUTE, build_token_map
+
+    model = KINDS[BLOCK].load(paths["quantized_block_draft"], runtime)
+    keep = max(1, round(cfg.pruned_head_fraction * model.config.vocab_size))
+    ids, _ = build_token_map(paths["quantized_block_draft"], keep, tokenizer_from=paths["target"])
+    setattr(model, ATTRIBUTE, ids)
+    return model
 
 
 def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> dict[str, CategoryCosts]:
@@ -293,18 +341,21 @@ def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped
         entry = CategoryResult(per_prompt, summarize(per_prompt))
         if row.draft is not None and row.impl == "specquant":
             entry.acceptance = SpecMetrics.total(s.spec for ss in per_prompt.values() for s in ss)
-            entry.prediction = predict_row(entry.acceptance, _costs_for(row, costs[cat], cfg))
+            if row.drafter in PREDICTED and not row.pruned:
+                entry.prediction = predict_row(entry.acceptance, _costs_for(row, costs[cat], cfg))
         elif row.draft is None:
             t = costs[cat].times
             entry.step_ratio = t[ForwardKey("target", "hp", alone=True)] / t[ForwardKey("target", row.target,
                                                                                         alone=True)]
         res.categories[cat] = entry
     if row.id in acceptance_samples:
-        sets = {p.category: [] for p in prompts if p.kind == "content"}
-        for p in prompts:
-            if p.kind == "content":
-                sets[p.category].append(acceptance_samples[row.id][p.id])
-        res.acceptance = {name: SpecMetrics.total(specs) for name, specs in sets.items()}
+        for kind, attr in (("content", "acceptance"), ("filler", "filler")):
+            sets = {p.category: [] for p in prompts if p.kind == kind}
+            for p in prompts:
+                if p.kind == kind:
+                    sets[p.category].append(acceptance_samples[row.id][p.id])
+            merged = {name: SpecMetrics.total(specs) for name, specs in sets.items()}
+            setattr(res, attr, merged if kind == "content" or merged else None)
     return res
 
 

@@ -13,7 +13,9 @@ from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
 from specquant.quant.config import METHODS
 from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.drafters.hybrid import HybridConfig
 from specquant.spec_decode.runtime import RuntimeConfig
+from specquant.spec_decode.suffix_drafter import SuffixConfig
 
 DTYPES = ("float32", "bfloat16")  # the names of util.dtypes.DTYPES whose rows the bench supports
 # the bench's share of RuntimeConfig (its --device is its own flag; rows run eagerly: no --compile / --aot)
@@ -45,6 +47,8 @@ class BenchConfig:
     # model whose context cannot hold the longest + max_new_tokens, all shrink by one factor (prompts.fit_lengths).
     lengths: dict[str, int] = field(default_factory=lambda: {"short": 32, "medium": 256, "long": 1024})
     content_sets: tuple[str, ...] = ("prose", "code", "qa")  # acceptance is reported per content set
+    # repeating text, reported apart from the content sets (bench/prompts.py): the competition's latency prompt
+    filler_sets: tuple[str, ...] = ("filler",)
     content_max_tokens: int = 512  # content prompts longer than this keep their last tokens
     prompts_per_length: int = field(default=2, metadata={"help": "prompts per length category (first N in the file)"})
     prompts_per_set: int = field(default=3, metadata={"help": "prompts per content set (first N in the file)"})
@@ -79,6 +83,15 @@ class BenchConfig:
     # target its rows run against (quant/block_draft_gptq.py)
     block_draft_quant: dict = field(default_factory=lambda: {"method": "gptq", "bits": 4, "group_size": 128,
                                                              "calib_samples": 16, "seq_len": 256})
+    # Rows (s), (u), (p): the suffix drafter, the hybrid (suffix, else the W4 block drafter) and the W4 block
+    # drafter with a pruned head; their flags are the drafters' own (--suffix-*, --hybrid-min-match)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+    # 0.5: about the 2nd leaderboard entry's 131,101 of 248,320 ids (../shared/PEERS.md); benchmarks/prune_head.py
+    # sweeps it
+    pruned_head_fraction: float = field(default=0.5, metadata={
+        "help": "row (p): the share of the vocabulary the block drafter's head keeps (the most frequent ids on the "
+                "calibration text)"})
     cost_reps: int = 15  # repetitions per forward timing (c, verify ratio, drafter latency curve); median kept
     # contexts (fractions of the model context) at which the drafter's one-token forward is timed for the plot
     curve_fractions: tuple[float, ...] = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)
@@ -92,6 +105,10 @@ class BenchConfig:
             raise SpecquantError(f"warmup {self.warmup} must be 0 or more")
         self.sampling.validate()
         self.spec.validate()
+        self.suffix.validate()
+        self.hybrid.validate()
+        if not 0.0 < self.pruned_head_fraction <= 1.0:
+            raise SpecquantError(f"pruned-head-fraction {self.pruned_head_fraction} must lie in (0, 1]; e.g. 0.5")
         if self.spec.draft_window is None:
             raise SpecquantError("row (e) needs a drafter window; pass --draft-window W")
         self.runtime.validate()
@@ -102,6 +119,10 @@ class BenchConfig:
         clash = set(self.lengths) & set(self.content_sets)
         if clash:
             raise SpecquantError(f"categories {sorted(clash)} are both length categories and content sets")
+        clash = (set(self.lengths) | set(self.content_sets)) & set(self.filler_sets)
+        if clash:
+            raise SpecquantError(f"categories {sorted(clash)} are filler sets and length categories or content sets; "
+                                 "name each in one place")
         for name in ("target_method", "draft_method"):
             if getattr(self, name) not in METHODS:
                 raise SpecquantError(f"{name} {getattr(self, name)!r} is not a quantization method; use one of "

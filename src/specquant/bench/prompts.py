@@ -1,11 +1,15 @@
 """Benchmark prompts: a JSONL file of {"id", "category", "text"}, tokenized with the target tokenizer at load time.
 
-Two kinds of category:
+Three kinds of category:
 - length categories (BenchConfig.lengths: short / medium / long): latency is measured on them; each prompt is cut to
   exactly the category's token count (its first N tokens, like LongBench prefixes), so every row and every run
   sees the same length.
 - content sets (prose / code / qa, or any other category name): acceptance is reported per set; a prompt is used
   as written, keeping its last `content_max_tokens` tokens when longer (the end is where a question sits).
+- filler sets (BenchConfig.filler_sets: filler): text that repeats, cut as content sets are, reported apart from
+  them: a drafter copying earlier text (suffix decoding) accepts nearly everything there, which says nothing of
+  real text. The packaged one is the competition's latency prompt, "The quick brown fox jumps over the lazy dog. "
+  x (tokens // 10), at 64 and 2048 tokens (../shared/REFERENCE.md §5).
 
 The packaged file (bench/prompts/default.jsonl) is built from the held-out text shipped in the package plus a few
 hand-written code snippets; see docs/BENCH.md for sources and licences.
@@ -26,7 +30,7 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "default.jsonl"
 class Prompt:
     id: str
     category: str
-    kind: str  # "length" or "content"
+    kind: str  # "length", "content" or "filler"
     ids: list[int]  # target token ids, already cut
 
     def to_json(self) -> dict:
@@ -79,11 +83,13 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def load_prompts(tokenizer, lengths: dict[str, int], content_sets: tuple[str, ...], per_length: int, per_set: int,
-                 content_max_tokens: int, path: str | Path | None = None) -> list[Prompt]:
+                 content_max_tokens: int, path: str | Path | None = None,
+                 filler_sets: tuple[str, ...] = ()) -> list[Prompt]:
     """The benchmark prompts, tokenized and cut; `lengths` already fitted to the model (fit_lengths).
 
-    A custom file may use any category names: those in `lengths` are length categories, every other one is a
-    content set (content_sets only orders the packaged ones first). It needs at least one length category.
+    A custom file may use any category names: those in `lengths` are length categories, those in filler_sets
+    filler sets, every other one is a content set (content_sets only orders the packaged ones first). It needs at
+    least one length category.
     """
     path = Path(path).expanduser() if path else DEFAULT_PROMPTS
     rows = read_jsonl(path)
@@ -94,7 +100,7 @@ def load_prompts(tokenizer, lengths: dict[str, int], content_sets: tuple[str, ..
     if len(missing) == len(lengths):
         raise SpecquantError(f"prompts file {str(path)!r} has no prompt in the length categories "
                              f"{', '.join(lengths)}; latency is measured on those")
-    order = [c for c in lengths if c in by_cat] + [c for c in content_sets if c in by_cat]
+    order = [c for c in lengths if c in by_cat] + [c for c in (*content_sets, *filler_sets) if c in by_cat]
     order += sorted(c for c in by_cat if c not in order)
     prompts = []
     for cat in order:
@@ -109,5 +115,6 @@ def load_prompts(tokenizer, lengths: dict[str, int], content_sets: tuple[str, ..
                 ids = ids[:need]
             else:
                 ids = ids[-content_max_tokens:]
-            prompts.append(Prompt(row["id"], cat, "length" if is_length else "content", ids))
+            kind = "length" if is_length else "filler" if cat in filler_sets else "content"
+            prompts.append(Prompt(row["id"], cat, kind, ids))
     return prompts

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from specquant.bench.results import BenchResults, RowResult
+from specquant.spec_decode.metrics import SpecMetrics
 from specquant.spec_decode.drafters import kind_named
 from specquant.util.files import atomic_write
 
@@ -28,19 +29,20 @@ def _f(x, digits=2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def content_sets(results: BenchResults) -> list[str]:
+def content_sets(results: BenchResults, kind: str = "content") -> list[str]:
+    """The prompt sets of a kind ("content", or "filler": repeating text) in prompt order."""
     seen = []
     for p in results.prompts:
-        if p.kind == "content" and p.category not in seen:
+        if p.kind == kind and p.category not in seen:
             seen.append(p.category)
     return seen
 
 
 def summary_table(results: BenchResults) -> str:
     """The main table (markdown): per row, averages over length categories, speedup per category, acceptance."""
-    cats, sets = list(results.lengths), content_sets(results)
+    cats, sets, fillers = list(results.lengths), content_sets(results), content_sets(results, "filler")
     head = (["row", "TTFT ms", "TPOT ms", "latency ms", "tok/s"] + [f"speedup {c}" for c in cats]
-            + ["speedup avg", "predicted avg"] + [f"MAL {s}" for s in sets])
+            + ["speedup avg", "predicted avg"] + [f"MAL {s}" for s in sets] + [f"MAL {s}" for s in fillers])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results.rows:
         label = f"({r.id}) {r.name}"
@@ -53,6 +55,8 @@ def summary_table(results: BenchResults) -> str:
         cells += [_x(r.speedup_avg), _x(r.predicted_speedup_avg)]
         acc = r.acceptance or {}
         cells += [_f(acc[s].mean_acceptance_length) if s in acc else "-" for s in sets]
+        filler = r.filler or {}
+        cells += [_f(filler[s].mean_acceptance_length) if s in filler else "-" for s in fillers]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -74,12 +78,14 @@ def detail_table(results: BenchResults) -> str:
     return "\n".join(lines)
 
 
-def _acceptance_lines(rows: list[RowResult], whole_block: bool) -> tuple[int, list[str]]:
+def _acceptance_lines(rows: list[RowResult], whole_block: bool, accs=None,
+                      mal: str = "MAL (all sets)") -> tuple[int, list[str]]:
     """Markdown rows of per-position acceptance and MAL for `rows`' merged content-set acceptance, or (whole_block)
-    their whole-block acceptance; returns (the longest k, the lines)."""
-    accs = [(r, r.acceptance_whole_block if whole_block else r.acceptance_all) for r in rows]
+    their whole-block acceptance, or accs [(row, SpecMetrics)]; returns (the longest k, the lines)."""
+    if accs is None:
+        accs = [(r, r.acceptance_whole_block if whole_block else r.acceptance_all) for r in rows]
     k = max(len(acc.acceptance_rate_per_pos) for _, acc in accs)
-    head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL" if whole_block else "MAL (all sets)"]
+    head = ["row"] + [f"pos {i + 1}" for i in range(k)] + ["MAL" if whole_block else mal]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, acc in accs:
         rates = acc.acceptance_rate_per_pos
@@ -106,6 +112,38 @@ def whole_block_table(results: BenchResults) -> str:
             f"k = {results.config.block_draft_len}.\n\n" + "\n".join(lines))
 
 
+def filler_table(results: BenchResults) -> str:
+    """The speculative rows on the filler sets (repeating text), apart from the content sets."""
+    rows = [r for r in results.ok_rows() if r.filler]
+    if not rows:
+        return ""
+    sets = ", ".join(content_sets(results, "filler"))
+    accs = [(r, SpecMetrics.total(r.filler.values())) for r in rows]
+    _, lines = _acceptance_lines(rows, False, accs, "MAL (filler)")
+    return (f"\n\n## Filler prompt ({sets}), apart from real text\n\nThe competition's latency prompt repeats one "
+            "sentence, so a drafter that copies earlier text accepts nearly all of it; these numbers say nothing of "
+            "the content sets above (untimed, greedy; rate at position i as below).\n\n" + "\n".join(lines))
+
+
+def source_table(results: BenchResults) -> str:
+    """A hybrid row's steps by the drafter that drafted them: how often each was chosen, what each accepted."""
+    rows = [r for r in results.ok_rows() if r.by_source]
+    if not rows:
+        return ""
+    head = ["row", "prompts", "drafter", "steps", "share of steps", "draft tokens / step", "acceptance rate", "MAL"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        for run, sources in r.by_source.items():
+            steps = sum(m.num_drafts for m in sources.values())
+            for src, m in sources.items():
+                lines.append("| " + " | ".join([
+                    f"({r.id})", run, src, str(m.num_drafts), _f(m.num_drafts / steps if steps else None),
+                    _f(m.mean_draft_len), _f(m.acceptance_rate), _f(m.mean_acceptance_length)]) + " |")
+    return ("\n\n## Hybrid drafter: which drafter drafted\n\nPer step the suffix draft when its match has at least "
+            f"{results.config.hybrid.min_match} tokens (--hybrid-min-match), else the block drafter's (untimed "
+            "acceptance passes).\n\n" + "\n".join(lines))
+
+
 def step_costs(row: RowResult, cat: str) -> dict | None:
     """A speculative row's cost per verify step in units of its target's one-token step, from its prediction:
     draft (forwards x c per forward) + verify + the block drafter's accept, and per emitted token (step / MAL)."""
@@ -122,7 +160,8 @@ def step_costs(row: RowResult, cat: str) -> dict | None:
 
 def drafter_verdict(results: BenchResults) -> str:
     """Which drafter kind wins in this run (best tok/s row of each) and why, from the per-step costs."""
-    spec = [r for r in results.ok_rows() if r.drafter and r.impl == "specquant"]
+    # the rows whose step costs were probed (LM and block): the levers' rows (s, u, p) have no prediction
+    spec = [r for r in results.ok_rows() if r.drafter and r.impl == "specquant" and r.predicted_speedup_avg is not None]
     best = {}
     for kind in dict.fromkeys(r.drafter for r in spec):  # in row order: the LM rows come first
         rows = [r for r in spec if r.drafter == kind]
@@ -188,7 +227,9 @@ Target `{results.models['target']}`, draft `{results.models['draft']}`; {cfg.run
 {'greedy' if cfg.sampling.temperature == 0 else f"temperature {cfg.sampling.temperature}"}; {cfg.max_new_tokens} new tokens
 per prompt with EOS ignored; {cfg.warmup} warm-up + {cfg.runs} timed runs per prompt and row, interleaved;
 k = {cfg.spec.draft_len} draft tokens per step (block drafter rows: k = {cfg.block_draft_len}, one drafter
-forward per step); draft window {cfg.spec.draft_window} (rows e, h).
+forward per step); draft window {cfg.spec.draft_window} (rows e, h). Rows s, u, p: the suffix drafter (its own
+k = {cfg.suffix.max_draft_len}), the hybrid (suffix, else the W4 block drafter) and the W4 block drafter with a
+head pruned to {cfg.pruned_head_fraction:.0%} of the vocabulary; no prediction for them.
 Prompt lengths (target tokens): {lengths}.
 
 {qlines}
@@ -219,7 +260,7 @@ own output (row a for the high-precision target, b for the W4 one).
 
 Rate at position i = steps whose i-th draft token was accepted / steps (cumulative, so ≈ α^i).
 
-{position_table(results)}{whole_block_table(results)}{drafter_verdict(results)}
+{position_table(results)}{whole_block_table(results)}{filler_table(results)}{source_table(results)}{drafter_verdict(results)}
 
 ## Environment
 
@@ -327,6 +368,8 @@ def summary(results: BenchResults, files) -> dict:
                        speedups={c: e.speedup for c, e in r.categories.items()},
                        predicted_speedup_avg=r.predicted_speedup_avg,
                        mean_acceptance_length={s: a.mean_acceptance_length for s, a in (r.acceptance or {}).items()})
+            if r.filler:
+                row["mean_acceptance_length_filler"] = {s: a.mean_acceptance_length for s, a in r.filler.items()}
         else:
             row["reason"] = r.reason
         rows.append(row)

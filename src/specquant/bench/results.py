@@ -91,7 +91,9 @@ class RowResult:
     """One row of the ablation: what it ran (id .. draft_len), whether it ran, and what it measured.
 
     acceptance: per content set, from the untimed greedy pass (None: the row had none, e.g. target-only rows);
-    acceptance_whole_block: a block row again with its whole block verified."""
+    acceptance_whole_block: a block row again with its whole block verified; filler: the same pass on the filler
+    sets (repeating text, kept out of acceptance and acceptance_all); by_source: a hybrid row's steps split by the
+    drafter that drafted them, per pass ("content", "filler")."""
 
     id: str
     name: str
@@ -106,6 +108,8 @@ class RowResult:
     categories: dict[str, CategoryResult] = field(default_factory=dict)
     acceptance: dict[str, SpecMetrics] | None = None
     acceptance_whole_block: SpecMetrics | None = None
+    filler: dict[str, SpecMetrics] | None = None  # per filler set (repeating text), apart from acceptance
+    by_source: dict[str, dict[str, SpecMetrics]] | None = None  # a hybrid row: {pass: {source: its steps}}
 
     @property
     def ok(self) -> bool:
@@ -152,6 +156,11 @@ class RowResult:
             out["acceptance_all"] = self.acceptance_all.to_dict()
         if self.acceptance_whole_block is not None:
             out["acceptance_whole_block"] = self.acceptance_whole_block.to_dict()
+        if self.filler is not None:
+            out["filler"] = {name: m.to_dict() for name, m in self.filler.items()}
+        if self.by_source is not None:
+            out["by_source"] = {run: {src: m.to_dict() for src, m in srcs.items()}
+                                for run, srcs in self.by_source.items()}
         avg = self.timing_avg
         out.update(speedup_avg=self.speedup_avg, decode_speedup_avg=self.decode_speedup_avg,
                    latency_avg_s=avg.latency_s, ttft_avg_s=avg.ttft_s, tpot_avg_s=avg.tpot_s,

@@ -252,10 +252,12 @@ class BlockDraftModel(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, length)
         self.rope_cos, self.rope_sin = cos, sin
 
-    def attach_target(self, target) -> "BlockDraftModel":
-        """Reuse `target`'s embed_tokens and lm_head (a specquant Transformer); checks the shapes match."""
+    def attach_target(self, target, lm_head: nn.Module | None = None) -> "BlockDraftModel":
+        """Reuse `target`'s embed_tokens and lm_head (a specquant Transformer); checks the shapes match. lm_head:
+        a head to use instead of the target's (a vocabulary-pruned copy of its rows: `propose` then returns
+        logits over that head's outputs)."""
         self.config.check_target(target.config)
-        self._target_modules = (target.model.embed_tokens, target.lm_head)
+        self._target_modules = (target.model.embed_tokens, target.lm_head if lm_head is None else lm_head)
         return self
 
     @property

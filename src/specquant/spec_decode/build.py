@@ -3,6 +3,7 @@ models. `specquant generate`, the gates and bench call it; a server will too."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from specquant.model.decoder import Transformer
@@ -15,14 +16,20 @@ from specquant.spec_decode.engine import SpecEngine
 
 def build_engine(target: str | os.PathLike | Transformer, draft=None, runtime: RuntimeConfig | None = None,
                  spec: SpecConfig | None = None, target_tokenizer=None, draft_tokenizer=None,
-                 profile: bool = False, graphs: bool = False) -> SpecEngine:
+                 profile: bool = False, graphs: bool = False, suffix_config=None,
+                 hybrid_config=None) -> SpecEngine:
     """A SpecEngine for target and draft.
 
     target: a checkpoint (loaded with runtime's dtype, device and W4 activations, projections fused) or a loaded
     Transformer. draft: None or "none" (target only), another drafter kind name that needs no checkpoint, a draft
     checkpoint (its kind from config.json: spec_decode/drafters/), a loaded draft model, or a Drafter.
     Tokenizers are loaded from the checkpoints when not given and the draft's kind checks vocabularies
-    (standalone kinds: the LM drafter)."""
+    (standalone kinds: the LM drafter). suffix_config / hybrid_config: the suffix and hybrid drafters' settings
+    (SuffixConfig, HybridConfig; defaults when None).
+
+    A drafter with `own_draft_len` (suffix, hybrid) sets the loop's k itself: the engine runs
+    draft_len = own_draft_len without the adaptive controller, which it replaces with its own rule
+    (suffix_drafter.py, drafters/hybrid.py say why); spec as given still reaches the kind's build."""
     from specquant.loader import load_model
     from specquant.model.checkpoint import load_tokenizer, resolve
 
@@ -42,9 +49,13 @@ def build_engine(target: str | os.PathLike | Transformer, draft=None, runtime: R
         draft = kind.load(source, runtime)
     engine_options = dict(compile=runtime.compile, graphs=graphs, aot=runtime.step_aot)
     if kind is not None:
-        if kind.standalone and source is not None:
-            draft_tokenizer = draft_tokenizer or load_tokenizer(source)
+        brought = getattr(draft, "draft_tokenizer", None)  # a hybrid's LM drafter came with its tokenizer
+        if (kind.standalone and source is not None) or brought is not None:
+            draft_tokenizer = draft_tokenizer or brought or load_tokenizer(source)
             target_tokenizer = target_tokenizer or (load_tokenizer(target_path) if target_path else None)
         draft = kind.build(draft, target, spec, target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer,
-                           **engine_options)
+                           suffix_config=suffix_config, hybrid_config=hybrid_config, **engine_options)
+    own = getattr(draft, "own_draft_len", None)
+    if own:
+        spec = dataclasses.replace(spec, draft_len=own, adaptive=False).validate()
     return SpecEngine(target, draft, spec, profile=profile, **engine_options)

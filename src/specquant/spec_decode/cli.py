@@ -10,6 +10,8 @@ from specquant.spec_decode.build import build_engine
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.runtime import RuntimeConfig
 from specquant.spec_decode.drafters import KINDS
+from specquant.spec_decode.drafters.hybrid import HybridConfig
+from specquant.spec_decode.suffix_drafter import SuffixConfig
 from specquant.util.device import check_device
 from specquant.util.flags import add_config_flags, config_from_args, print_json
 
@@ -25,12 +27,16 @@ def add_parser(sub):
     kinds = ", ".join(name for name, kind in KINDS.items() if not kind.needs_checkpoint)
     p.add_argument("--draft", default=None,
                    help=f"draft checkpoint or bundled name (its kind read from config.json), or the name of a "
-                        f"drafter kind without a checkpoint ({kinds}); none = target only (default: tiny-draft for "
-                        "the bundled target)")
+                        f"drafter kind without a checkpoint ({kinds}), or suffix+DRAFT (the hybrid drafter: the "
+                        "suffix draft on a long enough match, else DRAFT's); none = target only (default: tiny-draft "
+                        "for the bundled target). suffix / hybrid draft up to --suffix-max-draft-len on suffix "
+                        "steps, whatever --draft-len")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=64)
     add_config_flags(p, SamplingConfig)
     add_config_flags(p, SpecConfig)
+    add_config_flags(p, SuffixConfig, prefix="suffix.")  # dests apart from SpecConfig's max_draft_len
+    add_config_flags(p, HybridConfig, prefix="hybrid.")
     add_config_flags(p, RuntimeConfig, defaults=RUNTIME_DEFAULTS, fields=RUNTIME_FLAGS)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -50,15 +56,19 @@ def run(args):
     spec = config_from_args(SpecConfig, args).validate()
     resolve(args.target)
     tokenizer = load_tokenizer(args.target)
+    suffix = config_from_args(SuffixConfig, args, prefix="suffix.").validate()
+    hybrid = config_from_args(HybridConfig, args, prefix="hybrid.").validate()
     engine = build_engine(args.target, pick_draft(args.target, args.draft), runtime, spec,
-                          target_tokenizer=tokenizer)
+                          target_tokenizer=tokenizer, suffix_config=suffix, hybrid_config=hybrid)
     ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     prompt = torch.tensor([ids], device=args.device)
     result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)
     new = result.token_ids[0]
     text = tokenizer.decode(new, skip_special_tokens=True)
+    choices = getattr(engine.drafter, "choices", None)  # the hybrid drafter: steps per source
     if args.json:
-        print_json({"text": text, "token_ids": new, "stats": result.stats})
+        extra = {"drafted_by": {src: m.to_dict() for src, m in choices.items()}} if choices else {}
+        print_json({"text": text, "token_ids": new, "stats": result.stats, **extra})
     else:
         print(args.prompt + text)
         s = result.stats
@@ -66,5 +76,7 @@ def run(args):
                 f"{s['tokens_per_s']:.1f} tok/s")
         if "mean_acceptance_length" in s:
             line += f", mean acceptance length {s['mean_acceptance_length']:.2f}"
+        if choices:
+            line += ", steps drafted by " + ", ".join(f"{src} {m.num_drafts}" for src, m in choices.items())
         print(line + "]")
     return 0

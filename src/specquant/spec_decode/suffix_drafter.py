@@ -31,22 +31,29 @@ from specquant.spec_decode.suffix_automaton import DocumentCache, Match, MatchCu
 @dataclass
 class SuffixConfig:
     # K = 20: the suffix-decoding entry of the leaderboard drafted up to 20 tokens (../shared/PEERS.md)
-    max_draft_len: int = field(default=20, metadata={"help": "suffix drafter: the most draft tokens per step"})
+    # The drafter's own k: `--draft suffix` drafts up to this many tokens, whatever --draft-len (build_engine)
+    max_draft_len: int = field(default=20, metadata={"help": "suffix drafter: the most draft tokens per step (its "
+                                                             "own k; --draft-len and --adaptive do not apply)",
+                                                     "flag": "--suffix-max-draft-len"})
     # a 1-2 token match is often chance on real text; 3 still drafts on repeats of a few words
     min_match: int = field(default=3, metadata={"help": "suffix drafter: draft only when at least this many "
-                                                        "tokens of the sequence's end matched earlier text"})
+                                                        "tokens of the sequence's end matched earlier text",
+                                                "flag": "--suffix-min-match"})
     match_factor: float = field(default=1.0, metadata={
-        "help": "suffix drafter: draft tokens per matched token (longer matches draft more)"})
+        "help": "suffix drafter: draft tokens per matched token (longer matches draft more)",
+        "flag": "--suffix-match-factor"})
     # off by default: a bench repeats its prompts, so a cache would measure replay rather than drafting (see the
     # replay row of benchmarks/suffix.py)
     cache_tokens: int = field(default=0, metadata={
         "help": "suffix drafter: keep earlier requests (least recently used first out, this many tokens in all) "
-                "as draft sources; 0 = the request's own text only"})
+                "as draft sources; 0 = the request's own text only", "flag": "--suffix-cache-tokens"})
     cache_requests: int = field(default=16, metadata={
-        "help": "suffix drafter: at most this many earlier requests in the cache (each costs a lookup per token)"})
+        "help": "suffix drafter: at most this many earlier requests in the cache (each costs a lookup per token)",
+        "flag": "--suffix-cache-requests"})
     # exact would cost the suffix-link depth per token, which grows with repetition (suffix_automaton.py)
     recency_depth: int = field(default=8, metadata={
-        "help": "suffix drafter: states updated per token to track each match's most recent occurrence"})
+        "help": "suffix drafter: states updated per token to track each match's most recent occurrence",
+        "flag": "--suffix-recency-depth"})
 
     def validate(self) -> "SuffixConfig":
         if not 1 <= self.max_draft_len <= MAX_DRAFT_LEN:
@@ -84,6 +91,12 @@ class SuffixDrafter:
     def __init__(self, config: SuffixConfig | None = None):
         self.config = (config or SuffixConfig()).validate()
         cfg = self.config
+        self.max_draft_len = cfg.max_draft_len  # the loop never asks for more
+        # The loop's k: the drafter's own, not SpecConfig.draft_len (build_engine reads own_draft_len). The match
+        # length already sets each step's draft length, before drafting; the loop's adaptive controller would
+        # only cap it, by the previous step's outcome, ramping +2 per fully accepted step: long repeats (where
+        # this drafter wins) would be drafted short for many steps.
+        self.own_draft_len = cfg.max_draft_len
         self.cache = DocumentCache(cfg.cache_tokens, cfg.cache_requests) if cfg.cache_tokens else None
         self.doc: SuffixAutomaton | None = None
         self.cursors: list[tuple[int, MatchCursor]] = []

@@ -108,10 +108,46 @@ def run_draft(args) -> int:
     return 0
 
 
+# --- distill prune-head ---------------------------------------------------------------------------------------
+# Here rather than on export or quantize: it derives a drafter checkpoint from text statistics (the regen text or a
+# file, distill's --data), as `distill draft` derives one by training; quantize and export change no vocabulary.
+
+
+def add_prune_head(p: argparse.ArgumentParser):
+    p.add_argument("--draft", required=True, help="draft checkpoint (block or LM) or bundled name")
+    p.add_argument("--keep", type=int, required=True, help="token ids the draft head keeps (the most frequent)")
+    p.add_argument("--data", default=None, help="text (.txt) or `specquant regen` output (.jsonl) to count on; "
+                                                 "default: the bundled calibration text")
+    p.add_argument("--tokenizer", default=None, help="checkpoint whose tokenizer reads --data (default: the "
+                                                      "draft's own; a block drafter has none: pass its target)")
+    p.add_argument("--out", required=True, help="output directory: the draft checkpoint with the map in its "
+                                                 "config.json")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the result")
+
+
+def run_prune_head(args) -> int:
+    from specquant.spec_decode.drafters.pruned_head import build_token_map, write_pruned_checkpoint
+    from specquant.util.files import check_out_dir
+
+    check_out_dir(args.out, args.overwrite)
+    ids, summary = build_token_map(args.draft, args.keep, args.data, args.tokenizer)
+    out = write_pruned_checkpoint(args.draft, args.out, ids, summary["data"], args.overwrite)
+    result = {**summary, "out": str(out)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"kept {result['kept']} of {result['vocab_size']} ids, covering {result['coverage']:.2%} of "
+              f"{result['tokens_counted']} tokens of {result['data']} -> {out}")
+    return 0
+
+
 SUBCOMMANDS = {
     "target": (add_target, run_target, "quantization-aware distillation of a W4 target toward its "
                                        "high-precision self, on the frozen grid"),
     "draft": (add_draft, run_draft, "train a drafter (block or lm) against a target, in one or two stages"),
+    "prune-head": (add_prune_head, run_prune_head, "a drafter whose head keeps the N most frequent token ids "
+                                                   "(lossless: the target verifies over the full vocabulary)"),
 }
 
 

@@ -14,6 +14,11 @@ A kind is a `DrafterKind` (spec_decode/drafter.py) named KIND in its file:
   model_class                 loaded models of this class are wrapped by this kind (SpecEngine(target, model))
   standalone, vllm_method, fixed_draft_len, missing   what export needs (drafter.py)
 
+Engine options a kind may read besides SpecEngine's: suffix_config (SuffixConfig) and hybrid_config (HybridConfig),
+from build_engine. hybrid.py combines suffix.py with any kind that drafts from a model (`--draft suffix+DRAFT`).
+pruned_head.py is no kind: the vocabulary-pruned draft head that the block and LM kinds (and any other drafting
+through a head) share.
+
 A new kind (an n-gram drafter, Qwen3.5's MTP head; suffix.py is one) is one file with its Drafter class and KIND, plus
 one row below. A model-free drafter proposes point-mass drafts (Draft.probs None), which the sampling verifier
 accepts exactly (verify.rejection_sample).
@@ -25,10 +30,10 @@ import os
 
 from specquant.errors import SpecquantError
 from specquant.spec_decode.drafter import DrafterKind
-from specquant.spec_decode.drafters import block, lm, none, suffix
+from specquant.spec_decode.drafters import block, hybrid, lm, none, suffix
 
 # detect is tried in this order: a block drafter's config.json also names a causal LM model_type
-KINDS: dict[str, DrafterKind] = {k.name: k for k in (block.KIND, lm.KIND, none.KIND, suffix.KIND)}
+KINDS: dict[str, DrafterKind] = {k.name: k for k in (block.KIND, lm.KIND, none.KIND, suffix.KIND, hybrid.KIND)}
 
 
 def kind_named(name: str) -> DrafterKind:
@@ -65,11 +70,19 @@ def kind_of_model(model) -> DrafterKind:
 
 def parse_draft(value: str | None) -> tuple[DrafterKind, str | None]:
     """`--draft` -> (kind, checkpoint or None): a kind name without a checkpoint (none), a bundled name or a
-    directory (its kind from config.json). None means none."""
+    directory (its kind from config.json), or `suffix+DRAFT` (the hybrid kind; "checkpoint" is then DRAFT, which
+    its load parses as --draft). None means none."""
     from specquant.model.checkpoint import BUNDLED, resolve
 
     if value is None:
         return KINDS["none"], None
+    inner = hybrid.split(value)
+    if inner is not None:
+        kind, _ = parse_draft(inner)  # checked before anything loads
+        if kind.forwards_per_step(1) == 0 or kind is KINDS["hybrid"]:
+            raise SpecquantError(f"the hybrid drafter's second drafter {inner!r} is a {kind.title}, which drafts "
+                                 "from no model; pass a block or LM draft checkpoint (e.g. suffix+tiny-block-draft)")
+        return KINDS["hybrid"], inner
     kind = KINDS.get(value.lower())
     if kind is not None:
         if kind.needs_checkpoint:

@@ -9,6 +9,9 @@ for positions n .. n+k-1 all come from one forward, so a step costs one drafter 
 Sampling: token j is drawn from the drafter's marginal q_j at block position j, independently of the tokens drawn
 before it. Rejection sampling stays exact: conditional on the prefix it was drawn from q_j, which is what the
 verifier divides by (spec_decode/verify.py).
+
+Pruned head: a model whose checkpoint has a token map (drafters/pruned_head.py) drafts through a PrunedHead made
+from the target's lm_head rows; drafted ids map back to the full vocabulary, the target verifies over all of it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from specquant.errors import SpecquantError
 from specquant.model.block_draft import ARCHITECTURE, BlockDraftModel
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft, DrafterKind
+from specquant.spec_decode.drafters.pruned_head import PrunedHead, load_token_map, token_map_of
 
 # what vLLM's dflash method and llama.cpp's converter read from config.json
 EXPORT_REQUIRED = ("block_size", "dflash_config.target_layer_ids", "dflash_config.mask_token_id")
@@ -29,7 +33,10 @@ class BlockDrafter:
     """A Drafter (spec_decode/drafter.py) over a BlockDraftModel attached to its target."""
 
     def __init__(self, model: BlockDraftModel, target, config: SpecConfig):
-        self.model = model.attach_target(target)
+        ids = token_map_of(model)
+        # the target's head stays whole (it verifies); the drafter gets its own copy of the kept rows
+        self.head = None if ids is None else PrunedHead(target.lm_head, ids)
+        self.model = model.attach_target(target, lm_head=self.head)
         self.target_layers = tuple(model.config.target_layer_ids)
         # window: SpecConfig.draft_window when set, else the checkpoint's own serve-time window (or none)
         self.window = config.draft_window if config.draft_window else -1
@@ -59,7 +66,10 @@ class BlockDrafter:
         n = tokens.shape[1]
         assert self.model.context_len == n - 1, (self.model.context_len, n)  # context = verified prefix
         k = min(k, self.max_draft_len)
-        logits = self.model.propose(tokens[0, n - 1], k)  # [k, vocab]
+        logits = self.model.propose(tokens[0, n - 1], k)  # [k, vocab], or [k, N] through a pruned head
+        if self.head is not None:
+            drafted, probs = self.head.draft(logits, sampling, generator)  # [k] full ids, [k, vocab] | None
+            return Draft(drafted[None], None if probs is None else probs[None])
         if sampling.greedy:
             return Draft(argmax(logits)[None])
         probs = logits_to_probs(logits, sampling)  # [k, vocab]
@@ -99,7 +109,8 @@ def _get(d: dict, dotted: str):
 def _load(name_or_dir, runtime) -> BlockDraftModel:
     from specquant.drafter_loader import load_block_draft
 
-    return load_block_draft(name_or_dir, runtime.dtype, runtime.device, runtime.draft_w4_activations)
+    model = load_block_draft(name_or_dir, runtime.dtype, runtime.device, runtime.draft_w4_activations)
+    return load_token_map(model, name_or_dir, model.config.vocab_size)
 
 
 def _build(model: BlockDraftModel, target, spec: SpecConfig, **engine_options) -> BlockDrafter:

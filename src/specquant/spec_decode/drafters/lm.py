@@ -4,6 +4,9 @@
 Its KV cache may run a sliding window (SpecConfig.draft_window): a ring buffer, so its step cost and memory stay
 bounded by W. A windowed draft may be prefilled with only the last W prompt tokens ("window"): its positions are
 then shifted by the skipped length, which RoPE (relative) does not see.
+
+Pruned head: a checkpoint with a token map (drafters/pruned_head.py) loads with its lm_head cut to the kept rows
+(a PrunedHead); drafted indices map back to full-vocabulary ids before they are fed back or proposed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from specquant.model.config import SUPPORTED_MODEL_TYPES
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft, DrafterKind, check_vocab
+from specquant.spec_decode.drafters.pruned_head import PrunedHead, load_token_map, prune_lm_head, token_map_of
 
 
 class LMDrafter:
@@ -30,6 +34,7 @@ class LMDrafter:
     def __init__(self, model: Transformer, config: SpecConfig, compile: bool = False, graphs: bool = False,
                  aot: str = "off"):
         self.model = model
+        self.head = model.lm_head if isinstance(model.lm_head, PrunedHead) else None
         # graphs: one-token and catch-up steps replayed as CUDA graphs (decode/graphs.py; eager stand-in on CPU)
         # compiled: the one-token step and the 2-token catch-up after a fully accepted verify (the shapes every
         # round repeats); aot (decode.aot packages): the one-token step only, since each package is its own
@@ -81,11 +86,13 @@ class LMDrafter:
                 if self.confidence and i > 0 and torch.softmax(logits.float(), -1)[x] < self.confidence:
                     break
             else:
-                p = logits_to_probs(logits, sampling)
+                p = logits_to_probs(logits, sampling)  # [vocab], or [N] through a pruned head
                 x = int(sample(p, generator))
                 if self.confidence and i > 0 and p.max() < self.confidence:
                     break
-                probs.append(p)
+                probs.append(p if self.head is None else self.head.to_vocab_probs(p))
+            if self.head is not None:
+                x = int(self.head.token_ids[x])
             drafted.append(x)
             if i < k - 1:
                 logits = self._forward(torch.tensor([[x]], device=tokens.device), n + i)
@@ -99,6 +106,8 @@ class LMDrafter:
         drafted = []
         for i in range(k):
             x = argmax(logits, keepdim=True)  # [1]
+            if self.head is not None:
+                x = self.head.to_vocab(x)
             drafted.append(x)
             if i < k - 1:
                 logits = self._forward(x.view(1, 1), n + i)
@@ -116,12 +125,15 @@ class LMDrafter:
 def _load(name_or_dir, runtime):
     from specquant.loader import load_model
 
-    return load_model(name_or_dir, runtime.dtype, runtime.device, fuse=True,
-                      w4_activations=runtime.draft_w4_activations)
+    model = load_model(name_or_dir, runtime.dtype, runtime.device, fuse=True,
+                       w4_activations=runtime.draft_w4_activations)
+    load_token_map(model, name_or_dir, model.config.vocab_size)
+    ids = token_map_of(model)
+    return model if ids is None else prune_lm_head(model, ids)
 
 
 def _build(model: Transformer, target: Transformer, spec: SpecConfig, compile: bool = False, graphs: bool = False,
-           aot: str = "off", target_tokenizer=None, draft_tokenizer=None) -> LMDrafter:
+           aot: str = "off", target_tokenizer=None, draft_tokenizer=None, **engine_options) -> LMDrafter:
     check_vocab(target.config.vocab_size, model.config.vocab_size, target_tokenizer, draft_tokenizer)
     return LMDrafter(model, spec, compile, graphs, aot)
 

@@ -2,9 +2,9 @@
 (spec_decode/suffix_drafter.py over suffix_automaton.py). No checkpoint (`--draft suffix`), no forward: its drafts
 are point masses (Draft.probs None), which the sampling verifier accepts exactly.
 
-Its own SuffixConfig.max_draft_len caps one propose; the loop caps it again at the engine's k, and the target cache
-is sized from SpecConfig.longest_draft, so a run that wants its longest drafts sets draft_len to at least that
-(adaptive off). Its SuffixConfig fields get no flags here: `max_draft_len` would clash with SpecConfig's.
+Its k is its own: SuffixConfig.max_draft_len (`--suffix-max-draft-len`), not SpecConfig.draft_len, and the
+adaptive controller does not apply (build_engine reads the drafter's own_draft_len; suffix_drafter.py says why).
+Its settings reach build as the engine option suffix_config (SuffixConfig; default when absent).
 """
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ from __future__ import annotations
 from specquant.spec_decode.drafter import DrafterKind
 from specquant.spec_decode.suffix_drafter import SuffixConfig, SuffixDrafter
 
+
+def _build(model, target, spec, suffix_config: SuffixConfig | None = None, **engine_options) -> SuffixDrafter:
+    return SuffixDrafter(suffix_config or SuffixConfig())
+
+
 KIND = DrafterKind(
     name="suffix", title="suffix drafter", detect=lambda hf: False, load=lambda name_or_dir, runtime: None,
-    build=lambda model, target, spec, **engine_options: SuffixDrafter(SuffixConfig()), forwards_per_step=lambda k: 0,
-    needs_checkpoint=False)
+    build=_build, forwards_per_step=lambda k: 0, needs_checkpoint=False)

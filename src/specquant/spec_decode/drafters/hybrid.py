@@ -1,0 +1,183 @@
+"""The hybrid drafter (kind "hybrid", `--draft suffix+DRAFT`): per step, the suffix drafter's draft when its match
+is long enough (HybridConfig.min_match), else a model drafter's (block, LM, or any kind `--draft` takes).
+
+Both sub-drafters see every step, whoever drafted: `prefill` and `accept` go to both, so the suffix automaton holds
+every committed token, the block drafter's context every verified position (accept hands it the target's hidden
+states of the accepted positions, which the target returns on every step because the hybrid reads the model
+drafter's target_layers), and the LM drafter's KV cache catches up on the tokens it did not draft at its next
+propose (drafters/lm.py reads them from the committed sequence). A step the model drafter did not draft leaves it
+nothing to roll back: it wrote nothing past the verified prefix.
+
+Draft length. The loop's k is the hybrid's own (own_draft_len: the larger of the suffix drafter's and the model
+drafter's longest), so a suffix step may draft up to SuffixConfig.max_draft_len. The model drafter keeps the
+k the user set (SpecConfig.draft_len), and SpecConfig.adaptive, when on, adapts it from the model drafter's own
+steps only: a long accepted suffix draft says nothing about how far the model drafter is right.
+
+Sampling: a suffix step proposes point masses (Draft.probs None), a model step its own distributions; the verifier
+is exact for each (verify.py), so the mixture is too (the rule reads only committed tokens, never the target's
+answer to the current draft).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from specquant.decode.sampling import SamplingConfig
+from specquant.errors import SpecquantError
+from specquant.spec_decode.adaptive import next_draft_len
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.drafter import Draft, Drafter, DrafterKind
+from specquant.spec_decode.metrics import SpecMetrics
+from specquant.spec_decode.suffix_drafter import SuffixConfig, SuffixDrafter
+
+PREFIX = "suffix+"  # `--draft suffix+DRAFT`
+
+
+@dataclass
+class HybridConfig:
+    # 8: a guess until the bench's hybrid rows sweep it (docs/BENCH.md). Below it the suffix draft is a short
+    # match's continuation, which on real text the trained drafter beats; above it the text is repeating.
+    min_match: int = field(default=8, metadata={
+        "help": "hybrid drafter: draft from the suffix match when at least this many tokens of the sequence's end "
+                "matched earlier text, else with the model drafter", "flag": "--hybrid-min-match"})
+
+    def validate(self) -> "HybridConfig":
+        if self.min_match < 1:
+            raise SpecquantError(f"hybrid min_match {self.min_match} must be at least 1 (e.g. 8)")
+        return self
+
+
+class HybridDrafter:
+    """A Drafter over a SuffixDrafter and a model drafter. `choices` counts, per source ("suffix", "model"), the
+    steps it drafted and what they accepted (this request's; `totals` over every request)."""
+
+    SOURCES = ("suffix", "model")
+
+    def __init__(self, suffix: SuffixDrafter, model: Drafter, spec: SpecConfig, config: HybridConfig | None = None):
+        self.suffix, self.model, self.spec = suffix, model, spec.validate()
+        self.config = (config or HybridConfig()).validate()
+        self.target_layers = tuple(model.target_layers)
+        limit = getattr(model, "max_draft_len", None)
+        self.model_longest = spec.longest_draft if limit is None else min(spec.longest_draft, limit)
+        self.max_draft_len = max(suffix.config.max_draft_len, self.model_longest)
+        self.own_draft_len = self.max_draft_len  # build_engine gives the loop this k (module docstring)
+        self.model_k = min(spec.draft_len, self.model_longest)  # the model drafter's k, adapted on its own steps
+        self.choices = {s: SpecMetrics() for s in self.SOURCES}
+        self.totals = {s: SpecMetrics() for s in self.SOURCES}
+        self._pending: tuple[str, int, int] | None = None  # (source, committed length, proposed) of the last draft
+
+    def take_totals(self) -> dict[str, SpecMetrics]:
+        """The per-source counters over every request since the last call (a bench pass's), reset."""
+        totals, self.totals = self.totals, {s: SpecMetrics() for s in self.SOURCES}
+        return totals
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        check = getattr(self.model, "check_request", None)
+        if check is not None:
+            check(prompt_len, max_new_tokens)
+
+    def setup(self, batch: int, max_len: int) -> None:
+        self.suffix.setup(batch, max_len)
+        self.model.setup(batch, max_len)
+
+    def prefill(self, prompt_ids: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
+        self.choices = {s: SpecMetrics() for s in self.SOURCES}
+        self.model_k = min(self.spec.draft_len, self.model_longest)
+        self._pending = None
+        self.suffix.prefill(prompt_ids, None)
+        self.model.prefill(prompt_ids, target_hidden)
+
+    def choose(self, tokens: torch.Tensor, k: int) -> tuple[str, list[int]]:
+        """The rule: ("suffix", its draft) when the suffix match after tokens [1, n] is long enough and drafts,
+        else ("model", [])."""
+        proposal = self.suffix.peek(tokens, k)
+        if proposal.match.length >= self.config.min_match and proposal.tokens:
+            return "suffix", proposal.tokens
+        return "model", []
+
+    def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        source, drafted = self.choose(tokens, k)
+        if source == "suffix":
+            draft = Draft(torch.tensor([drafted], dtype=torch.long, device=tokens.device))
+        else:
+            k_model = min(k, self.model_k)
+            draft = (self.model.propose(tokens, k_model, sampling, generator) if k_model
+                     else Draft.empty(tokens.shape[0], tokens.device))
+        self._pending = (source, tokens.shape[1], draft.tokens.shape[1])
+        return draft
+
+    def accept(self, length: int, target_hidden: torch.Tensor | None) -> None:
+        if self._pending is not None:
+            source, n, proposed = self._pending
+            accepted = length - n  # the loop accepts n + accepted positions after a verify
+            if proposed:
+                self.choices[source].record_step(proposed, accepted)
+                self.totals[source].record_step(proposed, accepted)
+                if source == "model":
+                    self.model_k = next_draft_len(self.model_k, proposed, accepted,
+                                                  _capped(self.spec, self.model_longest))
+            self._pending = None
+        self.suffix.accept(length, None)
+        self.model.accept(length, target_hidden)
+
+    def rollback(self, length: int) -> None:
+        self._pending = None
+        self.suffix.rollback(length)
+        self.model.rollback(length)
+
+
+def _capped(spec: SpecConfig, longest: int) -> SpecConfig:
+    """spec with its adaptive ceiling cut to what the model drafter can draft (a block: block_size - 1)."""
+    return spec if spec.max_draft_len <= longest else replace(spec, max_draft_len=longest)
+
+
+@dataclass(frozen=True)
+class HybridParts:
+    """What the kind's load returns: the model drafter's kind, its loaded model (None for a kind without a
+    checkpoint) and its tokenizer (standalone kinds, for the vocabulary check)."""
+
+    kind: DrafterKind
+    model: object
+    draft_tokenizer: object = None
+
+
+def split(value: str) -> str | None:
+    """`suffix+DRAFT` -> DRAFT (what --draft would take for the model drafter); None when value is no hybrid."""
+    if value.lower().startswith(PREFIX):
+        inner = value[len(PREFIX):]
+        if not inner:
+            raise SpecquantError(f"--draft {value!r} names no model drafter; use suffix+DIR (a draft checkpoint or "
+                                 "bundled name)")
+        return inner
+    return None
+
+
+def _load(inner: str, runtime) -> HybridParts:
+    from specquant.model.checkpoint import load_tokenizer
+    from specquant.spec_decode.drafters import parse_draft
+
+    kind, source = parse_draft(inner)  # parse_draft("suffix+" + inner) refused the kinds that draft from no model
+    model = kind.load(source, runtime) if source is not None else None
+    tokenizer = load_tokenizer(source) if kind.standalone and source is not None else None
+    return HybridParts(kind, model, tokenizer)
+
+
+def _build(parts: HybridParts, target, spec: SpecConfig, suffix_config: SuffixConfig | None = None,
+           hybrid_config: HybridConfig | None = None, draft_tokenizer=None, **engine_options) -> HybridDrafter:
+    if not isinstance(parts, HybridParts):
+        raise SpecquantError("the hybrid drafter is built from `suffix+DRAFT`; pass that to --draft, or build a "
+                             "HybridDrafter(SuffixDrafter(...), model_drafter, spec) yourself")
+    model = parts.kind.build(parts.model, target, spec, draft_tokenizer=draft_tokenizer or parts.draft_tokenizer,
+                             suffix_config=suffix_config, hybrid_config=hybrid_config, **engine_options)
+    return HybridDrafter(SuffixDrafter(suffix_config or SuffixConfig()), model, spec, hybrid_config)
+
+
+KIND = DrafterKind(
+    name="hybrid", title="hybrid drafter (suffix, else a model drafter)", detect=lambda hf: False, load=_load,
+    build=_build,
+    # A suffix step runs no forward, a model step its drafter's (1 for a block drafter, k for an LM), which the
+    # kind cannot know: the bench predicts no hybrid row and counts each source's steps instead (bench/ablation.py)
+    forwards_per_step=lambda k: 1 if k else 0)

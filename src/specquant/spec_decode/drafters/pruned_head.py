@@ -1,0 +1,221 @@
+"""Vocabulary-pruned draft heads: a drafter's output head over the N most frequent token ids only (no drafter kind;
+the block and LM kinds use it, and any drafter that drafts through a head can: an MTP head too).
+
+Why: a drafter's head costs vocab x hidden per drafted position, the largest per-token cost of a small drafter over
+a large vocabulary. A drafter only proposes; the target verifies over its full vocabulary, so a draft that never
+proposes a pruned id changes acceptance, never the output.
+
+The map. `token_ids` [N] int64, ascending: the kept ids of the full vocabulary, stored in the drafter checkpoint's
+config.json under CONFIG_KEY ({"token_ids": [...], "source": "..."}; `specquant distill prune-head` writes it).
+Engines that do not read the key (vLLM, llama.cpp) run the checkpoint's full head as before.
+
+Drafting through a PrunedHead: logits [.., N] over the kept ids; a drafted index i maps back to token_ids[i]
+(`to_vocab`), and in sampling mode its draft distribution becomes [.., vocab] with zero mass outside the kept ids
+(`to_vocab_probs`). Rejection sampling stays exact: the verifier accepts x with min(1, p(x) / q(x)), q(x) > 0 for
+every drafted x, and resamples from max(0, p - q), which keeps all of p's mass on the pruned ids (verify.py).
+
+The reference path is the full head's logits at the kept ids (`reference_logits`); the pruned matmul is compared
+with it in tests/test_pruned_head.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
+from specquant.errors import SpecquantError
+
+CONFIG_KEY = "draft_vocab"
+ATTRIBUTE = "draft_vocab"  # a loaded draft model's kept ids (a [N] tensor), when its checkpoint has a map
+
+
+class PrunedHead(nn.Module):
+    """The rows `token_ids` of a head (a dense Linear, a BF16 CastLinear or a W4 / W8 QuantLinear), as a module of
+    the same kind:
+    x [..., hidden] -> logits [..., N]."""
+
+    def __init__(self, head: nn.Module, token_ids: torch.Tensor):
+        super().__init__()
+        vocab = head.out_features
+        device = next(iter([*head.parameters(), *head.buffers()])).device
+        self.register_buffer("token_ids", check_token_ids(token_ids, vocab).to(device), persistent=False)
+        self.vocab_size = vocab
+        self.rows = _rows(head, self.token_ids)
+
+    @property
+    def num_kept(self) -> int:
+        return self.token_ids.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows(x)
+
+    def to_vocab(self, ids: torch.Tensor) -> torch.Tensor:
+        """Indices into the kept ids [...] -> full-vocabulary token ids [...]."""
+        return self.token_ids[ids]
+
+    def to_vocab_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over the kept ids [..., N] -> over the full vocabulary [..., vocab], zero elsewhere."""
+        out = probs.new_zeros(*probs.shape[:-1], self.vocab_size)
+        return out.index_copy_(-1, self.token_ids, probs)
+
+    def draft(self, logits: torch.Tensor, sampling: SamplingConfig,
+              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [k, N] -> (full-vocabulary tokens [k], their draft distributions [k, vocab] or None when greedy)."""
+        if sampling.greedy:
+            return self.to_vocab(argmax(logits)), None
+        probs = logits_to_probs(logits, sampling)  # [k, N]
+        return self.to_vocab(sample(probs, generator)), self.to_vocab_probs(probs)
+
+    def extra_repr(self) -> str:
+        return f"kept={self.num_kept}, vocab={self.vocab_size}"
+
+
+def reference_logits(head: nn.Module, token_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The plain path: the full head's logits [..., vocab], then the kept columns [..., N]."""
+    return head(x)[..., token_ids]
+
+
+def _rows(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
+    """A module of head's kind computing head(x)[..., token_ids] (its own copy of those rows)."""
+    from specquant.model.modules import Linear
+    from specquant.quant.head import CastLinear
+    from specquant.quant.linear import QuantLinear
+
+    if isinstance(head, CastLinear):  # a BF16 head (QuantConfig.lm_head="bf16")
+        return CastLinear(head.weight.detach()[token_ids].clone())
+    if isinstance(head, QuantLinear):
+        zero = head.zero_point()
+        rows = QuantLinear.from_codes(head.codes()[token_ids], head.weight_scale[token_ids],
+                                      None if zero is None else zero[token_ids], head.bits,
+                                      None if head.bias is None else head.bias.detach()[token_ids])
+        rows.backend, rows.activations = head.backend, head.activations
+        return rows
+    if isinstance(head, nn.Linear):
+        w = head.weight.detach()
+        rows = Linear(head.in_features, token_ids.numel(), bias=head.bias is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            rows.weight.copy_(w[token_ids])
+            if head.bias is not None:
+                rows.bias.copy_(head.bias.detach()[token_ids])
+        return rows.requires_grad_(False)
+    raise SpecquantError(f"a {type(head).__name__} head cannot be pruned; a pruned draft head needs a Linear, "
+                         "CastLinear or QuantLinear head (quant/head.py's precisions)")
+
+
+def check_token_ids(token_ids, vocab_size: int) -> torch.Tensor:
+    """token_ids as an ascending, duplicate-free int64 tensor of ids < vocab_size, or a SpecquantError."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    if ids.numel() == 0:
+        raise SpecquantError("a pruned draft head keeps no token ids; keep at least one (e.g. --keep 4096)")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise SpecquantError(f"pruned draft head ids run {int(ids.min())}..{int(ids.max())}, outside the vocabulary "
+                             f"0..{vocab_size - 1}; rebuild the map for this model (specquant distill prune-head)")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise SpecquantError("pruned draft head ids must be ascending and unique; rebuild the map "
+                             "(specquant distill prune-head)")
+    return ids
+
+
+# --- the map: counting, config.json ----------------------------------------------------------------------------
+
+
+def most_frequent(counts: torch.Tensor, n: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The n ids to keep [n] ascending: `always` (e.g. EOS and other special tokens) first, then by count (ties:
+    the lower id), from counts [vocab]."""
+    vocab = counts.numel()
+    if not 1 <= n <= vocab:
+        raise SpecquantError(f"keep {n} token ids is out of range; use 1..{vocab} (the vocabulary size)")
+    always = sorted({int(t) for t in always if 0 <= int(t) < vocab})
+    if len(always) > n:
+        raise SpecquantError(f"keep {n} is fewer than the {len(always)} special tokens that are always kept; use a "
+                             "larger --keep")
+    score = counts.to(torch.float64).clone()
+    score[always] = float("inf")
+    # stable sort on -score: among equal counts the lower id comes first
+    order = torch.sort(-score, stable=True).indices
+    return torch.sort(order[:n]).values
+
+
+def count_tokens(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Occurrences [vocab] of each id in a token stream [T]."""
+    return torch.bincount(stream.flatten(), minlength=vocab_size)[:vocab_size]
+
+
+def read_token_map(hf: dict, vocab_size: int) -> torch.Tensor | None:
+    """The kept ids [N] from a checkpoint's config.json dict, or None when it has no map."""
+    entry = hf.get(CONFIG_KEY)
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("token_ids"), list):
+        raise SpecquantError(f'config.json "{CONFIG_KEY}" must be an object with a "token_ids" list; rebuild it '
+                             "(specquant distill prune-head)")
+    return check_token_ids(entry["token_ids"], vocab_size)
+
+
+def load_token_map(model: nn.Module, checkpoint_dir, vocab_size: int) -> nn.Module:
+    """Record the map of checkpoint_dir's config.json (if any) on a loaded draft model (ATTRIBUTE); returns model."""
+    from specquant.model.checkpoint import read_hf_config, resolve
+
+    ids = read_token_map(read_hf_config(resolve(checkpoint_dir)), vocab_size)
+    if ids is not None:
+        setattr(model, ATTRIBUTE, ids)
+    return model
+
+
+def token_map_of(model: nn.Module) -> torch.Tensor | None:
+    return getattr(model, ATTRIBUTE, None)
+
+
+def write_pruned_checkpoint(src, out, token_ids: torch.Tensor, source: str, overwrite: bool = False) -> Path:
+    """A copy of the draft checkpoint src in out (the --out policy, written atomically) with the map in its
+    config.json; the weights are untouched: the head is cut when the drafter is built. Returns out."""
+    from specquant.model.checkpoint import resolve
+    from specquant.util.files import atomic_dir
+
+    src, out = Path(resolve(src)), Path(out).expanduser()
+    if out.exists() and out.resolve() == src.resolve():
+        raise SpecquantError(f"--out {str(out)!r} is the draft checkpoint itself; write the pruned copy elsewhere")
+    hf = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    hf[CONFIG_KEY] = {"token_ids": [int(t) for t in token_ids], "source": source}
+    with atomic_dir(out, overwrite) as tmp:
+        for f in src.iterdir():
+            if f.is_file() and f.name != "config.json":
+                shutil.copy2(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def build_token_map(draft, keep: int, data=None, tokenizer_from=None) -> tuple[torch.Tensor, dict]:
+    """The `keep` most frequent ids of data (a .txt file or `specquant regen` .jsonl; default the bundled
+    calibration text), tokenized with tokenizer_from's tokenizer (default: the draft checkpoint's own), plus every
+    special token. Returns (ids [keep] ascending, a summary: tokens counted, coverage of the kept ids on data)."""
+    from specquant.model.checkpoint import load_tokenizer, read_hf_config, resolve
+    from specquant.quant.config import BUNDLED_CALIB
+    from specquant.train.data import load_blocks
+
+    hf = read_hf_config(resolve(draft))
+    vocab = int(hf["vocab_size"])
+    path = Path(data).expanduser() if data else BUNDLED_CALIB
+    tokenizer = load_tokenizer(tokenizer_from or draft)
+    stream = load_blocks(path, tokenizer, 1, vocab)  # [T, 1]: every token of the file, in order
+    counts = count_tokens(stream, vocab)
+    eos = hf.get("eos_token_id")
+    always = (*([] if eos is None else [eos] if isinstance(eos, int) else eos), *tokenizer.all_special_ids)
+    ids = most_frequent(counts, keep, always)
+    total = int(counts.sum())
+    return ids, {"vocab_size": vocab, "kept": int(ids.numel()), "tokens_counted": total, "data": str(path),
+                 "coverage": float(counts[ids].sum()) / total, "distinct_seen": int((counts > 0).sum())}
+
+
+def prune_lm_head(model, token_ids: torch.Tensor):
+    """A draft Transformer's lm_head replaced by its PrunedHead (the LM drafter then maps drafted ids back);
+    returns model. Its embeddings are untouched (a tied head keeps its embedding)."""
+    if isinstance(model.lm_head, PrunedHead):
+        raise SpecquantError("this draft model's head is already pruned; load the checkpoint again to prune anew")
+    model.lm_head = PrunedHead(model.lm_head, token_ids)
+    return model
