@@ -14,7 +14,7 @@ A kind is a `DrafterKind` (spec_decode/drafter.py) named KIND in its file:
   model_class                 loaded models of this class are wrapped by this kind (SpecEngine(target, model))
   standalone, vllm_method, fixed_draft_len, missing   what export needs (drafter.py)
 
-A new kind (an n-gram drafter, Qwen3.5's MTP head; suffix.py is one) is one file with its Drafter class and KIND, plus
+A new kind (an n-gram drafter; suffix.py and mtp.py, Qwen3.5's MTP head, are two) is one file with its Drafter class and KIND, plus
 one row below. A model-free drafter proposes point-mass drafts (Draft.probs None), which the sampling verifier
 accepts exactly (verify.rejection_sample).
 """
@@ -25,10 +25,10 @@ import os
 
 from specquant.errors import SpecquantError
 from specquant.spec_decode.drafter import DrafterKind
-from specquant.spec_decode.drafters import block, lm, none, suffix
+from specquant.spec_decode.drafters import block, lm, mtp, none, suffix
 
-# detect is tried in this order: a block drafter's config.json also names a causal LM model_type
-KINDS: dict[str, DrafterKind] = {k.name: k for k in (block.KIND, lm.KIND, none.KIND, suffix.KIND)}
+# detect is tried in this order: block and MTP drafters' config.json also name a causal LM model_type
+KINDS: dict[str, DrafterKind] = {k.name: k for k in (block.KIND, mtp.KIND, lm.KIND, none.KIND, suffix.KIND)}
 
 
 def kind_named(name: str) -> DrafterKind:
