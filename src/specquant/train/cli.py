@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from specquant.errors import SpecquantError
 from specquant.util.flags import add_config_flags, config_from_args
 from specquant.train.config import QADConfig, TrainConfig
 from specquant.train.outdir import OUR_OUTPUTS
@@ -76,13 +77,16 @@ def add_draft(p: argparse.ArgumentParser):
     from specquant.train.block_draft import BlockDraftTrainConfig
     from specquant.train.draft import KINDS, DraftConfig
 
-    p.add_argument("--kind", required=True, choices=KINDS, help="block: DFlash-style block drafter; lm: small LM")
+    p.add_argument("--kind", required=True, choices=KINDS,
+                   help="block: DFlash-style block drafter; lm: small LM; mtp: Qwen3.5's MTP layer")
     p.add_argument("--target", required=True, help="the target to draft for (stage 2's when --stage1-target is set)")
     p.add_argument("--stage1-target", default=None, help="train stage 1 against this (high-precision) target first")
     p.add_argument("--data", default=None, help="training text (.txt) or `specquant regen` output (.jsonl); "
                                                  "default: the bundled calibration text")
     add_config_flags(p, DraftConfig)
     add_config_flags(p, BlockDraftTrainConfig)
+    p.add_argument("--mtp-into-target", default=None, metavar="DIR",
+                   help="mtp: also write the trained mtp.* tensors into a copy of --target at DIR (for --draft mtp)")
     add_train_flags(p, lr=1e-3, warmup=20, min_lr_ratio=0.1)
 
 
@@ -90,12 +94,19 @@ def run_draft(args) -> int:
     from specquant.train.block_draft import BlockDraftTrainConfig
     from specquant.train.draft import DraftConfig, run_draft as run
 
+    if args.mtp_into_target and args.kind != "mtp":
+        raise SpecquantError(f"--mtp-into-target writes an MTP layer; it needs --kind mtp, not {args.kind}")
     result = run(args.kind, args.target, args.out, train_config_from_args(args),
                  config_from_args(DraftConfig, args), config_from_args(BlockDraftTrainConfig, args).validate(),
                  data=args.data, stage1_target=args.stage1_target, resume=args.resume, overwrite=args.overwrite,
                  device=args.device, dtype=args.dtype, progress=args.progress and not args.json)
     if result is None:
         return 0
+    if args.mtp_into_target:
+        from specquant.train.mtp import write_into_target
+
+        result["target_with_mtp"] = str(write_into_target(result["model"], args.target, args.mtp_into_target,
+                                                          overwrite=args.overwrite))
     if args.json:
         print(json.dumps(result, default=float))
     else:
@@ -105,6 +116,8 @@ def run_draft(args) -> int:
             if st["best_eval"]:
                 print("  held-out: " + ", ".join(f"{k} {v:.4f}" for k, v in st["best_eval"].items()
                                                  if isinstance(v, float)))
+        if "target_with_mtp" in result:
+            print(f"target with the trained mtp.* tensors: {result['target_with_mtp']}")
     return 0
 
 

@@ -5,6 +5,8 @@ Kinds:
          --init DIR to continue one.
   lm     today's small-LM drafter adapted by forward KL(target || draft) over the full vocabulary (train/qad.py's
          chunked KL): --init is the LM drafter to start from (default tiny-draft for the bundled target).
+  mtp    Qwen3.5's MTP layer (train/mtp.py's objective): --init an MTP drafter directory, else the target's own
+         mtp.* tensors, else a fresh layer copied from the target's last full-attention layer.
 
 Stages (REFERENCE.md §3): with --stage1-target, stage 1 trains against that (high-precision) target into
 OUT/stage1, then stage 2 warm-starts from stage 1's best weights and trains against --target (the W4 / QAD one)
@@ -23,7 +25,8 @@ from typing import Callable
 import torch
 
 from specquant.errors import SpecquantError, require_positive
-from specquant.spec_decode.drafters import block, lm
+from specquant.spec_decode.drafters import block, lm, mtp
+from specquant.train.mtp import mtp_task
 
 BLOCK_INITS = ("random", "target")
 
@@ -35,7 +38,7 @@ class DraftConfig:
 
     init: str | None = field(default=None, metadata={
         "help": "start from this drafter checkpoint (block: a DFlashDraftModel dir; lm: a small LM; default lm: "
-                "tiny-draft for the bundled target)"})
+                "tiny-draft for the bundled target; mtp: an MTP drafter dir, default the target's mtp.* tensors)"})
     layers: int = field(default=2, metadata={"help": "block: drafter layers of a fresh drafter"})
     block_size: int = field(default=16, metadata={"help": "block: anchor + drafted tokens per forward"})
     target_layer_ids: str = field(default="", metadata={
@@ -191,7 +194,8 @@ class Objective:
 
 # keyed by the drafter registry's kinds; a kind without a row here cannot be trained
 OBJECTIVES = {block.KIND.name: Objective(_block_task, needs_init=False),
-              lm.KIND.name: Objective(_lm_task, needs_init=True)}
+              lm.KIND.name: Objective(_lm_task, needs_init=True),
+              mtp.KIND.name: Objective(mtp_task, needs_init=False)}
 KINDS = tuple(OBJECTIVES)
 
 
