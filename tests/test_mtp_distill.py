@@ -43,7 +43,8 @@ def test_two_stages_resume_and_write_into_the_target(hybrids, tmp_path, capsys):
     teacher, student = hybrids
     out, with_mtp = tmp_path / "run", tmp_path / "student-mtp"
     args = ["distill", "draft", "--kind", "mtp", "--target", str(student), "--stage1-target", str(teacher),
-            "--out", str(out), "--mtp-into-target", str(with_mtp), "--json", *FAST, "--stage2-steps", "2"]
+            "--out", str(out), "--mtp-into-target", str(with_mtp), "--mtp-w4", str(tmp_path / "w4"),
+            "--mtp-w4-group", "-1", "--mtp-head", "w8", "--json", *FAST, "--stage2-steps", "2"]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     s1, s2 = result["stages"]
@@ -62,6 +63,13 @@ def test_two_stages_resume_and_write_into_the_target(hybrids, tmp_path, capsys):
     assert all(torch.equal(target.extra_tensors[f"mtp.{k}"].float(), v) for k, v in trained.state_dict().items())
     eng = build_engine(with_mtp, "mtp", spec=SpecConfig(draft_len=3))
     prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert eng.generate(prompt, 24, stop_on_eos=False).token_ids[0] == \
+        generate(load_model(student), prompt, 24, stop_on_eos=False).token_ids[0]
+    # the W4 copy: every Linear quantized, drafting through its own w8 head, and still lossless
+    w4 = load_mtp_drafter(tmp_path / "w4")
+    assert w4.quantization and w4.head_precision == "w8" and (tmp_path / "w4" / "tokenizer.json").exists()
+    eng = build_engine(student, str(tmp_path / "w4"), spec=SpecConfig(draft_len=3))
+    assert eng.drafter.head is not eng.target.lm_head
     assert eng.generate(prompt, 24, stop_on_eos=False).token_ids[0] == \
         generate(load_model(student), prompt, 24, stop_on_eos=False).token_ids[0]
     before = (out / "stage2" / "model" / "model.safetensors").read_bytes()

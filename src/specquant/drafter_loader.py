@@ -103,3 +103,24 @@ def quantize_mtp(model: MTPModel, bits: int = 4, group_size: int = 32, symmetric
                 QuantLinear.from_codes(res.codes, res.scale, res.zero, cfg.bits, lin.bias))
     model.quantization = quantization_config(model, cfg)
     return {"config": cfg.to_json(), "layers": rows}
+
+
+def write_w4_mtp(src, out, bits: int = 4, group_size: int = 32, head: str = "shared",
+                 overwrite: bool = False) -> dict:
+    """A W`bits` copy (quantize_mtp) of the dense MTP drafter directory `src` at `out`, drafting through `head`
+    (spec_decode/drafters/mtp.py's HEADS, recorded in its config.json); returns quantize_mtp's report."""
+    from specquant.model.mtp import save_mtp_drafter
+    from specquant.spec_decode.drafters.mtp import HEAD_KEY, HEADS
+
+    if head not in HEADS:
+        raise SpecquantError(f"MTP head {head!r} is unknown; use one of {', '.join(HEADS)}")
+    path = resolve(src)
+    model = load_mtp_drafter(path)
+    if model.quantization:
+        raise SpecquantError(f"{path} is already quantized; quantize the dense MTP drafter")
+    report = quantize_mtp(model, bits, group_size)
+    extra = {k: v for k, v in read_hf_config(path).items() if k.startswith("specquant_") and k != HEAD_KEY}
+    tokenizer = path if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists() else None
+    save_mtp_drafter(model, out, extra_config={**extra, HEAD_KEY: head}, tokenizer_from=tokenizer,
+                     overwrite=overwrite)
+    return report

@@ -75,6 +75,7 @@ def _per_step(seconds: float | None) -> str:
 
 def add_draft(p: argparse.ArgumentParser):
     from specquant.train.block_draft import BlockDraftTrainConfig
+    from specquant.spec_decode.drafters.mtp import HEADS as MTP_HEADS
     from specquant.train.draft import KINDS, DraftConfig
 
     p.add_argument("--kind", required=True, choices=KINDS,
@@ -87,6 +88,13 @@ def add_draft(p: argparse.ArgumentParser):
     add_config_flags(p, BlockDraftTrainConfig)
     p.add_argument("--mtp-into-target", default=None, metavar="DIR",
                    help="mtp: also write the trained mtp.* tensors into a copy of --target at DIR (for --draft mtp)")
+    p.add_argument("--mtp-w4", default=None, metavar="DIR",
+                   help="mtp: also write a W4 (RTN) copy of the trained MTP drafter at DIR")
+    p.add_argument("--mtp-w4-group", type=int, default=32, choices=(32, 64, 128, -1),
+                   help="mtp: input channels per scale of the --mtp-w4 copy (-1: per output channel)")
+    p.add_argument("--mtp-head", default="shared", choices=MTP_HEADS,
+                   help="mtp: the head the --mtp-w4 copy drafts through: the target's own lm_head (shared) or a "
+                        "copy of it at this precision")
     add_train_flags(p, lr=1e-3, warmup=20, min_lr_ratio=0.1)
 
 
@@ -94,8 +102,8 @@ def run_draft(args) -> int:
     from specquant.train.block_draft import BlockDraftTrainConfig
     from specquant.train.draft import DraftConfig, run_draft as run
 
-    if args.mtp_into_target and args.kind != "mtp":
-        raise SpecquantError(f"--mtp-into-target writes an MTP layer; it needs --kind mtp, not {args.kind}")
+    if (args.mtp_into_target or args.mtp_w4) and args.kind != "mtp":
+        raise SpecquantError(f"--mtp-into-target / --mtp-w4 write an MTP layer; they need --kind mtp, not {args.kind}")
     result = run(args.kind, args.target, args.out, train_config_from_args(args),
                  config_from_args(DraftConfig, args), config_from_args(BlockDraftTrainConfig, args).validate(),
                  data=args.data, stage1_target=args.stage1_target, resume=args.resume, overwrite=args.overwrite,
@@ -107,6 +115,12 @@ def run_draft(args) -> int:
 
         result["target_with_mtp"] = str(write_into_target(result["model"], args.target, args.mtp_into_target,
                                                           overwrite=args.overwrite))
+    if args.mtp_w4:
+        from specquant.drafter_loader import write_w4_mtp
+
+        write_w4_mtp(result["model"], args.mtp_w4, group_size=args.mtp_w4_group, head=args.mtp_head,
+                     overwrite=args.overwrite)
+        result["w4_model"] = args.mtp_w4
     if args.json:
         print(json.dumps(result, default=float))
     else:
@@ -118,6 +132,8 @@ def run_draft(args) -> int:
                                                  if isinstance(v, float)))
         if "target_with_mtp" in result:
             print(f"target with the trained mtp.* tensors: {result['target_with_mtp']}")
+        if "w4_model" in result:
+            print(f"W4 MTP drafter: {result['w4_model']}")
     return 0
 
 
