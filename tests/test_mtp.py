@@ -267,3 +267,26 @@ def test_w4_head_drafts_through_its_own_head_and_stays_lossless():
     for prompt in PROMPTS[:2]:
         assert eng.generate(prompt, 30, stop_on_eos=False).token_ids[0] == \
             generate(target, prompt, 30, stop_on_eos=False).token_ids[0]
+
+
+def test_training_replay_of_chained_drafts_is_the_drafter_serving_path(target):
+    """train/mtp.py's chained_outputs: level s at anchor a equals the drafter's s-th chained output of a step whose
+    last exact position is a, when its drafts are the data's tokens (the cache then holds exactly the same)."""
+    from specquant.train.mtp import chained_outputs
+
+    mtp = mtp_from_tensors(target.config, target.extra_tensors)
+    tokens = PROMPTS[2][:, :24]
+    h = post_norm_hidden(target, tokens)
+    embed = target.model.embed_tokens
+    with torch.no_grad():
+        levels = chained_outputs(mtp, h, tokens, embed, steps=3)
+        assert [g.shape[1] for g in levels] == [23, 22, 21]
+        mtp.setup_cache(1, 32)
+        for a in (0, 5, 20):
+            mtp.rollback(0)
+            g = mtp(h[:, : a + 1], embed(tokens[:, 1 : a + 2]), 0)[:, -1:]  # exact entries 0..a
+            torch.testing.assert_close(g[:, 0], levels[0][:, a], atol=2e-5, rtol=1e-4)
+            for s in (1, 2):
+                g = mtp(g, embed(tokens[:, a + s + 1 : a + s + 2]), a + s)
+                torch.testing.assert_close(g[:, 0], levels[s][:, a], atol=2e-5, rtol=1e-4)
+        mtp.clear_cache()

@@ -50,6 +50,7 @@ def test_two_stages_resume_and_write_into_the_target(hybrids, tmp_path, capsys):
     s1, s2 = result["stages"]
     assert [s1["steps"], s2["steps"]] == [3, 2]
     assert s1["best_eval"]["kl"] < s1["start_eval"]["kl"], "stage 1 did not lower the held-out KL"
+    assert {"top1_agree", "top1_agree_2", "top1_agree_3"} <= set(s1["best_eval"])  # --mtp-steps 3: three drafts
     for stage in ("stage1", "stage2"):
         assert kind_of_checkpoint(out / stage / "model").name == "mtp"
     meta = json.loads((out / "stage2" / "model" / "config.json").read_text())["specquant_distill_draft"]

@@ -98,14 +98,21 @@ class MTPModel(nn.Module):
         for layer in self.layers:
             layer.mixer.cache = None
 
-    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, start_pos: int = 0,
-                layer: int = 0) -> torch.Tensor:
-        """layer: which MTP layer runs (vLLM: spec_step_idx % num_layers; Qwen3.5 ships one)."""
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, start_pos: int = 0, layer: int = 0,
+                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """layer: which MTP layer runs (vLLM: spec_step_idx % num_layers; Qwen3.5 ships one).
+
+        positions [T] / mask [T, T] bool (cache-free only): each entry's RoPE position and which entries it attends
+        to, instead of start_pos.. and the causal mask; training replays chained drafts with them (train/mtp.py)."""
         t = hidden.shape[1]
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        cos = self.rope_cos[start_pos : start_pos + t].to(x.dtype)
-        sin = self.rope_sin[start_pos : start_pos + t].to(x.dtype)
-        x = self.layers[layer % len(self.layers)](x, cos, sin, start_pos)
+        plan = None
+        if positions is None:
+            cos, sin = self.rope_cos[start_pos : start_pos + t], self.rope_sin[start_pos : start_pos + t]
+        else:
+            assert mask is not None and all(m.mixer.cache is None for m in self.layers), "cache-free only"
+            cos, sin, plan = self.rope_cos[positions], self.rope_sin[positions], (mask, False)
+        x = self.layers[layer % len(self.layers)](x, cos.to(x.dtype), sin.to(x.dtype), start_pos, None, plan)
         return self.norm(x)
 
 

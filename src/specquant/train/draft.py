@@ -51,10 +51,12 @@ class DraftConfig:
         "help": "with --stage1-target: optimizer steps of stage 2's fresh schedule (0: the same as --steps)"})
     heldout: str | None = field(default=None, metadata={"help": "held-out text (default: bundled heldout.txt)"})
     eval_seq_len: int = field(default=256, metadata={"help": "tokens per held-out sequence"})
-    kl_chunk: int = field(default=256, metadata={"help": "lm: positions per KL chunk"})
+    kl_chunk: int = field(default=256, metadata={"help": "lm, mtp: positions per KL chunk"})
+    mtp_steps: int = field(default=3, metadata={
+        "help": "mtp: chained drafts per step trained (1: the first draft only; each more replays one more)"})
 
     def validate(self) -> "DraftConfig":
-        require_positive(self, ("layers", "eval_seq_len", "kl_chunk"))
+        require_positive(self, ("layers", "eval_seq_len", "kl_chunk", "mtp_steps"))
         if self.block_size < 2:
             raise SpecquantError(f"block_size={self.block_size} must be at least 2")
         if self.stage2_steps < 0:

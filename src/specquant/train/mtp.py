@@ -2,10 +2,11 @@
 
 Per sequence x_0..x_{L-1}: the frozen target runs once (teacher-forced) and gives its post-norm hidden states h_i
 and its next-token logits. The MTP runs cache-free over the L-1 pairs (h_i, x_{i+1}) (model/mtp.py), so its
-output at i drafts x_{i+2}; the loss is the forward KL(target || MTP) between the target's distribution at position
-i+1 (what the target predicts for x_{i+2}) and the MTP's, over the full vocabulary, both through the target's
-lm_head, in chunks of positions. This is the first draft of every speculative step, scored against what the verifier
-accepts; chained drafts (k > 1) reuse the same layer on its own output, as Qwen3.5 does, and are not trained apart.
+output at i drafts x_{i+2}: the first draft of a step whose last exact position is i. With --mtp-steps S > 1 it also
+replays the chained drafts 2..S of every such step (chained_outputs: its own output fed back at the next position
+with the data's next token, attending to exactly what the drafter's cache holds then). The loss is the forward
+KL(target || MTP) of each draft against the target's distribution for the token it drafts, over the full
+vocabulary and through the target's lm_head, in chunks of positions; the mean over draft levels.
 
 Only the MTP layer trains: the embedding and lm_head are the target's (shared, frozen), and the target is kept out
 of the registered submodules. The objective's submodule is named `mtp`, so its state-dict names are the checkpoint
@@ -74,13 +75,47 @@ def starting_mtp(target, init, seed: int, device) -> MTPModel:
     return model.train()
 
 
-class MTPObjective(nn.Module):
-    """forward(tokens [b, L]) -> (KL(target || MTP) per position, stats); only the MTP layer is a submodule."""
+def chain_layout(n: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The entries of a chained replay over n exact positions: (level [E], position [E], mask [E, E] bool).
 
-    def __init__(self, mtp: MTPModel, target, kl_chunk: int = 256):
+    Level 0 is entry (h_p, x_{p+1}) at position p = 0..n-1, built from the target. Level s >= 1 of anchor a
+    (a = 0..n-1-s) is the s-th chained draft of a step whose last exact position is a: it sits at position a + s and
+    sees what the drafter's cache holds then, the exact entries at positions <= a and its own anchor's chained
+    entries of levels 1..s (spec_decode/drafters/mtp.py)."""
+    level = torch.cat([torch.full((n - s,), s) for s in range(steps)])
+    anchor = torch.cat([torch.arange(n - s) for s in range(steps)])
+    pos = anchor + level
+    exact = (level == 0)[None, :] & (pos[None, :] <= anchor[:, None])
+    chained = ((level[:, None] >= 1) & (level[None, :] >= 1) & (anchor[None, :] == anchor[:, None])
+               & (level[None, :] <= level[:, None]))
+    return level, pos, exact | chained
+
+
+def chained_outputs(mtp: MTPModel, hidden: torch.Tensor, tokens: torch.Tensor, embed: nn.Module,
+                    steps: int) -> list[torch.Tensor]:
+    """hidden [b, L, H] (the target's, post-norm), tokens [b, L] -> [g of level s: [b, L-1-s, H] for s < steps]:
+    the MTP's output of every draft a speculative step of `steps` drafts makes, teacher-forced (the drafted tokens
+    are the data's). Level s at anchor a drafts x_{a+s+2}. Level s runs on every level below it (one cache-free
+    forward with chain_layout's mask), the way the drafter's KV cache holds them."""
+    n = tokens.shape[1] - 1
+    outs = [mtp(hidden[:, :-1], embed(tokens[:, 1:]))]  # level 0: causal over the exact entries
+    for s in range(1, min(steps, n)):
+        _, pos, mask = chain_layout(n, s + 1)
+        inputs = torch.cat([hidden[:, :-1]] + [outs[r - 1][:, : n - r] for r in range(1, s + 1)], 1)
+        next_tokens = torch.cat([tokens[:, 1:]] + [tokens[:, r + 1 :] for r in range(1, s + 1)], 1)
+        g = mtp(inputs, embed(next_tokens), positions=pos.to(tokens.device), mask=mask.to(tokens.device))
+        outs.append(g[:, -(n - s) :])
+    return outs
+
+
+class MTPObjective(nn.Module):
+    """forward(tokens [b, L]) -> (mean over draft levels of KL(target || MTP) per position, stats); only the MTP
+    layer is a registered submodule."""
+
+    def __init__(self, mtp: MTPModel, target, kl_chunk: int = 256, steps: int = 1):
         super().__init__()
         self.mtp = mtp
-        self.kl_chunk = kl_chunk
+        self.kl_chunk, self.steps = kl_chunk, steps
         self._target = (target,)  # frozen teacher: out of the registered submodules (DDP wraps the MTP only)
         for p in target.parameters():
             p.requires_grad_(False)
@@ -88,6 +123,20 @@ class MTPObjective(nn.Module):
     @property
     def target(self):
         return self._target[0]
+
+    def _kl(self, g: torch.Tensor, target_hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Mean KL(target || MTP) and top-1 agreement of g [b, T, H] against the target at target_hidden [b, T, H]."""
+        head = self.target.lm_head
+        total, agree = g.new_zeros((), dtype=torch.float32), 0
+        for s in range(0, g.shape[1], self.kl_chunk):
+            e = min(g.shape[1], s + self.kl_chunk)
+            with torch.no_grad():
+                target_logp = F.log_softmax(head(target_hidden[:, s:e]).float(), -1)
+            draft_logp = F.log_softmax(head(g[:, s:e]).float(), -1)
+            total = total + F.kl_div(draft_logp, target_logp, log_target=True, reduction="sum")
+            agree += int((draft_logp.argmax(-1) == target_logp.argmax(-1)).sum())
+        count = g.shape[0] * g.shape[1]
+        return total / count, agree / count
 
     def forward(self, tokens: torch.Tensor):
         target = self.target
@@ -97,39 +146,34 @@ class MTPObjective(nn.Module):
             target.clear_cache()
             hidden = target(tokens, hidden_only=True)  # [b, L, H] after the final norm
             target.train(was)
-            embeds = target.model.embed_tokens(tokens[:, 1:])
-        g = self.mtp(hidden[:, :-1], embeds)  # [b, L-1, H]: position i drafts x_{i+2}
-        head = target.lm_head
-        # target's distribution for x_{i+2} is its output at position i+1; the last MTP position has no label
-        n = g.shape[1] - 1
-        total, agree = g.new_zeros(()), 0
-        for s in range(0, n, self.kl_chunk):
-            e = min(n, s + self.kl_chunk)
-            with torch.no_grad():
-                target_logp = F.log_softmax(head(hidden[:, s + 1 : e + 1]).float(), -1)
-            draft_logp = F.log_softmax(head(g[:, s:e]).float(), -1)
-            kl = F.kl_div(draft_logp, target_logp, log_target=True, reduction="none").sum(-1)  # [b, e-s]
-            total = total + kl.sum()
-            agree += int((draft_logp.argmax(-1) == target_logp.argmax(-1)).sum())
-        count = g.shape[0] * n
-        return total / count, {"top1_agree": agree / count}
+        levels = chained_outputs(self.mtp, hidden, tokens, target.model.embed_tokens, self.steps)
+        losses, stats = [], {}
+        for s, g in enumerate(levels):
+            # level s drafts x_{a+s+2}: the target's distribution for it is its output at position a+s+1
+            kl, agree = self._kl(g, hidden[:, s + 1 :])
+            losses.append(kl)
+            stats[f"top1_agree_{s + 1}"] = agree
+        stats["top1_agree"] = stats.pop("top1_agree_1")
+        return torch.stack(losses).mean(), stats
 
 
 @torch.no_grad()
 def evaluate_mtp(objective: MTPObjective, tokens: torch.Tensor, batch: int = 8) -> dict:
-    """Held-out KL(target || MTP) and top-1 agreement of the first draft (a teacher-forced proxy of its greedy
-    acceptance: the rate at which the first draft equals the target's greedy token)."""
+    """Held-out KL(target || MTP), mean over draft levels, and top-1 agreement of each level's draft (a
+    teacher-forced proxy of per-position acceptance: the rate at which that draft is the target's greedy token)."""
     was = objective.mtp.training
     objective.mtp.eval()
-    kl, agree, n = 0.0, 0.0, 0
+    sums, n = {}, 0
     try:
         for i in range(0, len(tokens), batch):
             loss, stats = objective(tokens[i : i + batch])
             m = len(tokens[i : i + batch])
-            kl, agree, n = kl + float(loss) * m, agree + stats["top1_agree"] * m, n + m
+            for k, v in {"kl": float(loss), **stats}.items():
+                sums[k] = sums.get(k, 0.0) + v * m
+            n += m
     finally:
         objective.mtp.train(was)
-    return {"kl": kl / n, "top1_agree": agree / n}
+    return {k: v / n for k, v in sums.items()}
 
 
 class MTPTask:
@@ -163,7 +207,7 @@ def mtp_task(target, target_dir, tokenizer, cfg, bcfg, eval_tokens, init, seed, 
     """train/draft.py's OBJECTIVES row for --kind mtp."""
     device = target.model.embed_tokens.weight.device
     mtp = starting_mtp(target, init, seed, device)
-    return MTPTask(MTPObjective(mtp, target, cfg.kl_chunk), eval_tokens, tokenizer_from=target_dir,
+    return MTPTask(MTPObjective(mtp, target, cfg.kl_chunk, cfg.mtp_steps), eval_tokens, tokenizer_from=target_dir,
                    extra_config={"specquant_distill_draft": meta})
 
 
