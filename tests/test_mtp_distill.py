@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from _qad_models import TOKENIZER
-from _qwen35_models import hf_model
+from _qwen35_models import hf_config, hf_model
 from test_mtp import HFReferenceMTP, ours
 
 from specquant.cli import main
@@ -84,7 +84,7 @@ def test_a_target_with_mtp_tensors_starts_from_them(hybrids):
 
     target = load_model(hybrids[0])
     torch.manual_seed(4)
-    ref = HFReferenceMTP(hf_model("gva", 4, seed=11, vocab_size=VOCAB).config)
+    ref = HFReferenceMTP(hf_config("gva", 4, vocab_size=VOCAB))
     target.extra_tensors = {f"mtp.{k}": v.detach().clone() for k, v in ref.state_dict().items()
                             if "rotary_emb" not in k}
     mtp = starting_mtp(target, None, seed=0, device="cpu")
