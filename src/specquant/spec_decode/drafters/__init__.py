@@ -15,8 +15,8 @@ A kind is a `DrafterKind` (spec_decode/drafter.py) named KIND in its file:
   standalone, vllm_method, fixed_draft_len, missing   what export needs (drafter.py)
 
 A new kind (an n-gram drafter; suffix.py and mtp.py, Qwen3.5's MTP head, are two) is one file with its Drafter
-class and KIND, plus one row below. A model-free drafter proposes point-mass drafts (Draft.probs None), which the sampling verifier
-accepts exactly (verify.rejection_sample).
+class and KIND, plus one row below. A model-free drafter proposes point-mass drafts (Draft.probs None), which the
+sampling verifier accepts exactly (verify.rejection_sample).
 """
 
 from __future__ import annotations
