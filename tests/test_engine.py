@@ -125,9 +125,9 @@ def test_speculative_engine_refuses_batches_target_only_takes_them(pair):
 
 
 def test_registry_kinds_costs_and_detection():
-    assert list(KINDS) == ["block", "lm", "none", "suffix", "hybrid"]
+    assert list(KINDS) == ["block", "mtp", "lm", "none", "suffix", "hybrid"]
     assert KINDS["hybrid"].vllm_method is None and not KINDS["hybrid"].detect(read_hf_config(BUNDLED_DIR / "tiny-draft"))
-    assert [KINDS[k].forwards_per_step(4) for k in ("lm", "block", "none", "suffix")] == [4, 1, 0, 0]
+    assert [KINDS[k].forwards_per_step(4) for k in ("lm", "block", "mtp", "none", "suffix")] == [4, 1, 4, 0, 0]
     assert kind_of(read_hf_config(BUNDLED_DIR / "tiny-draft")).name == "lm"
     assert kind_of(read_hf_config(BUNDLED_DIR / "tiny-block-draft")).name == "block"
     assert (KINDS["lm"].vllm_method, KINDS["block"].vllm_method, KINDS["none"].vllm_method) == \
@@ -145,10 +145,10 @@ def test_draft_names_kinds_and_directories():
         parse_draft("lm")
     assert parse_draft("suffix") == (KINDS["suffix"], None)
     assert parse_draft("suffix+tiny-draft") == (KINDS["hybrid"], "tiny-draft")
-    with pytest.raises(SpecquantError, match=r"drafter kind \(none, suffix\)"):
-        parse_draft("mtp")  # not a kind: one line that names the kinds there are
-    with pytest.raises(SpecquantError, match="block, lm, none, suffix"):
-        kind_named("mtp")
+    with pytest.raises(SpecquantError, match=r"drafter kind \(mtp, none, suffix\)"):
+        parse_draft("ngram")  # not a kind: one line that names the kinds there are
+    with pytest.raises(SpecquantError, match="block, mtp, lm, none, suffix"):
+        kind_named("ngram")
 
 
 def test_generate_cli_unknown_draft_is_one_error_line(capsys):

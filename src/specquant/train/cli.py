@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from specquant.errors import SpecquantError
 from specquant.util.flags import add_config_flags, config_from_args
 from specquant.train.config import QADConfig, TrainConfig
 from specquant.train.outdir import OUR_OUTPUTS
@@ -74,15 +75,26 @@ def _per_step(seconds: float | None) -> str:
 
 def add_draft(p: argparse.ArgumentParser):
     from specquant.train.block_draft import BlockDraftTrainConfig
+    from specquant.spec_decode.drafters.mtp import HEADS as MTP_HEADS
     from specquant.train.draft import KINDS, DraftConfig
 
-    p.add_argument("--kind", required=True, choices=KINDS, help="block: DFlash-style block drafter; lm: small LM")
+    p.add_argument("--kind", required=True, choices=KINDS,
+                   help="block: DFlash-style block drafter; lm: small LM; mtp: Qwen3.5's MTP layer")
     p.add_argument("--target", required=True, help="the target to draft for (stage 2's when --stage1-target is set)")
     p.add_argument("--stage1-target", default=None, help="train stage 1 against this (high-precision) target first")
     p.add_argument("--data", default=None, help="training text (.txt) or `specquant regen` output (.jsonl); "
                                                  "default: the bundled calibration text")
     add_config_flags(p, DraftConfig)
     add_config_flags(p, BlockDraftTrainConfig)
+    p.add_argument("--mtp-into-target", default=None, metavar="DIR",
+                   help="mtp: also write the trained mtp.* tensors into a copy of --target at DIR (for --draft mtp)")
+    p.add_argument("--mtp-w4", default=None, metavar="DIR",
+                   help="mtp: also write a W4 (RTN) copy of the trained MTP drafter at DIR")
+    p.add_argument("--mtp-w4-group", type=int, default=32, choices=(32, 64, 128, -1),
+                   help="mtp: input channels per scale of the --mtp-w4 copy (-1: per output channel)")
+    p.add_argument("--mtp-head", default="shared", choices=MTP_HEADS,
+                   help="mtp: the head the --mtp-w4 copy drafts through: the target's own lm_head (shared) or a "
+                        "copy of it at this precision")
     add_train_flags(p, lr=1e-3, warmup=20, min_lr_ratio=0.1)
 
 
@@ -90,12 +102,25 @@ def run_draft(args) -> int:
     from specquant.train.block_draft import BlockDraftTrainConfig
     from specquant.train.draft import DraftConfig, run_draft as run
 
+    if (args.mtp_into_target or args.mtp_w4) and args.kind != "mtp":
+        raise SpecquantError(f"--mtp-into-target / --mtp-w4 write an MTP layer; they need --kind mtp, not {args.kind}")
     result = run(args.kind, args.target, args.out, train_config_from_args(args),
                  config_from_args(DraftConfig, args), config_from_args(BlockDraftTrainConfig, args).validate(),
                  data=args.data, stage1_target=args.stage1_target, resume=args.resume, overwrite=args.overwrite,
                  device=args.device, dtype=args.dtype, progress=args.progress and not args.json)
     if result is None:
         return 0
+    if args.mtp_into_target:
+        from specquant.train.mtp import write_into_target
+
+        result["target_with_mtp"] = str(write_into_target(result["model"], args.target, args.mtp_into_target,
+                                                          overwrite=args.overwrite))
+    if args.mtp_w4:
+        from specquant.drafter_loader import write_w4_mtp
+
+        write_w4_mtp(result["model"], args.mtp_w4, group_size=args.mtp_w4_group, head=args.mtp_head,
+                     overwrite=args.overwrite)
+        result["w4_model"] = args.mtp_w4
     if args.json:
         print(json.dumps(result, default=float))
     else:
@@ -105,6 +130,10 @@ def run_draft(args) -> int:
             if st["best_eval"]:
                 print("  held-out: " + ", ".join(f"{k} {v:.4f}" for k, v in st["best_eval"].items()
                                                  if isinstance(v, float)))
+        if "target_with_mtp" in result:
+            print(f"target with the trained mtp.* tensors: {result['target_with_mtp']}")
+        if "w4_model" in result:
+            print(f"W4 MTP drafter: {result['w4_model']}")
     return 0
 
 

@@ -5,6 +5,8 @@ Kinds:
          --init DIR to continue one.
   lm     today's small-LM drafter adapted by forward KL(target || draft) over the full vocabulary (train/qad.py's
          chunked KL): --init is the LM drafter to start from (default tiny-draft for the bundled target).
+  mtp    Qwen3.5's MTP layer (train/mtp.py's objective): --init an MTP drafter directory, else the target's own
+         mtp.* tensors, else a fresh layer copied from the target's last full-attention layer.
 
 Stages (REFERENCE.md §3): with --stage1-target, stage 1 trains against that (high-precision) target into
 OUT/stage1, then stage 2 warm-starts from stage 1's best weights and trains against --target (the W4 / QAD one)
@@ -23,7 +25,8 @@ from typing import Callable
 import torch
 
 from specquant.errors import SpecquantError, require_positive
-from specquant.spec_decode.drafters import block, lm
+from specquant.spec_decode.drafters import block, lm, mtp
+from specquant.train.mtp import mtp_task
 
 BLOCK_INITS = ("random", "target")
 
@@ -35,7 +38,7 @@ class DraftConfig:
 
     init: str | None = field(default=None, metadata={
         "help": "start from this drafter checkpoint (block: a DFlashDraftModel dir; lm: a small LM; default lm: "
-                "tiny-draft for the bundled target)"})
+                "tiny-draft for the bundled target; mtp: an MTP drafter dir, default the target's mtp.* tensors)"})
     layers: int = field(default=2, metadata={"help": "block: drafter layers of a fresh drafter"})
     block_size: int = field(default=16, metadata={"help": "block: anchor + drafted tokens per forward"})
     target_layer_ids: str = field(default="", metadata={
@@ -48,10 +51,12 @@ class DraftConfig:
         "help": "with --stage1-target: optimizer steps of stage 2's fresh schedule (0: the same as --steps)"})
     heldout: str | None = field(default=None, metadata={"help": "held-out text (default: bundled heldout.txt)"})
     eval_seq_len: int = field(default=256, metadata={"help": "tokens per held-out sequence"})
-    kl_chunk: int = field(default=256, metadata={"help": "lm: positions per KL chunk"})
+    kl_chunk: int = field(default=256, metadata={"help": "lm, mtp: positions per KL chunk"})
+    mtp_steps: int = field(default=3, metadata={
+        "help": "mtp: chained drafts per step trained (1: the first draft only; each more replays one more)"})
 
     def validate(self) -> "DraftConfig":
-        require_positive(self, ("layers", "eval_seq_len", "kl_chunk"))
+        require_positive(self, ("layers", "eval_seq_len", "kl_chunk", "mtp_steps"))
         if self.block_size < 2:
             raise SpecquantError(f"block_size={self.block_size} must be at least 2")
         if self.stage2_steps < 0:
@@ -191,7 +196,8 @@ class Objective:
 
 # keyed by the drafter registry's kinds; a kind without a row here cannot be trained
 OBJECTIVES = {block.KIND.name: Objective(_block_task, needs_init=False),
-              lm.KIND.name: Objective(_lm_task, needs_init=True)}
+              lm.KIND.name: Objective(_lm_task, needs_init=True),
+              mtp.KIND.name: Objective(mtp_task, needs_init=False)}
 KINDS = tuple(OBJECTIVES)
 
 

@@ -19,9 +19,9 @@ from build_engine. hybrid.py combines suffix.py with any kind that drafts from a
 pruned_head.py is no kind: the vocabulary-pruned draft head that the block and LM kinds (and any other drafting
 through a head) share.
 
-A new kind (an n-gram drafter, Qwen3.5's MTP head; suffix.py is one) is one file with its Drafter class and KIND, plus
-one row below. A model-free drafter proposes point-mass drafts (Draft.probs None), which the sampling verifier
-accepts exactly (verify.rejection_sample).
+A new kind (an n-gram drafter; suffix.py and mtp.py, Qwen3.5's MTP head, are two) is one file with its Drafter
+class and KIND, plus one row below. A model-free drafter proposes point-mass drafts (Draft.probs None), which the
+sampling verifier accepts exactly (verify.rejection_sample).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import os
 
 from specquant.errors import SpecquantError
 from specquant.spec_decode.drafter import DrafterKind
-from specquant.spec_decode.drafters import block, hybrid, lm, none, suffix
+from specquant.spec_decode.drafters import block, hybrid, lm, mtp, none, suffix
 
-# detect is tried in this order: a block drafter's config.json also names a causal LM model_type
-KINDS: dict[str, DrafterKind] = {k.name: k for k in (block.KIND, lm.KIND, none.KIND, suffix.KIND, hybrid.KIND)}
+# detect is tried in this order: block and MTP drafters' config.json also name a causal LM model_type
+KINDS: dict[str, DrafterKind] = {k.name: k for k in (block.KIND, mtp.KIND, lm.KIND, none.KIND, suffix.KIND,
+                                                     hybrid.KIND)}
 
 
 def kind_named(name: str) -> DrafterKind:
