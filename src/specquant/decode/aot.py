@@ -84,7 +84,8 @@ def _imported_sources(cls: type) -> set[str]:
     module = inspect.getmodule(cls)
     out = set()
     for value in vars(module).values() if module is not None else ():
-        if (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__.startswith("specquant."):
+        if ((inspect.isfunction(value) or inspect.isclass(value))
+                and (getattr(value, "__module__", None) or "").startswith("specquant.")):
             try:
                 out.add(inspect.getsourcefile(value))
             except TypeError:  # pragma: no cover - a builtin re-exported under our name
