@@ -59,7 +59,7 @@ from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.model.deltanet import GatedDeltaNet
 from specquant.model.fuse import fuse_projections
-from specquant.model.gated_delta import gated_delta_rule, l2_normalize, zero_state
+from specquant.model.gated_delta import gated_delta_rule, l2_normalize
 from specquant.model.modules import Linear
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
 from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
