@@ -120,6 +120,8 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transf
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype).to_empty(device="cpu")  # the dtype set on the meta tensors: one allocation, in it
+    if cfg.tie_word_embeddings:  # to_empty gave the head its own storage; tied before the fill, it is never touched
+        model.lm_head.weight = model.model.embed_tokens.weight  # (the head is the last parameter: values unchanged)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -127,8 +129,6 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transf
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     model._set_rope(cfg.max_position_embeddings)
     return model
 
