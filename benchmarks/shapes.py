@@ -1,20 +1,28 @@
 """The engine at real model shapes: decode tok/s and verify cost (2..16 rows) in fp32, bf16 and W4, beside the floor.
 
-Random-init models (speed does not depend on the weights' values; nothing is downloaded) of three shapes: the
-bundled target (`tiny-target`), Qwen3-0.6B and Qwen3-1.7B (their published config.json architecture fields).
+Random-init models (speed does not depend on the weights' values; nothing is downloaded) of these shapes: the
+bundled target (`tiny-target`), Qwen3-0.6B, Qwen3-1.7B and Qwen3-4B (their published config.json architecture
+fields), and the Qwen3.5 hybrids 0.8B, 2B and 4B (Gated DeltaNet + gated attention; `--shapes hybrid` runs each
+beside the pure-attention Qwen3 of about its parameter count, and prints the hybrid / Qwen3 step-time ratios).
 Each model runs the engine's decode path: fused projections, a prompt of --context tokens in the KV cache, then
 forwards of T = 1, 2, 4, 8, 16 tokens at that position (T = 1 is a decode step, T > 1 a verify step returning
 T rows of logits). Per repetition every T and every component is timed once, interleaved, so background load hits
 them alike; figures are medians over --reps, and `spread` is the largest (max - min) / median over a shape's rows.
 
-Floor: the bytes one step must read (every linear's weight buffers, the lm_head, the K/V cache) divided by the
-streamed read bandwidth measured at the start of the same run (torch.sum over a buffer far larger than the LLC).
-`floor tok/s` is 1 / that time: no memory-bound engine can beat it.
+Floor: the bytes one step must move (every linear's weight buffers, the lm_head, the K/V cache of the attention
+layers, and a hybrid's Gated DeltaNet state, read once and written once per step: fp32, 2 MiB per layer at 4B)
+divided by the streamed read bandwidth measured at the start of the same run (torch.sum over a buffer far larger
+than the LLC). `floor tok/s` is 1 / that time: no memory-bound engine can beat it.
 
 Breakdown (ms per forward, each part timed alone in the same repetition): `linears` = every decoder-layer Linear
-called on T rows in layer order; `attention` = scaled_dot_product_attention per layer on that layer's cache, with
-the model's mask; `lm_head` = the head on T rows; `rest` = step minus the three (norms, RoPE, cache writes,
-embedding, Python).
+called on T rows in layer order; `attention` = scaled_dot_product_attention per attention layer on that layer's
+cache, with the model's mask; `rule` (hybrids) = the gated delta rule per DeltaNet layer on T rows from a state of
+the layer's shape, keeping the per-token deltas as a verify does (model/gated_delta.py: the recurrent form for one
+token, the chunked form for more); `lm_head` = the head on T rows; `rest` = step minus those (norms, RoPE, the
+causal conv, cache writes and the DeltaNet rollback record, embedding, Python).
+
+Memory: a model is built directly in its dtype (the 4B hybrid is ~17 GB in fp32, ~8.5 GB in bf16), so a bf16 row never
+holds an fp32 copy. W4 rows are for the dense shapes (the hybrids run fp32 and bf16; a W4 hybrid row is skipped).
 
 W4 = RTN, 4 bits, group 32, symmetric (GGUF Q4_0's grid), bf16 scales (as `specquant quantize` writes them for a
 Qwen3 checkpoint), activations in the model dtype (float32); w4a8 = the same weights with int8 activations
@@ -26,7 +34,7 @@ With --llama-cpp DIR, llama-bench (DIR/build/bin/llama-bench or DIR/bin/llama-be
 DIR/shapes/<shape>-<f32|q4_0>.gguf for tg (decode) and pp2..pp16 (verify-sized prompt batches); the column says
 "not built" when the binary is absent and "no gguf" when a file is (benchmarks/shapes_gguf.py DIR makes them).
 
-Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b] [--modes fp32,bf16,w4,w4a8]
+Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b | hybrid] [--modes fp32,bf16,w4,w4a8]
        [--rows 1,2,4,8,16] [--context 128] [--reps 5] [--threads N] [--lm-head dense] [--llama-cpp DIR]
        [--attention auto|reference|ab] [--aot]
 A table, then one JSON line.
@@ -45,21 +53,51 @@ from pathlib import Path
 
 import torch
 
+from specquant.model.attention import Attention
 from specquant.model.checkpoint import read_config
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
+from specquant.model.deltanet import GatedDeltaNet
 from specquant.model.fuse import fuse_projections
+from specquant.model.gated_delta import gated_delta_rule, l2_normalize
+from specquant.model.modules import Linear
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
-from specquant.quant.linear import DERIVED_BUFFERS
+from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
 
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
              max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True)
+# Qwen3.5 text configs. 4B: ../shared/HYBRID.md (third-party copies of the config); 0.8B: two third-party copies of
+# its config.json agree; 2B: hidden 2048 from a third-party copy, the other fields as the family's (24 layers,
+# 8 query / 2 KV heads of 256, DeltaNet 16 + 16 heads of 128) and FFN 3 x hidden, not checked against the hub file
+QWEN35 = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7,
+              max_position_embeddings=262144, tie_word_embeddings=True, qk_norm=True, partial_rotary_factor=0.25,
+              attn_output_gate=True, zero_centred_norms=True, linear_key_head_dim=128, linear_value_head_dim=128,
+              linear_conv_kernel_dim=4)
+
+
+def _hybrid(layers: int, **kw) -> ModelConfig:
+    """A Qwen3.5 shape: every fourth layer gated full attention, the rest Gated DeltaNet."""
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers))
+    return ModelConfig(num_hidden_layers=layers, layer_types=types, **{**QWEN35, **kw})
+
+
 SHAPES = {
     "tiny-target": lambda: read_config("tiny-target"),
     "qwen3-0.6b": lambda: ModelConfig(hidden_size=1024, intermediate_size=3072, **QWEN3),
     "qwen3-1.7b": lambda: ModelConfig(hidden_size=2048, intermediate_size=6144, **QWEN3),
+    "qwen3-4b": lambda: ModelConfig(**{**QWEN3, "num_hidden_layers": 36, "num_attention_heads": 32},
+                                    hidden_size=2560, intermediate_size=9728),
+    "qwen3.5-0.8b": lambda: _hybrid(24, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                                    num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16),
+    "qwen3.5-2b": lambda: _hybrid(24, hidden_size=2048, intermediate_size=6144, num_attention_heads=8,
+                                  num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16),
+    "qwen3.5-4b": lambda: _hybrid(32, hidden_size=2560, intermediate_size=9216, num_attention_heads=16,
+                                  num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32),
 }
+# each hybrid beside the pure-attention Qwen3 of about its parameter count; `--shapes hybrid` runs these pairs
+BESIDE = {"qwen3.5-0.8b": "qwen3-0.6b", "qwen3.5-2b": "qwen3-1.7b", "qwen3.5-4b": "qwen3-4b"}
+PRESETS = {"hybrid": [s for pair in BESIDE.items() for s in pair]}
 MODES = {"fp32": torch.float32, "bf16": torch.bfloat16, "w4": torch.float32, "w4a8": torch.float32}
 
 
@@ -75,12 +113,15 @@ def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
     return buf.numel() * 4 / statistics.median(samples) / 1e9
 
 
-def random_model(cfg: ModelConfig) -> Transformer:
-    """fp32 random-init model of the shape (N(0, 0.02) matrices, unit norms, seed 0; speed does not depend on the
-    values). benchmarks/quantize_time.py and shapes_gguf.py build the same model."""
+def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:
+    """Random-init model of the shape in `dtype` (N(0, 0.02) matrices, unit norms, seed 0; speed does not depend
+    on the values), allocated once in that dtype. benchmarks/quantize_time.py and shapes_gguf.py build the same
+    model (fp32)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device="cpu")
+    model = model.to(dtype).to_empty(device="cpu")  # the dtype set on the meta tensors: one allocation, in it
+    if cfg.tie_word_embeddings:  # to_empty gave the head its own storage; tied before the fill, it is never touched
+        model.lm_head.weight = model.model.embed_tokens.weight  # (the head is the last parameter: values unchanged)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -88,16 +129,13 @@ def random_model(cfg: ModelConfig) -> Transformer:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     model._set_rope(cfg.max_position_embeddings)
     return model
 
 
 def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
     """Random-init model in the mode's dtype (W4: RTN g32 of the fp32 weights), fused like the engine's loads."""
-    model = random_model(cfg)
-    model = model.to(MODES[mode]).eval()
+    model = random_model(cfg, MODES[mode]).eval()
     if mode in ("w4", "w4a8"):
         from specquant.quant.config import QuantConfig
         from specquant.quant.linear import set_w4_activations
@@ -112,12 +150,16 @@ def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
 
 
 def layer_linears(model: Transformer) -> list[torch.nn.Module]:
-    out = []
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        out += [a.qkv_proj or a.q_proj, *( [] if a.qkv_proj else [a.k_proj, a.v_proj]), a.o_proj,
-                *([m.gate_up_proj] if m.gate_up_proj is not None else [m.gate_proj, m.up_proj]), m.down_proj]
-    return out
+    """Every decoder layer's linears (fused or not, dense or W4), in layer order; any layer kind."""
+    return [m for layer in model.model.layers for m in layer.modules() if isinstance(m, (Linear, QuantLinear))]
+
+
+def attention_mixers(model: Transformer) -> list[Attention]:
+    return [layer.mixer for layer in model.model.layers if isinstance(layer.mixer, Attention)]
+
+
+def deltanet_mixers(model: Transformer) -> list[GatedDeltaNet]:
+    return [layer.mixer for layer in model.model.layers if isinstance(layer.mixer, GatedDeltaNet)]
 
 
 def module_bytes(mod: torch.nn.Module) -> int:
@@ -136,8 +178,8 @@ def timed(fn) -> float:
 
 
 def set_fold(model: Transformer, on: bool):
-    for layer in model.model.layers:
-        layer.self_attn.fold_enabled = on
+    for a in attention_mixers(model):
+        a.fold_enabled = on
 
 
 def reference_step(model: Transformer, tokens: torch.Tensor, context: int):
@@ -158,7 +200,9 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bo
           for t in rows}
     hidden = {t: torch.randn(1, t, cfg.hidden_size, generator=gen).to(dtype) for t in rows}
     toks = {t: torch.randint(0, cfg.vocab_size, (1, t), generator=gen) for t in rows}
-    attn = [layer.self_attn for layer in model.model.layers]
+    attn = attention_mixers(model)
+    delta = deltanet_mixers(model)
+    rule_in = {t: rule_inputs(delta[0], t, gen) for t in rows} if delta else {}
 
     def attention(t):  # the decoder's own choice of path (Attention.plan / attend), mask built once per step
         q = torch.randn(1, cfg.num_attention_heads, t, cfg.head_dim, dtype=dtype)
@@ -166,10 +210,18 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bo
         for a in attn:
             a.attend(q, a.cache.k[:, :, : context + t], a.cache.v[:, :, : context + t], mask, folded)
 
+    def rule(t):  # the form a verify runs (deltas kept for the rollback), from each layer's own state
+        q, k, v, g, beta = rule_in[t]
+        for m in delta:
+            gated_delta_rule(q, k, v, g, beta, m.cache.state, m.key_dim ** -0.5, m.chunk_size, need_delta=True,
+                             allow_fla=m.allow_fla)
+
     parts = {"step": lambda t: model(toks[t], context),
              "linears": lambda t: [lin(xs[t][lin.in_features]) for lin in linears],
              "attention": attention,
              "lm_head": lambda t: model.lm_head(hidden[t])}
+    if delta:
+        parts["rule"] = rule
     if ab:
         parts["reference_step"] = lambda t: reference_step(model, toks[t], context)
     samples = {(p, t): [] for p in parts for t in rows}
@@ -185,14 +237,23 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bo
     for t in rows:
         med = {p: statistics.median(samples[(p, t)]) for p in parts}
         s = samples[("step", t)]
+        rule_s = med.get("rule", 0.0)
         res[t] = {"ms": med["step"] * 1e3, "spread": (max(s) - min(s)) / med["step"],
                   "linears_ms": med["linears"] * 1e3, "attention_ms": med["attention"] * 1e3,
-                  "lm_head_ms": med["lm_head"] * 1e3,
-                  "rest_ms": (med["step"] - med["linears"] - med["attention"] - med["lm_head"]) * 1e3}
+                  "rule_ms": rule_s * 1e3, "lm_head_ms": med["lm_head"] * 1e3,
+                  "rest_ms": (med["step"] - med["linears"] - med["attention"] - rule_s - med["lm_head"]) * 1e3}
         if ab:
             res[t]["reference_ms"] = med["reference_step"] * 1e3
     model.clear_cache()
     return res
+
+
+def rule_inputs(m: GatedDeltaNet, t: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """q, k (L2-normalised), v, g, beta of t tokens for a DeltaNet layer's shape, in the rule's fp32."""
+    q, k = (l2_normalize(torch.randn(1, t, m.key_heads, m.key_dim, generator=gen)) for _ in range(2))
+    v = torch.randn(1, t, m.value_heads, m.value_dim, generator=gen)
+    g = -torch.rand(1, t, m.value_heads, generator=gen)
+    return q, k, v, g, torch.rand(1, t, m.value_heads, generator=gen)
 
 
 def packaged_decode(model: Transformer, context: int, reps: int) -> dict:
@@ -224,10 +285,12 @@ def packaged_decode(model: Transformer, context: int, reps: int) -> dict:
 
 
 def step_bytes(model: Transformer, context: int, t: int) -> int:
+    """Bytes one step of t tokens moves: weights, K/V of the attention layers, DeltaNet states (read + write)."""
     cfg = model.config
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + t) * cfg.head_dim
+    kv = 2 * len(attention_mixers(model)) * cfg.num_key_value_heads * (context + t) * cfg.head_dim
     kv *= model.model.embed_tokens.weight.element_size()
-    return sum(module_bytes(m) for m in layer_linears(model)) + module_bytes(model.lm_head) + kv
+    state = sum(2 * 4 * m.value_heads * m.key_dim * m.value_dim for m in deltanet_mixers(model))  # fp32 state
+    return sum(module_bytes(m) for m in layer_linears(model)) + module_bytes(model.lm_head) + kv + state
 
 
 def llama_bench(root: Path | None, shape: str, mode: str, rows: list[int]) -> dict | str:
@@ -255,9 +318,26 @@ def llama_bench(root: Path | None, shape: str, mode: str, rows: list[int]) -> di
     return res
 
 
+def beside_ratios(results: list[dict]) -> list[dict]:
+    """Each hybrid row against its Qwen3 row of the same mode in this run: step-time ratios (decode and every T)."""
+    by = {(r["shape"], r["mode"]): r for r in results}
+    out = []
+    for r in results:
+        other = by.get((r["beside"], r["mode"])) if r["beside"] else None
+        if other is None:
+            continue
+        ms, oms = r["per_rows"], other["per_rows"]
+        out.append({"shape": r["shape"], "mode": r["mode"], "beside": r["beside"],
+                    "parameters_ratio": r["parameters"] / other["parameters"],
+                    "decode_step_ratio": ms[1]["ms"] / oms[1]["ms"],
+                    "verify_ms_ratio": {t: ms[t]["ms"] / oms[t]["ms"] for t in ms if t > 1 and t in oms}})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default="tiny-target,qwen3-0.6b,qwen3-1.7b",
+                    help=f"comma-separated: {', '.join(SHAPES)}, or 'hybrid' (each Qwen3.5 shape beside its Qwen3)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--context", type=int, default=128, help="tokens in the KV cache before the timed steps")
@@ -281,12 +361,19 @@ def main():
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     head = (f"{'shape':<12} {'mode':<5} {'tok/s':>7} {'floor':>7} "
             + " ".join(f"{'v' + str(t):>6}" for t in rows if t > 1)
-            + f" {'lin ms':>7} {'attn':>6} {'head':>6} {'rest':>6} {'v4 lin/attn/head':>17} {'spread':>6}  llama.cpp")
+            + f" {'lin ms':>7} {'attn':>6} {'rule':>6} {'head':>6} {'rest':>6} {'v4 lin/attn/head':>17} {'spread':>6}"
+            "  llama.cpp")
     print(head)
     results = []
-    for shape in args.shapes.split(","):
+    shapes = [s for name in args.shapes.split(",") for s in PRESETS.get(name, [name])]
+    for shape in shapes:
+        if shape not in SHAPES:
+            raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(SHAPES)} or {', '.join(PRESETS)}")
         cfg = SHAPES[shape]()
         for mode in args.modes.split(","):
+            if mode.startswith("w4") and "linear_attention" in cfg.layer_types:
+                print(f"{shape:<12} {mode:<5} skipped: the hybrid shapes run fp32 and bf16", flush=True)
+                continue
             t0 = time.perf_counter()
             model = build(cfg, mode, args.lm_head)
             set_fold(model, args.attention != "reference")
@@ -296,6 +383,7 @@ def main():
             one = res[1]
             lc = llama_bench(args.llama_cpp, shape, mode, rows)
             row = {"shape": shape, "mode": mode, "lm_head": args.lm_head if mode.startswith("w4") else "dense",
+                   "parameters": model.num_parameters(), "beside": BESIDE.get(shape),
                    "decode_tok_s": 1e3 / one["ms"], "floor_tok_s": 1e3 / floor[1],
                    "verify_steps": {t: res[t]["ms"] / one["ms"] for t in rows if t > 1},
                    "floor_verify_steps": {t: floor[t] / floor[1] for t in rows if t > 1},
@@ -306,7 +394,8 @@ def main():
             lc_s = lc if isinstance(lc, str) else " ".join(f"{k}={v:.1f}" for k, v in lc.items())
             print(f"{shape:<12} {mode:<5} {row['decode_tok_s']:7.1f} {row['floor_tok_s']:7.1f} "
                   + " ".join(f"{row['verify_steps'][t]:6.2f}" for t in rows if t > 1)
-                  + f" {one['linears_ms']:7.2f} {one['attention_ms']:6.2f} {one['lm_head_ms']:6.2f} "
+                  + f" {one['linears_ms']:7.2f} {one['attention_ms']:6.2f} {one['rule_ms']:6.2f} "
+                  f"{one['lm_head_ms']:6.2f} "
                   f"{one['rest_ms']:6.2f} {v4['linears_ms']:5.1f}/{v4['attention_ms']:4.1f}/{v4['lm_head_ms']:5.1f} "
                   f"{max(r['spread'] for r in res.values()):6.2f}  {lc_s}", flush=True)
             if args.aot:
@@ -322,12 +411,18 @@ def main():
                 print(f"{'  reference':<12} {mode:<5} {row['reference_decode_tok_s']:7.1f} {'':>7} "
                       + " ".join(f"{row['reference_verify_steps'][t]:6.2f}" for t in rows if t > 1), flush=True)
             del model
+    comparisons = beside_ratios(results)
+    for c in comparisons:
+        print(f"{c['shape']:<12} {c['mode']:<5} beside {c['beside']}: step time x{c['decode_step_ratio']:.2f}, "
+              + " ".join(f"v{t} x{r:.2f}" for t, r in c["verify_ms_ratio"].items())
+              + f" ({c['parameters_ratio']:.2f}x the parameters)")
     print("columns: tok/s = 1 / one-token step; floor = streamed-bandwidth bound; vT = T-row verify / 1-row step; "
-          "lin/attn/head/rest = 1-row ms; v4 = the same parts at 4 rows")
+          "lin/attn/rule/head/rest = 1-row ms; v4 = the same parts at 4 rows; 'beside': hybrid / Qwen3 step time "
+          "in ms (below 1: the hybrid step is cheaper)")
     print(json.dumps({"benchmark": "shapes", "bandwidth_gb_s": bw, "threads": args.threads, "context": args.context,
                       "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0],
                       "torch": torch.__version__,
-                      "results": results}))
+                      "results": results, "beside": comparisons}))
 
 
 if __name__ == "__main__":

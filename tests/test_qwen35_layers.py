@@ -119,6 +119,56 @@ def test_state_after_every_position_equals_the_recurrence():
         torch.testing.assert_close(GD.state_after(s0, kn, delta, g, j), expect, atol=ATOL, rtol=ATOL)
 
 
+def _fake_fla(calls: list):
+    """A stand-in for flash-linear-attention's ops module (fla's call signature and layouts, our plain rule inside,
+    requiring as many key heads as value heads as older fla versions do)."""
+    import types
+
+    def rule(name):
+        def fn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+            assert q.shape[2] == k.shape[2] == v.shape[2] and q.is_contiguous()
+            calls.append(name)
+            out, state, _ = GD.recurrent_rule(q, k, v, g, beta, initial_state, scale)
+            return out, state if output_final_state else None
+        return fn
+
+    return types.SimpleNamespace(chunk_gated_delta_rule=rule("chunk"),
+                                 fused_recurrent_gated_delta_rule=rule("recurrent"))
+
+
+def test_flash_linear_attention_is_optional(monkeypatch):
+    """fla is an optional CUDA extra: not installed, the plain forms run everywhere; installed, only forwards that
+    need no per-token delta on CUDA take it, with grouped key heads repeated to the value heads."""
+    import sys
+
+    q, k, v, g, beta, s0 = rule_inputs(t=9)
+    qn, kn = GD.l2_normalize(q), GD.l2_normalize(k)
+    plain = GD.chunk_rule(qn, kn, v, g, beta, s0, 0.5)
+    GD._fla_ops.cache_clear()
+    monkeypatch.setitem(sys.modules, "fla", None)  # import fla -> ImportError, as when it is not installed
+    try:
+        assert GD._fla_ops() is None and not GD.fla_available(torch.device("cuda"))
+        out, state, delta = GD.gated_delta_rule(qn, kn, v, g, beta, s0, 0.5, need_delta=False)
+        assert torch.equal(out, plain[0]) and torch.equal(state, plain[1]) and delta is not None
+    finally:
+        GD._fla_ops.cache_clear()
+    calls = []
+    fake = _fake_fla(calls)
+    monkeypatch.setattr(GD, "_fla_ops", lambda: (fake.chunk_gated_delta_rule, fake.fused_recurrent_gated_delta_rule))
+    assert not GD.fla_available(torch.device("cpu"))  # GPU-only kernels: CPU never takes them
+    GD.gated_delta_rule(qn, kn, v, g, beta, s0, 0.5, need_delta=False)
+    assert calls == []
+    monkeypatch.setattr(GD, "fla_available", lambda device: True)
+    out, state, delta = GD.gated_delta_rule(qn, kn, v, g, beta, s0, 0.5, need_delta=False)
+    assert calls == ["chunk"] and delta is None
+    torch.testing.assert_close(out, plain[0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(state, plain[1], atol=ATOL, rtol=ATOL)
+    GD.gated_delta_rule(qn[:, :1], kn[:, :1], v[:, :1], g[:, :1], beta[:, :1], s0, 0.5, need_delta=False)
+    assert calls == ["chunk", "recurrent"]
+    GD.gated_delta_rule(qn, kn, v, g, beta, s0, 0.5, need_delta=True)  # a verify needs the deltas: plain form
+    assert calls == ["chunk", "recurrent"]
+
+
 # ---------------------------------------------------------------- mixers, full sequence
 
 

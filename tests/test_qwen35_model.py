@@ -103,8 +103,10 @@ def test_static_cache_matches_sliced(pair):
     with torch.no_grad():
         expect = theirs(tokens).logits
         ours.setup_cache(1, 32, max_block=16, static=True)
-        got = [ours(tokens[:, :9], 0)] + [ours(tokens[:, i : i + 1], i, input_pos=torch.tensor([i]))
-                                           for i in range(9, 20)]
+        got = [ours(tokens[:, :9], 0)]
+        for i in range(9, 20):  # as a compiled step's caller drives it: begin_step, then the step with input_pos
+            ours.begin_step(i, 1)
+            got.append(ours(tokens[:, i : i + 1], 0, input_pos=torch.tensor([i])))
         assert max_diff(torch.cat(got, 1), expect) <= ATOL
     ours.clear_cache()
 

@@ -112,16 +112,3 @@ def test_speculative_sampling_on_a_hybrid_follows_the_target_law(target, drafter
     assert float(law[3].max()) < 0.95  # the second position has spread too
     eng = engine(target, drafters, kind, draft_len=3)
     assert_follows_target_law(eng, prompt, law, n=400, tv_bound=0.45)
-
-
-def test_compiled_aot_and_graph_steps_refuse_a_hybrid_in_one_line(target):
-    from specquant.decode.compiled import Stepper
-    from specquant.decode.graphs import GraphStepper
-    from specquant.errors import SpecquantError
-
-    for make in (lambda: Stepper(target, compile=True), lambda: Stepper(target, aot="cached"),
-                 lambda: GraphStepper(target)):
-        with pytest.raises(SpecquantError, match="do not support linear_attention layers") as e:
-            make()
-        assert "\n" not in str(e.value)
-    Stepper(target)  # the eager step is the supported path

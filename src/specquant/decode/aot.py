@@ -15,9 +15,10 @@ This file knows nothing of what a cache holds: it goes through the Transformer's
 
 Staleness: the package file name is a hash of everything the compiled code depends on (`package_key`): the model
 config, every parameter / buffer name, shape and dtype (fused or not, quantized layouts), every module's settings
-(extra_repr: a W4 layer's backend and activations), the source of every module class in the model, of its caches
-and of this file, torch's version, the step shape, the caches' own layouts (`Transformer.cache_layout`: every
-layer's cache kind, buffers and settings), and the thread count. Before keying, `settle` runs one eager step so
+(extra_repr: a W4 layer's backend and activations), the source of every module class in the model, of its caches,
+of the functions their modules import from specquant (the gated delta rule) and of this file, torch's version, the
+step shape, the caches' own layouts (`Transformer.cache_layout`: every layer's cache kind, buffers and settings),
+and the thread count. Before keying, `settle` runs one eager step so
 that lazily prepared state (a W4 layer's kernel layout) exists in every process. Changing any of them looks up
 another file; nothing is ever invalidated in place. Files are written atomically.
 """
@@ -77,6 +78,21 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _imported_sources(cls: type) -> set[str]:
+    """Source files of the specquant functions and classes imported into cls's module (one level: what its code
+    can call by name without being a module class itself)."""
+    module = inspect.getmodule(cls)
+    out = set()
+    for value in vars(module).values() if module is not None else ():
+        if ((inspect.isfunction(value) or inspect.isclass(value))
+                and (getattr(value, "__module__", None) or "").startswith("specquant.")):
+            try:
+                out.add(inspect.getsourcefile(value))
+            except TypeError:  # pragma: no cover - a builtin re-exported under our name
+                pass
+    return {f for f in out if f}
+
+
 def _source_digest(model: Transformer) -> str:
     """Hash of the source files of every module class in the model (decoder, rope via decoder's import, ...)."""
     # the caches' classes whether or not caches are set up yet (made on the meta device: no memory), so the key
@@ -84,6 +100,8 @@ def _source_digest(model: Transformer) -> str:
     caches = model.make_caches(1, 1, device="meta")
     modules = [*model.modules(), *(c for c in caches if c is not None)]
     files = {inspect.getsourcefile(type(m)) for m in modules} | {__file__, inspect.getsourcefile(apply_rope)}
+    # and the files of our functions those classes' modules call (gated_delta.py's rule for deltanet.py's mixer)
+    files |= {f for m in modules for f in _imported_sources(type(m))}
     h = hashlib.sha256()
     for f in sorted(p for p in files if p):
         h.update(f.encode())
@@ -155,8 +173,12 @@ def build_package(model: Transformer, t: int, last_only: bool, path: Path) -> Pa
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pt2")  # inductor wants .pt2
     os.close(fd)
     try:
+        # always_keep_tensor_constants: inductor otherwise inlines every 1-D constant of <= 8 elements as literals
+        # (GraphLowering.can_inline_constant), which would bake a build-time value of a small weight (DeltaNet's
+        # A_log, dt_bias) or a cache's read-only offset into the package instead of binding the model's tensor
         torch._inductor.aoti_compile_and_package(
-            exported, package_path=tmp, inductor_configs={"aot_inductor.package_constants_in_so": False})
+            exported, package_path=tmp, inductor_configs={"aot_inductor.package_constants_in_so": False,
+                                                          "always_keep_tensor_constants": True})
         os.replace(tmp, path)  # atomic: a concurrent reader sees the whole package or none
     except Exception as e:  # noqa: BLE001
         raise _refused("compile", t, e) from e

@@ -49,8 +49,6 @@ class Stepper:
             raise SpecquantError(f"aot mode {aot!r} is not one of {', '.join(AOT_MODES)}")
         if aot != "off" and compile:
             raise SpecquantError("torch.compile and AOT packages are two ways to compile the same steps; pick one")
-        if (compile or aot != "off") and model.compiled_steps_refusal():
-            raise SpecquantError(model.compiled_steps_refusal())
         self.model = model
         self.compile = compile
         self.compile_shapes = None if compile_shapes is None else set(compile_shapes)
@@ -77,10 +75,12 @@ class Stepper:
         t = tokens.shape[1]
         packaged = self.aot_steps.get((t, last_only)) if not hidden_layers else None
         if packaged is not None:
+            self.model.begin_step(start, t)  # the caches' Python half of the step, which the package cannot run
             return packaged(tokens, torch.arange(start, start + t, device=tokens.device))
         if self.compiled is None or t > COMPILED_MAX_T or (self.compile_shapes is not None
                                                           and t not in self.compile_shapes):
             return self.model(tokens, start, last_only, hidden_layers=hidden_layers)
+        self.model.begin_step(start, t)  # eager, outside the graph: dynamo never sees the caches' counters
         pos = torch.arange(start, start + t, device=tokens.device)
         return self.compiled(tokens, 0, last_only, pos, hidden_layers=hidden_layers)
 

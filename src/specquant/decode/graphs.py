@@ -23,7 +23,6 @@ from typing import Callable
 import torch
 
 from specquant.decode.compiled import COMPILED_MAX_T, _raise_recompile_limit
-from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
 
 
@@ -35,7 +34,10 @@ class StepGraph:
     stand-in off CUDA). Any forward with fixed shapes fits: a Transformer step, or a block drafter's block forward."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], pool=None,
-                 warmup: int = 2, capture: bool = True):
+                 warmup: int = 2, capture: bool = True, state: tuple[torch.Tensor, ...] = ()):
+        """state: tensors fn updates from their own values (a recurrent layer's state): put back after each
+        warm-up run, so the step advances them once, in the replay that computes this call's output. Tensors fn
+        only overwrites (K/V at these positions) need not be listed."""
         self.fn = fn
         self.inputs = tuple(t.clone() for t in inputs)
         self.graph = None
@@ -45,8 +47,7 @@ class StepGraph:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    fn(*self.inputs)
+                warm_up(fn, self.inputs, warmup, state)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
@@ -64,6 +65,15 @@ class StepGraph:
         else:
             _map(lambda dst, src: dst.copy_(src), self.output, self.fn(*self.inputs))
         return self.output
+
+
+def warm_up(fn: Callable[..., object], inputs: tuple[torch.Tensor, ...], runs: int, state: tuple[torch.Tensor, ...]):
+    """Run fn(*inputs) `runs` times, putting the tensors in `state` back as they were after each run."""
+    kept = tuple(t.clone() for t in state)
+    for _ in range(runs):
+        fn(*inputs)
+        for t, k in zip(state, kept):
+            t.copy_(k)
 
 
 def _map(f, *outs):
@@ -84,8 +94,6 @@ class GraphStepper:
 
     def __init__(self, model: Transformer, compile: bool = False, capture: bool = True, max_t: int = COMPILED_MAX_T,
                  compile_shapes: tuple[int, ...] = (1,)):
-        if model.compiled_steps_refusal():
-            raise SpecquantError(model.compiled_steps_refusal())
         self.model, self.capture, self.max_t = model, capture, max_t
         self.compile_shapes = set(compile_shapes) if compile else set()
         if compile:
@@ -117,10 +125,12 @@ class GraphStepper:
         return (*(b for c in caches for b in c.buffers()), self.model.rope_cos, self.model.rope_sin)
 
     def replay(self, tokens: torch.Tensor, input_pos: torch.Tensor, last_only: bool,
-               hidden_layers: tuple[int, ...] = ()):
+               hidden_layers: tuple[int, ...] = (), start: int | None = None):
         """tokens [1, T], input_pos [T] on the model's device -> logits [1, T or 1, vocab] (a static buffer), or
-        (logits, hidden [1, T, len(hidden_layers), hidden_size]) when hidden_layers is not empty."""
+        (logits, hidden [1, T, len(hidden_layers), hidden_size]) when hidden_layers is not empty. start: input_pos's
+        first position as an int, when the caller has it (None: where the caches are, with no rollback before)."""
         t = tokens.shape[1]
+        self.model.begin_step(start, t)  # the caches' Python half of the step (a graph replays tensor work only)
         kw = {"hidden_layers": hidden_layers} if hidden_layers else {}
         if t > self.max_t:
             return self.model(tokens, 0, last_only, input_pos, **kw)
@@ -132,13 +142,13 @@ class GraphStepper:
             fn = self.compiled if t in self.compile_shapes else self.model
             graph = self.graphs[key] = StepGraph(
                 lambda tok, pos: fn(tok, 0, last_only, pos, **kw), (tokens, input_pos), self.pool,
-                capture=self.capture)
+                capture=self.capture, state=self._current_bufs()[:-2])
             return graph.output
         return graph(tokens, input_pos)
 
     def __call__(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
         pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)  # on the device: no host sync
-        return self.replay(tokens, pos, last_only, hidden_layers)
+        return self.replay(tokens, pos, last_only, hidden_layers, start)
 
     def step(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
         """(logits, hidden or None), as decode.compiled.Stepper.step."""

@@ -12,6 +12,10 @@ The cache protocol (`Cache`):
 - `batch`, `capacity`: the sequences and positions it was made for (a ring's capacity is its slot count; a state
   that does not grow with the sequence records the capacity it was asked for).
 - `reset()`: a new sequence in the same buffers.
+- `begin(start, t)`: optional (the default does nothing): the Python bookkeeping of a static-cache forward of t
+  tokens at start (None: where the cache is), run eagerly before it, by the layer itself on an eager forward and
+  by `Transformer.begin_step` before a compiled / packaged / captured step, so the step itself is tensor work
+  only (a recurrent layer's record offsets, model/deltanet.py).
 - `rollback(length)`: keep positions < length, the single entry point for going back. The caller only rolls back to
   a length it has seen the model reach (for a ring, at most max_block - 1 positions before the end of what it
   wrote). A K/V cache only records the length: entries past it are overwritten before they are read. A state that
@@ -78,6 +82,9 @@ class Cache(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def reset(self) -> None: ...
+
+    def begin(self, start: int | None, t: int) -> None:
+        """Before a forward of t tokens at start: nothing to do for a cache whose forward is all tensor work."""
 
     @abc.abstractmethod
     def rollback(self, length: int) -> None: ...

@@ -15,7 +15,8 @@ read). With `sliding_window=W` a K/V cache is a ring of W + max_block - 1 slots:
 p % capacity, each query sees only (p-W, p], and memory and per-step attention cost stay bounded by W.
 
 The model owns its caches: `setup_cache` has every mixer make its own, and callers go through `caches`,
-`setup_cache`, `reset_cache`, `rollback`, `clear_cache`, `cache_layout`, `cache_batch` and `cache_capacity` only.
+`setup_cache`, `reset_cache`, `begin_step`, `rollback`, `clear_cache`, `cache_layout`, `cache_batch` and
+`cache_capacity` only.
 """
 
 from __future__ import annotations
@@ -145,16 +146,16 @@ class Transformer(nn.Module):
         return {"device": str(device), "max_block": None if window is None else max_block,
                 "layers": [None if c is None else c.layout() for c in caches]}
 
-    def compiled_steps_refusal(self) -> str | None:
-        """Why compiled / AOT-packaged / CUDA-graph steps cannot run this model (None: they can). A layer kind
-        whose cache decides its writes in Python between steps (Gated DeltaNet's rollback record) says so with
-        `static_steps = False`: a traced or captured step would bake one step's offsets into every replay."""
-        kinds = sorted({layer.layer_type for layer in self.model.layers
-                        if getattr(layer.mixer, "static_steps", True) is False})
-        if not kinds:
-            return None
-        return (f"compiled, AOT-packaged and CUDA-graph steps do not support {', '.join(kinds)} layers yet "
-                "(their cache is driven from Python between steps); run without --compile / --aot / --graphs")
+    def begin_step(self, start_pos: int | None, t: int):
+        """Announce a static-cache forward of t tokens at start_pos (None: where the caches are) that is given
+        input_pos: a compiled, AOT-packaged or CUDA-graph step, whose caller runs this eagerly first (as it runs
+        rollback after), so that a cache's Python bookkeeping (Cache.begin) happens once per step and outside
+        the traced or captured code. forward does it itself when it is given start_pos alone."""
+        if not self.static_cache:
+            return
+        for cache in self.caches():
+            if cache is not None:
+                cache.begin(start_pos, t)
 
     def mixers(self) -> list[nn.Module]:
         """Every layer's mixer (model/layers.py), in layer order."""
@@ -232,6 +233,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         if self.static_cache:
             if input_pos is None:
+                self.begin_step(start_pos, t)
                 input_pos = torch.arange(start_pos, start_pos + t, device=tokens.device)
             cos, sin = self.rope_cos[input_pos].to(x.dtype), self.rope_sin[input_pos].to(x.dtype)
         else:

@@ -20,6 +20,13 @@ back exactly. A forward longer than max_block (a prefill) keeps no factors: it r
 only. A forward at start_pos < length rolls back to start_pos first, so callers that rewrite K/V caches by
 position work unchanged.
 
+Each forward is two halves: `DeltaNetCache.begin(start, T)` does the Python bookkeeping (implicit rollback,
+re-anchoring, where in the record this forward's tokens go) and `write(...)` stores its tensors. On a static cache
+the write is tensor operations only, at an offset held in a device buffer, so the forward is shape- and
+position-static and can be traced (torch.compile, AOTInductor) or captured (CUDA graphs): the mixer runs `begin`
+itself when called with a start_pos alone, and a compiled / packaged / captured step's caller runs it eagerly
+before the step (`Transformer.begin_step`), as it runs `rollback` eagerly after.
+
 Memory of the rollback record per token and layer at the Qwen3.5-4B shape: 24.1 KiB of fp32 factors (see
 gated_delta.py) plus conv_dim = 8192 pre-conv inputs in the activation dtype (16 KiB bf16, 32 KiB fp32).
 """
@@ -62,7 +69,8 @@ class DeltaNetCache(Cache):
             keys=torch.zeros(batch, max_block, key_heads, key_dim, **f32),
             delta=torch.zeros(batch, max_block, value_heads, value_dim, **f32),
             g=torch.zeros(batch, max_block, value_heads, **f32),
-            state=None, state0=None, conv=None)
+            state=None, state0=None, conv=None,
+            offset=torch.zeros(1, dtype=torch.long, device=device))  # the record slot of the next write (static)
         if static:
             buffers.update(state=self._zeros_state(), state0=self._zeros_state(),
                            conv=torch.zeros(batch, self.conv_dim, kernel - 1, dtype=dtype, device=device))
@@ -84,6 +92,7 @@ class DeltaNetCache(Cache):
         self.block = 0  # tokens recorded since the anchor (positions start .. start + block - 1)
         self.has_factors = True  # the record holds every token's factors (False after a forward > max_block)
         self.rolled_back = False  # a rollback since the last forward: the next forward re-anchors
+        self.at = 0  # record slot of the forward begin() announced last
         if self.static:
             for t in (self.state, self.state0, self.conv):
                 t.zero_()
@@ -110,6 +119,7 @@ class DeltaNetCache(Cache):
                        "delta": [self.batch, record, self.value_heads, self.value_dim],
                        "g": [self.batch, record, self.value_heads], "dtype": "float32",
                        "pre_conv": [self.batch, self.conv_dim, self.kernel - 1 + record]},
+            "offset": [1],
         }
 
     def _set(self, name: str, value: torch.Tensor):
@@ -118,23 +128,46 @@ class DeltaNetCache(Cache):
         else:
             setattr(self, name, value)
 
-    def advance(self, hist: torch.Tensor, state: torch.Tensor, keys, delta, g):
-        """Record a forward of T tokens: hist [batch, conv_dim, kernel-1+T] (conv state before, then the T
-        pre-conv inputs), state after it; keys [batch, T, key_heads, K], delta, g (None: T > max_block)."""
-        t = hist.shape[-1] - (self.kernel - 1)
-        if self.rolled_back or not self.has_factors or delta is None or self.block + t > self.max_block:
+    def begin(self, start: int | None, t: int):
+        """Announce a forward of t tokens at position start (None: where the cache is), before it runs: a start
+        before the current length rolls back there first; the record re-anchors at the current state when the
+        forward is the first after a rollback, follows one that kept no factors, keeps none itself (t > max_block)
+        or would overflow it. Eager Python, also between compiled / captured steps (which cannot run it)."""
+        start = self.length if start is None else start
+        if start < self.length:
+            self.rollback(start)
+        assert start == self.length, f"forward at {start} leaves a gap after {self.length} positions"
+        record = t <= self.max_block
+        if self.rolled_back or not self.has_factors or not record or self.block + t > self.max_block:
             self._set("state0", self.state)  # re-anchor at the state before this forward
-            self.hist[..., : self.kernel - 1].copy_(hist[..., : self.kernel - 1])
-            self.start, self.block, self.has_factors = self.length, 0, delta is not None
-        if delta is not None:  # append this forward's inputs and factors to the record
-            b0 = self.block
-            self.hist[..., self.kernel - 1 + b0 : self.kernel - 1 + b0 + t].copy_(hist[..., self.kernel - 1:])
-            self.keys[:, b0 : b0 + t].copy_(keys)
-            self.delta[:, b0 : b0 + t].copy_(delta)
-            self.g[:, b0 : b0 + t].copy_(g)
+            self.hist[..., : self.kernel - 1].copy_(self.conv)
+            self.start, self.block, self.has_factors = self.length, 0, record
+        self.at = self.block
+        if self.static:
+            self.offset.fill_(self.block)
         self.block += t
         self.length += t
         self.rolled_back = False
+
+    def write(self, hist: torch.Tensor, state: torch.Tensor, keys=None, delta=None, g=None):
+        """Store the forward begin() announced: hist [batch, conv_dim, kernel-1+T] (conv state before, then the T
+        pre-conv inputs), the state after it; keys [batch, T, key_heads, K], delta, g: its factors (None: T >
+        max_block). Static: tensor operations only, at the offset buffer (traceable, capturable)."""
+        k1 = self.kernel - 1
+        t = hist.shape[-1] - k1
+        if delta is not None:  # append this forward's inputs and factors to the record
+            if self.static:  # the slot is a device tensor: one graph serves every offset
+                slots = self.offset + torch.arange(t, device=hist.device)
+                self.hist.index_copy_(2, slots + k1, hist[..., k1:])
+                self.keys.index_copy_(1, slots, keys)
+                self.delta.index_copy_(1, slots, delta)
+                self.g.index_copy_(1, slots, g)
+            else:
+                b0 = self.at
+                self.hist[..., k1 + b0 : k1 + b0 + t].copy_(hist[..., k1:])
+                self.keys[:, b0 : b0 + t].copy_(keys)
+                self.delta[:, b0 : b0 + t].copy_(delta)
+                self.g[:, b0 : b0 + t].copy_(g)
         self._set("state", state)
         self._set("conv", hist[..., t:] if self.static else hist[..., t:].clone())  # no view of a prefill's inputs
 
@@ -187,9 +220,6 @@ class GatedDeltaNet(nn.Module):
 
     kind = "linear_attention"  # its layer_types entry
     attr = "linear_attn"  # its module name inside a decoder layer, as transformers names it
-    # the cache's record offsets and anchoring are Python state read each step: eager steps only (static caches
-    # included), see Transformer.compiled_steps_refusal
-    static_steps = False
 
     def __init__(self, cfg):
         super().__init__()
@@ -224,9 +254,8 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         cache = self.cache
         if cache is not None:
-            if start_pos < cache.length:
-                cache.rollback(start_pos)
-            assert start_pos == cache.length, f"forward at {start_pos} leaves a gap after {cache.length} positions"
+            if input_pos is None or not cache.static:  # else the step's caller ran it (Transformer.begin_step)
+                cache.begin(start_pos, t)
             prev_conv, state = cache.conv, cache.state
         else:
             prev_conv = torch.zeros(b, self.conv_dim, self.kernel - 1, dtype=x.dtype, device=x.device)
@@ -245,7 +274,7 @@ class GatedDeltaNet(nn.Module):
         out, new_state, delta = gated_delta_rule(q, k, v, g, beta, state, self.key_dim ** -0.5, self.chunk_size,
                                                  need_delta=need_delta, allow_fla=self.allow_fla)
         if cache is not None:
-            cache.advance(hist, new_state, *((k, delta, g) if need_delta else (None, None, None)))
+            cache.write(hist, new_state, *((k, delta, g) if need_delta else (None, None, None)))
         z = self.in_proj_z(x).view(b, t, self.value_heads, self.value_dim)
         y = self.norm(out.to(x.dtype), z)
         return self.out_proj(y.reshape(b, t, self.value_heads * self.value_dim))

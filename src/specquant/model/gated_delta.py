@@ -139,9 +139,9 @@ def fla_available(device: torch.device) -> bool:
 
 
 def _fla_rule(q, k, v, g, beta, state, scale: float):
-    """UNTESTED HERE (no GPU, no fla on the CI machine): flash-linear-attention's kernels, same contract as the
-    plain forms minus the deltas (None). Key heads are repeated to the value heads so that fla versions without
-    grouped value heads compute the same thing."""
+    """flash-linear-attention's kernels, same contract as the plain forms minus the deltas (None). Key heads are
+    repeated to the value heads so that fla versions without grouped value heads compute the same thing. The
+    kernels run only on CUDA with fla installed; on CPU the tests check this glue against a stand-in module."""
     chunk, recurrent = _fla_ops()
     heads = v.shape[2]
     if k.shape[2] != heads:

@@ -1,0 +1,101 @@
+"""benchmarks/shapes.py's Qwen3.5 rows and benchmarks/rollback.py, run at a tiny hybrid shape with one repetition
+(what they print is checked, not how fast anything is: times are noise here), plus their byte and memory formulas
+at the real 4B shape, which need no model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture()
+def bench(monkeypatch):
+    """shapes and rollback imported from benchmarks/, with a tiny hybrid beside a tiny dense model registered."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import rollback
+    import shapes
+
+    from specquant.model.config import ModelConfig
+
+    monkeypatch.setitem(shapes.SHAPES, "qwen3.5-tiny", lambda: shapes._hybrid(
+        4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        linear_num_key_heads=2, linear_num_value_heads=4, vocab_size=300))
+    monkeypatch.setitem(shapes.SHAPES, "qwen3-tiny", lambda: ModelConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=300))
+    monkeypatch.setitem(shapes.BESIDE, "qwen3.5-tiny", "qwen3-tiny")
+    return shapes, rollback
+
+
+def _run(module, argv, monkeypatch, capsys) -> tuple[str, dict]:
+    monkeypatch.setattr(sys, "argv", [module.__name__ + ".py", *argv])
+    module.main()
+    out = capsys.readouterr().out
+    return out, json.loads(out.strip().splitlines()[-1])
+
+
+def test_shapes_runs_hybrid_rows_beside_dense(bench, monkeypatch, capsys):
+    shapes, _ = bench
+    out, res = _run(shapes, ["--shapes", "qwen3.5-tiny,qwen3-tiny", "--modes", "fp32,bf16,w4", "--reps", "1",
+                             "--context", "8", "--rows", "1,2,16", "--threads", "1"], monkeypatch, capsys)
+    rows = {(r["shape"], r["mode"]) for r in res["results"]}
+    assert rows == {("qwen3.5-tiny", "fp32"), ("qwen3.5-tiny", "bf16"), ("qwen3-tiny", "fp32"), ("qwen3-tiny", "bf16"),
+                    ("qwen3-tiny", "w4")}  # a W4 hybrid row is skipped, and says so
+    assert "qwen3.5-tiny w4    skipped" in out
+    hybrid = next(r for r in res["results"] if r["shape"] == "qwen3.5-tiny" and r["mode"] == "fp32")
+    assert hybrid["beside"] == "qwen3-tiny" and set(hybrid["verify_steps"]) == {"2", "16"}
+    assert hybrid["per_rows"]["1"]["rule_ms"] > 0  # the DeltaNet rule is timed apart
+    assert {(c["shape"], c["mode"]) for c in res["beside"]} == {("qwen3.5-tiny", "fp32"), ("qwen3.5-tiny", "bf16")}
+    assert "beside qwen3-tiny: step time x" in out
+
+
+def test_shapes_preset_and_floor_bytes_at_the_4b_shape(bench):
+    """`--shapes hybrid` is each Qwen3.5 shape beside its Qwen3; a 4B step moves every weight once, the K/V of the
+    8 attention layers and the 24 DeltaNet states twice (read, write): 2 MiB each in fp32."""
+    shapes, _ = bench
+    assert shapes.PRESETS["hybrid"] == ["qwen3.5-0.8b", "qwen3-0.6b", "qwen3.5-2b", "qwen3-1.7b", "qwen3.5-4b",
+                                        "qwen3-4b"]
+    with torch.device("meta"):
+        from specquant.model.decoder import Transformer
+
+        model = Transformer(shapes.SHAPES["qwen3.5-4b"]()).to(torch.bfloat16)
+    cfg = model.config
+    assert cfg.layer_types.count("linear_attention") == 24 and len(shapes.attention_mixers(model)) == 8
+    weights = sum(shapes.module_bytes(m) for m in shapes.layer_linears(model)) + shapes.module_bytes(model.lm_head)
+    kv = 2 * 8 * 4 * (128 + 1) * 256 * 2  # layers x KV heads x positions x head_dim x bf16
+    assert shapes.step_bytes(model, 128, 1) == weights + kv + 24 * 2 * (2 << 20)
+    assert 4.1e9 < model.num_parameters() < 4.3e9
+
+
+def test_rollback_runs_every_design_and_k(bench, monkeypatch, capsys):
+    _, rollback = bench
+    _, res = _run(rollback, ["--shape", "qwen3.5-tiny", "--ks", "1,3", "--reps", "1", "--context", "8",
+                             "--threads", "1"], monkeypatch, capsys)
+    assert [(r["design"], r["k"]) for r in res["results"]] == [(d, k) for k in (1, 3) for d in rollback.DESIGNS]
+    assert res["rerun_model"] and all(r["back_ms"] > 0 for r in res["results"])
+    _, res = _run(rollback, ["--shape", "qwen3.5-tiny", "--ks", "1", "--reps", "1", "--no-rerun"], monkeypatch,
+                  capsys)
+    assert not res["rerun_model"] and res["results"][-1]["rerun_back"] == "rule only"
+    with pytest.raises(SystemExit, match="not a hybrid shape"):
+        _run(rollback, ["--shape", "qwen3-0.6b"], monkeypatch, capsys)
+
+
+def test_rollback_memory_at_the_4b_shape(bench):
+    """The figures in ../shared/HYBRID.md: per-position states hold (k+1) x 48 MiB; the rank-1 record 24.1 KiB of
+    factors a token and layer plus the pre-conv inputs, and the one anchor state."""
+    shapes, rollback = bench
+    shape = rollback.layer_shape(shapes.SHAPES["qwen3.5-4b"]())
+    assert shape == {"layers": 24, "hk": 16, "hv": 32, "dk": 128, "dv": 128, "conv": 8192, "kernel": 4}
+    slots = rollback.extra_mib(shape, "slots", 16, 2)
+    assert slots == pytest.approx(16 * 48 + 24 * 16 * 8192 * 3 * 2 / (1 << 20))
+    rank1 = rollback.extra_mib(shape, "rank1", 16, 2)
+    factors = 24 * 16 * (16 * 128 + 32 * 128 + 32) * 4 / (1 << 20)
+    assert rank1 == pytest.approx(factors + 24 * 19 * 8192 * 2 / (1 << 20) + 48)
+    assert factors / 16 / 24 * 1024 == pytest.approx(24.125)  # KiB per token and layer
+    assert rollback.extra_mib(shape, "rerun", 16, 2) < rank1 < slots / 10
