@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,8 @@ import numpy as np
 import torch
 
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import load_tensors, read_hf_config, resolve, state_dict_for_save
+from specquant.model.checkpoint import (load_tensors, read_hf_config, resolve, split_tensors,
+                                         state_dict_for_save)
 from specquant.model.config import ModelConfig
 from specquant.model.rope import ROPE_VARIANTS
 from specquant.quant.pack import unpack_codes
@@ -119,9 +121,14 @@ def _grid_weight(name: str, tensors: dict[str, torch.Tensor]) -> GridWeight:
 
 
 def source_from_checkpoint(name_or_dir) -> Source:
-    """A checkpoint directory (dense or compressed-tensors pack-quantized) or bundled name."""
+    """A checkpoint directory (dense or compressed-tensors pack-quantized) or bundled name. A multimodal Qwen3.5
+    checkpoint gives its text model (its names as the decoder's); the MTP head (mtp.*) is not written."""
     path = resolve(name_or_dir)
-    return Source(read_hf_config(path), load_tensors(path), path, name=path.name)
+    tensors, kept = split_tensors(load_tensors(path))
+    if kept:
+        log.warning("%s: %d mtp.* tensors (the multi-token-prediction head) are not exported to GGUF", path.name,
+                    len(kept))
+    return Source(read_hf_config(path), tensors, path, name=path.name)
 
 
 def source_from_model(model, tokenizer_dir=None, name: str = "model") -> Source:
@@ -265,16 +272,95 @@ def add_tokenizer(writer, src: Source) -> dict:
 
 
 # --- architecture ----------------------------------------------------------------------------------------------
+#
+# One row per model_type: the gguf-py architecture, the metadata keys beyond the shared ones, and the per-tensor
+# rewrites llama.cpp's graph for that architecture expects (a new architecture is one row plus its two functions).
 
 
-def _gguf_arch(cfg: ModelConfig):
-    gguf = _gguf()
-    return {"qwen3": gguf.MODEL_ARCH.QWEN3, "qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}[
-        cfg.model_type]
+@dataclass
+class Rewrite:
+    """How one checkpoint tensor (or quantized Linear) becomes its GGUF tensor. Permutations move whole output rows
+    or whole 32-column blocks, so quantized codes and scales move with them and stay exact."""
+
+    rows: torch.Tensor | None = None  # new row i is old row rows[i] (output channels; dim 0)
+    cols: torch.Tensor | None = None  # new column j is old column cols[j] (input channels; dim 1)
+    value: Callable[[torch.Tensor], torch.Tensor] | None = None  # elementwise, in fp32 (dense tensors only)
+    squeeze: bool = False  # drop singleton dims (Conv1d weight [C, 1, K] -> [C, K])
+    name: str | None = None  # the checkpoint name GGUF's tensor map knows this tensor by, when it differs
 
 
-def add_hparams(writer, cfg: ModelConfig, file_type: int):
-    gguf = _gguf()
+NO_REWRITE = Rewrite()
+
+
+def _no_rewrites(cfg: ModelConfig) -> Callable[[str], Rewrite]:
+    return lambda name: NO_REWRITE
+
+
+def _llama_rewrites(cfg: ModelConfig) -> Callable[[str], Rewrite]:
+    """q/k rows reordered from HF's half-split RoPE to llama.cpp's adjacent pairs."""
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    rows = {p: _llama_permute(torch.arange(n * cfg.head_dim), n) for p, n in heads.items()}
+
+    def rewrite(name: str) -> Rewrite:
+        base = name.rpartition(".")[0]  # model.layers.N.self_attn.{q,k}_proj(.weight | .bias)
+        proj = base.rpartition(".")[2]
+        return Rewrite(rows=rows[proj]) if proj in rows and base.endswith(f"self_attn.{proj}") else NO_REWRITE
+
+    return rewrite
+
+
+def _value_head_order(num_k_heads: int, num_v_heads: int, head_dim: int) -> torch.Tensor:
+    """Index of each channel of the value heads in llama.cpp's order. HF groups the value heads by the key head
+    they read ([k0: v0..v(r-1), k1: ...]); ggml broadcasts key heads tiled ([k0, k1, ..., k0, k1, ...]), so the
+    converter (conversion/qwen.py, _LinearAttentionVReorderBase) reorders every value-head axis to tiled order."""
+    r = num_v_heads // num_k_heads
+    return torch.arange(num_v_heads * head_dim).reshape(num_k_heads, r, head_dim).transpose(0, 1).reshape(-1)
+
+
+def _plus_one(t: torch.Tensor) -> torch.Tensor:
+    return t.float() + 1  # zero-centred RMSNorm: llama.cpp multiplies by the weight itself
+
+
+def _neg_exp(t: torch.Tensor) -> torch.Tensor:
+    return -t.float().exp()  # llama.cpp's ssm_a is the decay rate A = -e^{A_log}, as our forward computes it
+
+
+def _qwen35_rewrites(cfg: ModelConfig) -> Callable[[str], Rewrite]:
+    """Qwen3.5 as llama.cpp's qwen35 reads it: zero-centred norms + 1 (not the gated DeltaNet norm), A_log as -e^A,
+    dt_bias as ssm_dt.bias, the conv kernel squeezed, and every value-head axis in tiled order when there are fewer
+    key heads than value heads. Full attention's q_proj (query | gate interleaved per head) is read as it is."""
+    nk, nv, dk = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    v = _value_head_order(nk, nv, cfg.linear_value_head_dim)
+    heads = _value_head_order(nk, nv, 1)
+    qk = 2 * nk * dk
+    qkv = torch.cat([torch.arange(qk), qk + v])  # q | k unchanged, then the value channels
+    reorder = nk != nv
+    by_leaf = {  # linear_attn.<leaf> -> Rewrite
+        "in_proj_qkv": Rewrite(rows=qkv if reorder else None),
+        "in_proj_z": Rewrite(rows=v if reorder else None),
+        "in_proj_a": Rewrite(rows=heads if reorder else None),
+        "in_proj_b": Rewrite(rows=heads if reorder else None),
+        "conv1d": Rewrite(rows=qkv if reorder else None, squeeze=True),
+        "out_proj": Rewrite(cols=v if reorder else None),
+        "A_log": Rewrite(rows=heads if reorder else None, value=_neg_exp),
+        "norm": NO_REWRITE,
+    }
+
+    def rewrite(name: str) -> Rewrite:
+        base = name.removesuffix(".weight")
+        parent, _, leaf = base.rpartition(".")
+        if parent.endswith(".linear_attn"):
+            if leaf == "dt_bias":
+                return Rewrite(rows=heads if reorder else None, name=f"{parent}.dt_proj.bias")
+            return by_leaf.get(leaf, NO_REWRITE)
+        if leaf.endswith("norm") and name.endswith(".weight"):  # input/post-attention, q/k and final norms
+            return Rewrite(value=_plus_one)
+        return NO_REWRITE
+
+    return rewrite
+
+
+def _hparams_common(writer, cfg: ModelConfig):
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -283,10 +369,87 @@ def add_hparams(writer, cfg: ModelConfig, file_type: int):
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+
+
+def _hparams_dense(writer, cfg: ModelConfig):
+    writer.add_rope_dimension_count(cfg.head_dim)
+
+
+# Qwen3.5's M-RoPE sections as the converter writes them when a config omits them (_Qwen35MRopeMixin)
+QWEN35_MROPE_SECTIONS = (11, 11, 10, 0)
+
+
+def mrope_sections(cfg: ModelConfig) -> list[int]:
+    """The rope.dimension_sections for qwen35. Text positions are equal in the first three M-RoPE axes and 0 in the
+    fourth, so RoPE is plain 1-D exactly when every rotary pair reads one of the first three (ggml's interleaved
+    rule: pair p reads axis p % 3 while p < 3·sections[p % 3]) and the sections sum to at most head_dim (ggml
+    asserts it). The converter's default when that holds (the 4B shape), else equal thirds of the pairs."""
+    pairs = cfg.rotary_dim // 2
+
+    def one_d(sec) -> bool:
+        return sum(sec) <= cfg.head_dim and all(p < 3 * sec[p % 3] for p in range(pairs))
+
+    if one_d(QWEN35_MROPE_SECTIONS):
+        return list(QWEN35_MROPE_SECTIONS)
+    third = -(-pairs // 3)
+    return [third, third, third, 0]
+
+
+def _hparams_qwen35(writer, cfg: ModelConfig):
+    """The keys llama.cpp's qwen35 loader reads (src/models/qwen35.cpp), named as the converter writes them."""
+    if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
+        raise SpecquantError(f"linear_key_head_dim={cfg.linear_key_head_dim} != linear_value_head_dim="
+                             f"{cfg.linear_value_head_dim}: llama.cpp's qwen35 has one DeltaNet head size "
+                             "(ssm.state_size) for both; this model cannot run there")
+    if cfg.rope_scaling:
+        raise SpecquantError(f"rope scaling {cfg.rope_scaling} on a qwen35 export: llama.cpp's qwen35 graph applies "
+                             "M-RoPE with the default frequencies only; export a config with default RoPE")
+    writer.add_rope_dimension_count(cfg.rotary_dim)
+    writer.add_rope_dimension_sections(mrope_sections(cfg))
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(cfg.linear_key_head_dim)
+    writer.add_ssm_group_count(cfg.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    # gguf-py 0.19.0 has no add_recurrent_layers; the key as the vendored gguf-py names it (Keys.Attention)
+    writer.add_array(f"{writer.arch}.attention.recurrent_layers",
+                     [t == "linear_attention" for t in cfg.per_layer_types_hf])
+    writer.add_full_attention_interval(int(cfg.extra.get("full_attention_interval", 4)))
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    arch: str  # gguf.MODEL_ARCH member name
+    hparams: Callable  # (writer, cfg): the keys beyond _hparams_common
+    rewrites: Callable[[ModelConfig], Callable[[str], Rewrite]] = _no_rewrites
+
+
+ARCHS: dict[str, GGUFArch] = {  # our model_type -> its GGUF architecture
+    "llama": GGUFArch("LLAMA", _hparams_dense, _llama_rewrites),
+    "qwen2": GGUFArch("QWEN2", _hparams_dense),
+    "qwen3": GGUFArch("QWEN3", _hparams_dense),
+    "qwen3_5_text": GGUFArch("QWEN35", _hparams_qwen35, _qwen35_rewrites),
+}
+
+
+def gguf_arch(cfg: ModelConfig) -> GGUFArch:
+    row = ARCHS.get(cfg.model_type)
+    if row is None:
+        raise SpecquantError(f"model_type {cfg.model_type!r} has no GGUF export; supported: {', '.join(ARCHS)}")
+    return row
+
+
+def _gguf_arch(cfg: ModelConfig):
+    return getattr(_gguf().MODEL_ARCH, gguf_arch(cfg).arch)
+
+
+def add_hparams(writer, cfg: ModelConfig, file_type: int):
+    gguf = _gguf()
+    _hparams_common(writer, cfg)
+    gguf_arch(cfg).hparams(writer, cfg)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     scaling = cfg.rope_scaling or {}
@@ -351,17 +514,50 @@ def _tensor_order(name: str) -> tuple:
     return (0 if parts[0] in ("token_embd", "rope_freqs") else 2, 0, name)
 
 
+def _rewrite_grid(name: str, w: GridWeight, rw: Rewrite) -> GridWeight:
+    """Row and block-column permutations of a quantized Linear: codes, scales and zero points move together."""
+    codes, scale, zero = w.codes, w.scale, w.zero
+    if rw.rows is not None:
+        codes, scale = codes[rw.rows], scale[rw.rows]
+        zero = None if zero is None else zero[rw.rows]
+    if rw.cols is not None:
+        blocks = rw.cols.reshape(-1, QK)
+        starts = blocks[:, 0]
+        if (starts % QK).any() or not torch.equal(blocks, starts[:, None] + torch.arange(QK)):
+            raise SpecquantError(f"{name}: llama.cpp's layout moves its input columns in pieces that are not whole "
+                                 f"blocks of {QK} weights, so its quantized groups cannot be carried exactly; keep "
+                                 "it dense when quantizing (--ignore), or quantize a model whose value head size "
+                                 f"is a multiple of {QK}")
+        per_block = w.group_size // QK
+        if w.group_size % QK:
+            raise SpecquantError(f"{name}: group size {w.group_size} is not a multiple of GGUF's block of {QK} "
+                                 "weights; re-quantize with --group-size 32, 64 or 128")
+        order = starts // QK  # new block b is old block order[b]; each block then carries its own scale
+        codes = codes[:, rw.cols]
+        scale = scale.repeat_interleave(per_block, dim=1)[:, order]
+        zero = None if zero is None else zero.repeat_interleave(per_block, dim=1)[:, order]
+    return GridWeight(codes, scale, zero, w.bits)
+
+
+def _rewrite_dense(t: torch.Tensor, rw: Rewrite) -> torch.Tensor:
+    if rw.squeeze:
+        t = t.squeeze()
+    if rw.rows is not None:
+        t = t[rw.rows]
+    if rw.cols is not None:
+        t = t[:, rw.cols]
+    if rw.value is not None:
+        t = rw.value(t)
+    return t
+
+
 def plan_tensors(src: Source, dense_dtype: str = "f32", inexact: str = "error"):
     """[(gguf name, array, GGUF type, TensorRow)] for every tensor, after the exactness checks."""
     gguf = _gguf()
     cfg = src.config
     tmap = gguf.get_tensor_name_map(_gguf_arch(cfg), cfg.num_hidden_layers)
+    rewrite = gguf_arch(cfg).rewrites(cfg)
     grid, dense = src.linears()
-    permute = {}
-    if cfg.model_type == "llama":
-        for i in range(cfg.num_hidden_layers):
-            permute[f"model.layers.{i}.self_attn.q_proj"] = cfg.num_attention_heads
-            permute[f"model.layers.{i}.self_attn.k_proj"] = cfg.num_key_value_heads
 
     def gname(key: str) -> str:
         name = tmap.get_name(key, try_suffixes=(".weight", ".bias"))
@@ -371,16 +567,17 @@ def plan_tensors(src: Source, dense_dtype: str = "f32", inexact: str = "error"):
 
     out, rows, bad = [], [], []
     for name, w in grid.items():
-        if name in permute:
-            n = permute[name]
-            w = GridWeight(_llama_permute(w.codes, n), _llama_permute(w.scale, n),
-                           None if w.zero is None else _llama_permute(w.zero, n), w.bits)
+        rw = rewrite(name + ".weight")
+        if rw.value is not None or rw.squeeze:
+            raise SpecquantError(f"{name} is quantized, but llama.cpp needs its values rewritten (not only "
+                                 "reordered); keep it dense when quantizing (--ignore)")
+        w = _rewrite_grid(name, w, rw)
         data, kind, inexact_mask = encode(name, w)
         err, nbad = 0.0, int(inexact_mask.sum())
         if nbad:
             err = float(np.abs(dequantize_blocks(data, kind) - w.values().numpy()).max())
             bad.append(f"{name}: {nbad} of {inexact_mask.size} blocks, max |error| {err:.3g}")
-        row = TensorRow(gname(name + ".weight"), name + ".weight", kind, list(w.codes.shape), err, nbad)
+        row = TensorRow(gname(rw.name or name + ".weight"), name + ".weight", kind, list(w.codes.shape), err, nbad)
         out.append((row.name, data, kind, row))
     dense_kind = DENSE_TYPES[dense_dtype][0]
     for key, t in dense.items():
@@ -390,13 +587,12 @@ def plan_tensors(src: Source, dense_dtype: str = "f32", inexact: str = "error"):
             continue
         if not t.is_floating_point():
             raise SpecquantError(f"tensor {key!r} has dtype {t.dtype}; only floating tensors and packed Linears export")
-        base = key.rpartition(".")[0]
-        if base in permute:
-            t = _llama_permute(t, permute[base])
+        rw = rewrite(key)
+        t = _rewrite_dense(t, rw)
         # norms, biases (1-D) stay F32 as in llama.cpp's own converter; matrices take the chosen dense type
-        kind = dense_kind if t.dim() == 2 else "F32"
+        kind = dense_kind if t.dim() == 2 and not rw.squeeze else "F32"
         arr, err = _dense_array(t, kind)
-        row = TensorRow(gname(key), key, kind, list(t.shape), err)
+        row = TensorRow(gname(rw.name or key), key, kind, list(t.shape), err)
         out.append((row.name, arr, kind, row))
     factors = rope_factors(cfg)
     if factors is not None:
