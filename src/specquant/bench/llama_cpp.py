@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from specquant.errors import SpecquantError
 from specquant.export.gguf import source_from_checkpoint, write_gguf
 from specquant.export.llama_cpp import find_tool  # noqa: F401  (re-exported for the bench CLI)
@@ -96,13 +98,11 @@ def llama_quantize(src: Path, out: Path, kind: str = "Q4_0", imatrix: Path | Non
 # --- our logits as llama-perplexity's base ---------------------------------------------------------------------
 
 
-def kl_base_rows(logits) -> "np.ndarray":
+def kl_base_rows(logits) -> np.ndarray:
     """Log-probabilities [n, vocab] (fp32 logits) -> llama-perplexity's stored rows uint16 [n, nv]: per row the fp32
     pair (scale, min log-prob), then each log-prob as round((logit - min_logit) / scale), clipped 16 nats below the
     top (tools/perplexity/perplexity.cpp, log_softmax with a log_prob argument). The format is llama.cpp's own; it
     is re-implemented here so that `--kl-divergence` measures llama.cpp against our engine, not against itself."""
-    import numpy as np
-
     x = np.asarray(logits, dtype=np.float32)
     n, vocab = x.shape
     top = x.max(1, keepdims=True)
@@ -124,8 +124,6 @@ def write_kl_base(path: Path, tokens, logits_fn, vocab: int) -> Path:
     """A `--kl-divergence-base` file from our model: tokens [chunks, ctx] (int), logits_fn(chunk ids [ctx]) ->
     fp32 logits [ctx, vocab] of one fresh forward. llama-perplexity scores each chunk's second half (positions
     ctx//2 .. ctx-2, each predicting the next token), so only those rows are stored."""
-    import numpy as np
-
     tokens = np.asarray(tokens, dtype=np.int32)
     chunks, ctx = tokens.shape
     first = ctx // 2

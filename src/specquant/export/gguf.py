@@ -17,6 +17,13 @@ scales generally are not. A group whose codes are all zero is exact whatever its
 Our grid values are (c - z)·s evaluated exactly (fp32 holds every such product); llama.cpp computes the same
 numbers, so a GGUF tensor dequantized by gguf.quants equals our dequantized weight bit for bit
 (tests/test_export_gguf.py).
+
+Architectures are rows of ARCHS (model_type -> gguf-py architecture, its metadata keys, its tensor rewrites):
+llama / qwen2 / qwen3, and the Qwen3.5 hybrid as llama.cpp's `qwen35`. For that one the vendored converter
+(conversion/qwen.py, Qwen3_5TextModel) is the reference: norms + 1, A_log -> -e^A, dt_bias -> ssm_dt.bias, the conv
+kernel squeezed, value heads reordered from grouped to tiled order. The reorder moves whole output rows, and out_proj's
+input columns in value-head pieces, so quantized blocks move whole and stay exact when the value head size is a
+multiple of 32 (refused otherwise, never re-quantized).
 """
 
 from __future__ import annotations
@@ -417,7 +424,9 @@ def _hparams_qwen35(writer, cfg: ModelConfig):
     # gguf-py 0.19.0 has no add_recurrent_layers; the key as the vendored gguf-py names it (Keys.Attention)
     writer.add_array(f"{writer.arch}.attention.recurrent_layers",
                      [t == "linear_attention" for t in cfg.per_layer_types_hf])
-    writer.add_full_attention_interval(int(cfg.extra.get("full_attention_interval", 4)))
+    # the fallback llama.cpp reads when recurrent_layers is absent: the first full-attention layer's 1-based index
+    types = cfg.per_layer_types_hf
+    writer.add_full_attention_interval(next((i + 1 for i, t in enumerate(types) if t == "full_attention"), 4))
 
 
 @dataclass(frozen=True)
@@ -565,7 +574,7 @@ def plan_tensors(src: Source, dense_dtype: str = "f32", inexact: str = "error"):
             raise SpecquantError(f"tensor {key!r} has no GGUF name for arch {cfg.model_type!r}")
         return name
 
-    out, rows, bad = [], [], []
+    out, bad = [], []
     for name, w in grid.items():
         rw = rewrite(name + ".weight")
         if rw.value is not None or rw.squeeze:
