@@ -284,7 +284,7 @@ def add_tokenizer(writer, src: Source) -> dict:
 # rewrites llama.cpp's graph for that architecture expects (a new architecture is one row plus its two functions).
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Rewrite:
     """How one checkpoint tensor (or quantized Linear) becomes its GGUF tensor. Permutations move whole output rows
     or whole 32-column blocks, so quantized codes and scales move with them and stay exact."""
@@ -537,10 +537,10 @@ def _rewrite_grid(name: str, w: GridWeight, rw: Rewrite) -> GridWeight:
                                  f"blocks of {QK} weights, so its quantized groups cannot be carried exactly; keep "
                                  "it dense when quantizing (--ignore), or quantize a model whose value head size "
                                  f"is a multiple of {QK}")
-        per_block = w.group_size // QK
         if w.group_size % QK:
             raise SpecquantError(f"{name}: group size {w.group_size} is not a multiple of GGUF's block of {QK} "
                                  "weights; re-quantize with --group-size 32, 64 or 128")
+        per_block = w.group_size // QK
         order = starts // QK  # new block b is old block order[b]; each block then carries its own scale
         codes = codes[:, rw.cols]
         scale = scale.repeat_interleave(per_block, dim=1)[:, order]
