@@ -353,3 +353,47 @@ def test_qwen35_refusals_name_the_value(tmp_path):
     with pytest.raises(SpecquantError, match="out_proj: llama.cpp's layout moves its input columns"):
         write_gguf(source_from_checkpoint(ckpt), tmp_path / "b.gguf")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*.gguf*"))
+
+
+def qwen_tokenizer_dir(dst, family: str = "qwen3_5"):
+    """The bundled vocabulary and merges behind Qwen's pre-tokenizer (transformers' own regex for `family`, split
+    isolated, then byte-level without regex) and NFC normalizer, as Qwen2 / Qwen3.5 tokenizer.json files have."""
+    import importlib
+
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+
+    from specquant.model.checkpoint import copy_tokenizer
+
+    regex = importlib.import_module(f"transformers.models.{family}.tokenization_{family}").PRETOKENIZE_REGEX
+    dst.mkdir(parents=True, exist_ok=True)
+    copy_tokenizer(TOKENIZER, dst)
+    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.save(str(dst / "tokenizer.json"))
+    return dst
+
+
+def test_pre_tokenizer_names_and_refusals(tmp_path):
+    """GPT-2's ByteLevel and Qwen2's / Qwen3.5's Split + ByteLevel map to llama.cpp's gpt-2 / qwen2 / qwen35; a
+    different regex, split behaviour or normalizer is refused (llama.cpp would split the text differently)."""
+    import json
+
+    from specquant.export.gguf import pre_tokenizer_name
+
+    assert pre_tokenizer_name(json.loads((TOKENIZER / "tokenizer.json").read_text())) == "gpt-2"
+    for family, name in (("qwen3_5", "qwen35"), ("qwen2", "qwen2")):
+        tok = json.loads((qwen_tokenizer_dir(tmp_path / family, family) / "tokenizer.json").read_text())
+        assert pre_tokenizer_name(tok) == name
+        assert pre_tokenizer_name({**tok, "normalizer": None}) == name
+        assert pre_tokenizer_name({**tok, "normalizer": {"type": "NFKC"}}) is None
+        split, last = tok["pre_tokenizer"]["pretokenizers"]
+        for bad in ({**split, "behavior": "Removed"}, {**split, "pattern": {"Regex": split["pattern"]["Regex"][1:]}}):
+            assert pre_tokenizer_name({**tok, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [bad, last]}}) \
+                is None
+    ckpt = hybrid_checkpoint(tmp_path / "model")
+    (ckpt / "tokenizer.json").write_text(json.dumps({**tok, "normalizer": {"type": "NFKC"}}))
+    with pytest.raises(SpecquantError, match="not a byte-level BPE llama.cpp splits the same way"):
+        write_gguf(source_from_checkpoint(ckpt), tmp_path / "m.gguf")

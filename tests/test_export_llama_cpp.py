@@ -233,3 +233,28 @@ def test_bench_engine_llama_cpp_runs_a_hybrid_target(bin_dir, hybrid, tmp_path):
         assert rows[rid]["n_drafted"] > 0 and rows[rid]["match_vs_target_alone"] >= 0.5
     assert (tmp_path / "bench" / "llama_cpp.json").is_file()
     assert result["files"]["target-w4"].endswith("target-w4.gguf")
+
+
+@pytest.mark.parametrize("family,pre", [("qwen3_5", "qwen35"), ("qwen2", "qwen2")])
+def test_llama_tokenize_gives_our_ids_with_qwens_pre_tokenizer(bin_dir, tmp_path, family, pre):
+    """A hybrid whose tokenizer.json splits text as Qwen2's / Qwen3.5's does (their regex, then byte-level BPE):
+    exported with pre-tokenizer qwen2 / qwen35, llama-tokenize gives tokenizers' ids on every text (NFC already, as
+    llama.cpp does not normalize). Written as gpt-2 instead, two of these texts tokenize differently (digits), so
+    the test tells the families apart; qwen2 from qwen35 (combining marks) it cannot, as the bundled vocabulary has
+    no merges across marks: that mapping is pinned by transformers' exact regexes (test_export_gguf.py)."""
+    from tokenizers import Tokenizer
+    from test_export_gguf import hybrid_checkpoint, qwen_tokenizer_dir
+
+    ckpt = hybrid_checkpoint(tmp_path / "model")
+    qwen_tokenizer_dir(ckpt, family)
+    report = write_gguf(source_from_checkpoint(ckpt), tmp_path / "m.gguf")
+    assert report["vocab"]["pre"] == pre
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    heldout = (Path(__file__).resolve().parent.parent / "src/specquant/data/heldout.txt").read_text()[:3000]
+    marks = "Vietnamese: Tiếng Việt có dấu; Hindi: हिन्दी भाषा; Thai: ภาษาไทย\n\n  \tx"
+    for i, text in enumerate(TEXTS + [marks, heldout]):
+        f = tmp_path / f"t{i}.txt"
+        f.write_text(text, encoding="utf-8")
+        proc = run_tool([bin_dir / "llama-tokenize", "-m", tmp_path / "m.gguf", "-f", f, "--ids", "--log-disable",
+                         "--no-bos"])
+        assert ast.literal_eval(proc.stdout.strip().splitlines()[-1]) == tok.encode(text).ids, text[:40]

@@ -217,22 +217,54 @@ def _llama_permute(x: np.ndarray | torch.Tensor, n_head: int):
 # --- tokenizer -------------------------------------------------------------------------------------------------
 
 
-def add_tokenizer(writer, src: Source) -> dict:
-    """GPT-2 byte-level BPE vocabulary, merges and special ids from tokenizer.json (+ tokenizer_config.json).
+# The Split regexes of Qwen's byte-level BPE tokenizers (tokenizer.json, as transformers' Qwen2 / Qwen3.5 tokenizers
+# write them) -> llama.cpp's pre-tokenizer that implements each (src/llama-vocab.cpp quotes the original beside its
+# own spelling of it)
+SPLIT_PRE_TOKENIZERS = {
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+        "qwen2",
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+        "qwen35",
+}
 
-    pre-tokenizer "gpt-2": llama.cpp's GPT-2 regex, the same as tokenizers' ByteLevel(use_regex=True); the export
-    refuses any other pre-tokenizer rather than guess (tests tokenize with llama-tokenize and compare ids)."""
+
+def pre_tokenizer_name(tok: dict) -> str | None:
+    """llama.cpp's tokenizer.ggml.pre for a tokenizer.json, None when none is known to split text the same way:
+    "gpt-2" for ByteLevel(use_regex=True); "qwen2" / "qwen35" for Split(Qwen's regex, isolated) then
+    ByteLevel(use_regex=False), with or without Qwen's NFC normalizer (llama.cpp does not normalize, as its own
+    converter does not: text that is not NFC already may then tokenize differently)."""
+    pre, norm = tok.get("pre_tokenizer") or {}, tok.get("normalizer")
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space") \
+            and not norm:
+        return "gpt-2"
+    steps = pre.get("pretokenizers") or []
+    if pre.get("type") != "Sequence" or len(steps) != 2 or norm not in (None, {"type": "NFC"}):
+        return None
+    split, last = steps
+    if split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert") \
+            or any(last.get(k) != v for k, v in byte_level.items()) or last.get("use_regex", True):
+        return None
+    return SPLIT_PRE_TOKENIZERS.get((split.get("pattern") or {}).get("Regex"))
+
+
+def add_tokenizer(writer, src: Source) -> dict:
+    """Byte-level BPE vocabulary, merges and special ids from tokenizer.json (+ tokenizer_config.json).
+
+    The pre-tokenizer is one llama.cpp implements (pre_tokenizer_name: GPT-2's, Qwen2's or Qwen3.5's regex); the
+    export refuses any other rather than guess (tests tokenize with llama-tokenize and compare ids)."""
     gguf = _gguf()
     if src.tokenizer_dir is None or not (src.tokenizer_dir / "tokenizer.json").is_file():
         raise SpecquantError(f"no tokenizer.json beside the checkpoint ({src.tokenizer_dir}); GGUF needs the "
                              "vocabulary: copy the base model's tokenizer files into the checkpoint directory")
     tok = json.loads((src.tokenizer_dir / "tokenizer.json").read_text())
     model, pre = tok.get("model") or {}, tok.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) \
-            or pre.get("add_prefix_space") or tok.get("normalizer"):
-        raise SpecquantError(f"tokenizer in {src.tokenizer_dir} is not plain GPT-2 byte-level BPE (model "
-                             f"{model.get('type')!r}, pre-tokenizer {pre.get('type')!r}, normalizer "
-                             f"{(tok.get('normalizer') or {}).get('type')!r}); only that tokenizer is exported")
+    pre_name = pre_tokenizer_name(tok)
+    if model.get("type") != "BPE" or pre_name is None:
+        raise SpecquantError(f"tokenizer in {src.tokenizer_dir} is not a byte-level BPE llama.cpp splits the same "
+                             f"way (model {model.get('type')!r}, pre-tokenizer {pre.get('type')!r}, normalizer "
+                             f"{(tok.get('normalizer') or {}).get('type')!r}); exported are GPT-2's and Qwen's "
+                             "(pre-tokenizers gpt-2, qwen2, qwen35)")
     cfg_path = src.tokenizer_dir / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     vocab = dict(model["vocab"])
@@ -257,7 +289,7 @@ def add_tokenizer(writer, src: Source) -> dict:
             types.append(gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre_name)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -275,7 +307,7 @@ def add_tokenizer(writer, src: Source) -> dict:
         writer.add_pad_token_id(int(pad))
     if tok_cfg.get("chat_template"):
         writer.add_chat_template(tok_cfg["chat_template"])
-    return {"tokens": len(tokens), "merges": len(merges), "eos": int(eos), "bos": int(bos)}
+    return {"tokens": len(tokens), "merges": len(merges), "eos": int(eos), "bos": int(bos), "pre": pre_name}
 
 
 # --- architecture ----------------------------------------------------------------------------------------------
