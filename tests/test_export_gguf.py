@@ -20,8 +20,8 @@ from specquant.quant.pipeline import quantize
 
 gguf = pytest.importorskip("gguf")
 
-from specquant.export.gguf import (  # noqa: E402  (after the importorskip)
-    _llama_permute, source_from_checkpoint, source_from_model, write_gguf)
+from specquant.export.gguf import source_from_checkpoint, source_from_model, write_gguf  # noqa: E402
+from specquant.export.gguf_arch import _llama_permute  # noqa: E402  (after the importorskip)
 
 TOKENIZER = BUNDLED_DIR / "tiny-target"
 VOCAB = 8192  # the bundled tokenizer's
@@ -329,7 +329,7 @@ def test_qwen35_dense_export_and_metadata(tmp_path, hybrid_dense):
 def test_mrope_sections_are_one_d_for_text():
     """At the 4B shape the converter's default [11, 11, 10, 0] is written; a small head gets sections that keep every
     rotary pair on the first three (equal) position axes and fit ggml's sum <= head_dim assertion."""
-    from specquant.export.gguf import mrope_sections
+    from specquant.export.gguf_arch import mrope_sections
     from specquant.model.config import ModelConfig
 
     big = ModelConfig(model_type="qwen3_5_text", head_dim=256, partial_rotary_factor=0.25)
