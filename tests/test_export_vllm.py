@@ -198,6 +198,11 @@ def test_vllm_export_of_a_hybrid_and_its_block_drafter(tmp_path, hybrid_pair, ca
     assert {k: v for k, v in draft.items() if k not in VLLM_DFLASH_KEYS + ("dflash_config",)} == \
         {k: v for k, v in source.items() if k != "dflash_config"}
     assert any("Qwen3_5ForConditionalGeneration" in n for n in report["notes"])
+    # tensor parallelism 4 divides the 4 attention heads (and replicates the 2 KV heads) but not the 2 DeltaNet
+    # key heads
+    with pytest.raises(SpecquantError, match="linear_num_key_heads=2 is not divisible by tensor-parallel size 4"):
+        tp_notes(ours_hf, None, 4)
+    assert tp_notes(ours_hf, None, 2)
 
 
 def test_vllm_layout_loads_in_transformers_with_the_same_logits(tmp_path, hybrid_pair):

@@ -84,7 +84,8 @@ def tp_notes(target: dict, draft: dict | None, tp: int) -> list[str]:
             ok_draft = heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
             notes.append(f"draft runs at draft_tensor_parallel_size 1 (allowed: 1 or the target's {tp}"
                          f"{'' if ok_draft else f'; {tp} does not divide its heads, so 1 is the only choice'})")
-        for key in ("intermediate_size", "vocab_size"):
+        # a hybrid's Gated DeltaNet shards its key and value heads too (vLLM's GatedDeltaNetAttention divides both)
+        for key in ("intermediate_size", "vocab_size", "linear_num_key_heads", "linear_num_value_heads"):
             if hf.get(key) and hf[key] % draft_tp:
                 errors.append(f"{role} {key}={hf[key]} is not divisible by tensor-parallel size {draft_tp}")
     if errors:
