@@ -7,6 +7,7 @@ is a failure; it is a skip only when SPECQUANT_SKIP_LLAMA_CPP=1 says the build w
 from __future__ import annotations
 
 import ast
+import json
 import os
 from pathlib import Path
 
@@ -284,3 +285,127 @@ def test_parse_kl_reads_llama_perplexity_summary():
                  "kld_99": 0.081, "same_top_p": 96.512, "same_top_p_err": 0.123}
     with pytest.raises(Exception, match="lacks its 'kld' line"):
         parse_kl(text.replace("Mean    KLD", "Mean KL"))
+
+
+# --- Qwen3.5 hybrids: llama.cpp's qwen35 on our exports ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> dict:
+    """A random hybrid (transformers' Qwen3_5ForCausalLM, bundled tokenizer), its RTN W4 (group 32, bf16 scales),
+    and their GGUF files: F32 of the dense one, Q4_0 (+ BF16 dense tensors) of the W4 one."""
+    from test_export_gguf import hybrid_checkpoint, hybrid_w4
+
+    root = tmp_path_factory.mktemp("hybrid")
+    dense = hybrid_checkpoint(root / "dense")
+    w4, _ = hybrid_w4(dense, root / "w4", group_size=32)
+    files = {"dense": dense, "w4": w4, "f32.gguf": root / "f32.gguf", "w4.gguf": root / "w4.gguf"}
+    write_gguf(source_from_checkpoint(dense), files["f32.gguf"])
+    write_gguf(source_from_checkpoint(w4), files["w4.gguf"], dense_dtype="bf16")
+    return files
+
+
+def _our_logits(path):
+    """chunk ids [ctx] -> our fp32 logits [ctx, vocab], one fresh prefill per chunk (as llama-perplexity runs it)."""
+    model = load_model(path, torch.float32)
+
+    def logits(ids):
+        model.clear_cache()
+        with torch.no_grad():
+            return model(torch.as_tensor(ids, dtype=torch.long)[None])[0].float().numpy()
+
+    return logits
+
+
+def _kl_against_ours(bin_dir, gguf_path, checkpoint, tmp_path, ctx=128, chunks=2) -> dict:
+    """llama-perplexity --kl-divergence of gguf_path against our engine's logits on the held-out text (ctx 128 x 2
+    chunks: 126 scored positions, over the 100 below which the tool prints no summary)."""
+    import numpy as np
+
+    from specquant.bench.llama_cpp import write_kl_base
+    from specquant.bench.llama_cpp_quality import HELDOUT, kl_divergence
+
+    tok = load_tokenizer(checkpoint)
+    ids = tok.backend_tokenizer.encode(HELDOUT.read_text(), add_special_tokens=False).ids[:ctx * chunks]
+    base = write_kl_base(tmp_path / "ours.kld", np.array(ids).reshape(chunks, ctx), _our_logits(checkpoint),
+                         tok.backend_tokenizer.get_vocab_size())
+    return kl_divergence(gguf_path, base, HELDOUT, ctx, chunks, threads=1, bin_dir=bin_dir)
+
+
+def test_llama_cpp_qwen35_greedy_equals_ours_on_f32_export(bin_dir, hybrid, tmp_path):
+    """llama.cpp's qwen35 graph (DeltaNet recurrence, gated attention, M-RoPE) on the F32 export continues the
+    prompt with our engine's greedy tokens."""
+    tok = load_tokenizer(hybrid["dense"])
+    text = "Once upon a time, in a small village by the sea, there lived"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(text)
+    n = 24
+    g = generate(bin_dir, hybrid["f32.gguf"], prompt, n, threads=1, ctx=256)
+    ours = _ours_greedy(hybrid["dense"], tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, n)
+    assert len(ours) == n and g.text.startswith(tok.decode(ours))
+
+
+def test_llama_cpp_qwen35_kl_against_our_logits_is_zero(bin_dir, hybrid, tmp_path):
+    """Our own logits as llama-perplexity's base (bench/llama_cpp.write_kl_base): the F32 export's KL is at the
+    tool's uint16 log-prob resolution (65535 steps over 16 nats: ~1e-8 nats of KL) and every top token agrees.
+    The Q4_0 export is our W4 grid exactly, but llama.cpp multiplies it with activations rounded to Q8_0, so its
+    KL against our W4 is small, not zero; bounded loosely here (it is reported, not gated)."""
+    f32 = _kl_against_ours(bin_dir, hybrid["f32.gguf"], hybrid["dense"], tmp_path)
+    assert abs(f32["kld"]) < 1e-5 and f32["same_top_p"] == 100.0
+    w4 = _kl_against_ours(bin_dir, hybrid["w4.gguf"], hybrid["w4"], tmp_path)
+    assert 0 <= w4["kld"] < 0.1 and w4["same_top_p"] > 50
+
+
+def test_bench_engine_llama_cpp_runs_a_hybrid_target(bin_dir, hybrid, tmp_path):
+    """`specquant bench --engine llama.cpp` (bench/llama_cpp.run_bench) with a hybrid target: its F32, llama.cpp
+    Q4_0 and our W4 rows run, and llama-speculative-simple with our draft reproduces the W4 target alone."""
+    from specquant.bench.config import BenchConfig
+    from specquant.bench.llama_cpp import run_bench
+    from specquant.model.checkpoint import BUNDLED_DIR
+    from specquant.quant.checkpoint import save_quantized
+    from specquant.quant.config import QuantConfig
+    from specquant.quant.pipeline import quantize
+
+    draft = BUNDLED_DIR / "tiny-draft"  # shares the hybrid's bundled tokenizer
+    prompts = tmp_path / "prompts.jsonl"  # one short prompt: the packaged content prompts outrun a 512 context
+    prompts.write_text(json.dumps({"id": "s", "category": "short", "text": TEXTS[0] * 3}) + "\n")
+    cfg = BenchConfig(max_new_tokens=12, runs=1, warmup=0, lengths={"short": 24}, content_sets=(),
+                      prompts_per_length=1, prompts=str(prompts), out=str(tmp_path / "bench"), qad=False)
+    model = load_model("tiny-draft", torch.float32)
+    qcfg = QuantConfig(method="rtn", group_size=32)
+    quantize(model, qcfg, scale_dtype=torch.bfloat16)
+    model.to(torch.bfloat16)
+    w4_draft = save_quantized(model, tmp_path / "w4-draft", tokenizer_from="tiny-draft", cfg=qcfg)
+    result = run_bench(cfg, hybrid["dense"], draft, hybrid["w4"], w4_draft, bin_dir=bin_dir, log=lambda *_: None)
+    rows = {r["id"]: r for r in result["rows"]}
+    assert list(rows) == [r.id for r in ROWS]
+    assert rows["f32"]["match_vs_f32"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows.values())
+    for rid in ("w4+draft", "w4+w4draft"):
+        assert rows[rid]["n_drafted"] > 0 and rows[rid]["match_vs_target_alone"] >= 0.5
+    assert (tmp_path / "bench" / "llama_cpp.json").is_file()
+    assert result["files"]["target-w4"].endswith("target-w4.gguf")
+
+
+@pytest.mark.parametrize("family,pre", [("qwen3_5", "qwen35"), ("qwen2", "qwen2")])
+def test_llama_tokenize_gives_our_ids_with_qwens_pre_tokenizer(bin_dir, tmp_path, family, pre):
+    """A hybrid whose tokenizer.json splits text as Qwen2's / Qwen3.5's does (their regex, then byte-level BPE):
+    exported with pre-tokenizer qwen2 / qwen35, llama-tokenize gives tokenizers' ids on every text (NFC already, as
+    llama.cpp does not normalize). Written as gpt-2 instead, two of these texts tokenize differently (digits), so
+    the test tells the families apart; qwen2 from qwen35 (combining marks) it cannot, as the bundled vocabulary has
+    no merges across marks: that mapping is pinned by transformers' exact regexes (test_export_gguf.py)."""
+    from tokenizers import Tokenizer
+    from test_export_gguf import hybrid_checkpoint, qwen_tokenizer_dir
+
+    ckpt = hybrid_checkpoint(tmp_path / "model")
+    qwen_tokenizer_dir(ckpt, family)
+    report = write_gguf(source_from_checkpoint(ckpt), tmp_path / "m.gguf")
+    assert report["vocab"]["pre"] == pre
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    heldout = (Path(__file__).resolve().parent.parent / "src/specquant/data/heldout.txt").read_text()[:3000]
+    marks = "Vietnamese: Tiếng Việt có dấu; Hindi: हिन्दी भाषा; Thai: ภาษาไทย\n\n  \tx"
+    for i, text in enumerate(TEXTS + [marks, heldout]):
+        f = tmp_path / f"t{i}.txt"
+        f.write_text(text, encoding="utf-8")
+        proc = run_tool([bin_dir / "llama-tokenize", "-m", tmp_path / "m.gguf", "-f", f, "--ids", "--log-disable",
+                         "--no-bos"])
+        assert ast.literal_eval(proc.stdout.strip().splitlines()[-1]) == tok.encode(text).ids, text[:40]

@@ -125,3 +125,138 @@ def test_out_rules(tmp_path, capsys):
     assert main(["export", "--target", "tiny-draft", "--for", "vllm", "--tensor-parallel-size", "0",
                  "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+# --- Qwen3.5 hybrids ----------------------------------------------------------------------------------------------
+
+# Qwen3_5ForConditionalGeneration.hf_to_vllm_mapper (vllm/model_executor/models/qwen3_5.py, via Qwen3VL's): the
+# checkpoint prefixes it maps; a tensor under any other name is not loaded
+VLLM_QWEN35_PREFIXES = {"model.visual.": "visual.", "lm_head.": "language_model.lm_head.",
+                        "model.language_model.": "language_model.model."}
+# the draft config keys vLLM's dflash loader reads beyond ours (vllm/model_executor/models/qwen3_dflash.py and
+# eagle3_utils.get_eagle3_aux_layers_from_config)
+VLLM_DFLASH_KEYS = ("eagle_aux_hidden_state_layer_ids", "target_hidden_size", "rope_parameters")
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    """A random hybrid, its RTN W4, and a random block drafter for it with a serve-time window."""
+    from test_export_gguf import hybrid_checkpoint, hybrid_w4
+
+    from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
+    from specquant.model.checkpoint import read_config, save_block_drafter
+
+    root = tmp_path_factory.mktemp("hybrid")
+    dense = hybrid_checkpoint(root / "dense")
+    w4, _ = hybrid_w4(dense, root / "w4", group_size=32)
+    cfg = BlockDraftConfig.for_target(read_config(dense), num_hidden_layers=1, target_layer_ids=[0, 2],
+                                      block_size=4, sliding_window=64)
+    torch.manual_seed(0)
+    drafter = save_block_drafter(BlockDraftModel(cfg), root / "block")
+    return {"dense": dense, "w4": w4, "block": drafter}
+
+
+def _tensors(path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_vllm_export_of_a_hybrid_and_its_block_drafter(tmp_path, hybrid_pair, capsys):
+    """The W4 hybrid in Qwen3_5ForConditionalGeneration's layout (every tensor under a prefix its weight mapper
+    reads, bit-identical to ours), served with --language-model-only and method dflash; the drafter's config gains
+    the keys vLLM's dflash loader reads, the rest unchanged."""
+    out = tmp_path / "vllm"
+    assert main(["export", "--target", str(hybrid_pair["w4"]), "--draft", str(hybrid_pair["block"]), "--out",
+                 str(out), "--for", "vllm", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    spec = report["speculative_config"]
+    check_vllm_spec(spec)
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 3
+    argv = shlex.split(report["command"])
+    assert "--language-model-only" in argv and argv[argv.index("--quantization") + 1] == "compressed-tensors"
+    ours_hf = read_hf_config(hybrid_pair["w4"])
+    hf = read_hf_config(out / "target")
+    assert hf["architectures"] == ["Qwen3_5ForConditionalGeneration"] and hf["model_type"] == "qwen3_5"
+    assert hf["quantization_config"]["config_groups"] == ours_hf["quantization_config"]["config_groups"]
+    text = {k: v for k, v in ours_hf.items()
+            if k not in ("architectures", "quantization_config", "torch_dtype", "dtype")}
+    assert hf["text_config"] == text
+    theirs, ours = _tensors(out / "target"), _tensors(hybrid_pair["w4"])
+    assert len(theirs) == len(ours)
+    for name, t in theirs.items():
+        prefix = next(p for p in VLLM_QWEN35_PREFIXES if name.startswith(p))
+        source = name if prefix == "lm_head." else "model." + name[len(prefix):]
+        assert torch.equal(t, ours[source]), name
+    assert any(n.endswith("linear_attn.in_proj_qkv.weight_packed") for n in theirs)
+    draft = read_hf_config(out / "draft")
+    source = read_hf_config(hybrid_pair["block"])
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [1, 3]  # outputs of layers 0 and 2 = vLLM aux 1 and 3
+    assert draft["target_hidden_size"] == 64
+    assert draft["rope_parameters"] == {"rope_type": "default", "rope_theta": source["rope_theta"]}
+    assert draft["dflash_config"] == {**source["dflash_config"], "use_swa": True, "swa_window_size": 64}
+    assert {k: v for k, v in draft.items() if k not in VLLM_DFLASH_KEYS + ("dflash_config",)} == \
+        {k: v for k, v in source.items() if k != "dflash_config"}
+    assert any("Qwen3_5ForConditionalGeneration" in n for n in report["notes"])
+    # tensor parallelism 4 divides the 4 attention heads (and replicates the 2 KV heads) but not the 2 DeltaNet
+    # key heads
+    with pytest.raises(SpecquantError, match="linear_num_key_heads=2 is not divisible by tensor-parallel size 4"):
+        tp_notes(ours_hf, None, 4)
+    assert tp_notes(ours_hf, None, 2)
+
+
+def test_vllm_layout_loads_in_transformers_with_the_same_logits(tmp_path, hybrid_pair):
+    """transformers' own Qwen3_5ForConditionalGeneration reads the exported dense target: every text weight found
+    under its names (only the vision tower, absent, is initialised) and the logits are the CausalLM's exactly."""
+    from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    from specquant.export.vllm import export_vllm
+
+    out = tmp_path / "vllm"
+    export_vllm(hybrid_pair["dense"], None, out, ExportConfig(engine="vllm"))
+    cfg = AutoConfig.from_pretrained(out / "target")
+    vision = cfg.vision_config  # a small tower instead of the default one (none is exported)
+    vision.depth, vision.hidden_size, vision.intermediate_size, vision.num_heads = 1, 16, 32, 2
+    vision.out_hidden_size = cfg.text_config.hidden_size
+    theirs, info = Qwen3_5ForConditionalGeneration.from_pretrained(out / "target", config=cfg,
+                                                                    output_loading_info=True)
+    assert info["missing_keys"] and all(k.startswith("model.visual.") for k in info["missing_keys"])
+    assert not info["unexpected_keys"]
+    ref = Qwen3_5ForCausalLM.from_pretrained(hybrid_pair["dense"])
+    tokens = torch.randint(0, 8192, (1, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(theirs.float().eval()(input_ids=tokens).logits, ref.float().eval()(input_ids=tokens).logits)
+
+
+def test_vllm_export_refuses_a_half_quantized_fused_group_and_a_foreign_drafter(tmp_path, hybrid_pair):
+    """in_proj_b quantized beside a dense in_proj_a cannot be one vLLM layer; a block drafter trained for another
+    target (width, layers) is refused before anything is written."""
+    from test_export_gguf import hybrid_w4
+
+    from specquant.export.vllm import export_vllm
+
+    half, _ = hybrid_w4(hybrid_pair["dense"], tmp_path / "half", group_size=32,
+                        ignore=["lm_head", "embed_tokens", "in_proj_a"])
+    with pytest.raises(SpecquantError, match=r"fuses in_proj_b \+ in_proj_a into one layer, but only in_proj_b"):
+        export_vllm(half, None, tmp_path / "a", ExportConfig(engine="vllm"))
+    with pytest.raises(SpecquantError, match="block drafter has hidden_size=384 but the target has 64"):
+        export_vllm(hybrid_pair["w4"], "tiny-block-draft", tmp_path / "b", ExportConfig(engine="vllm"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_vllm_export_renames_the_ignore_list_with_the_tensors(tmp_path, hybrid_pair):
+    """The reference module list (in_proj_a/b dense): each fused group is uniform, and every `ignore` name of the
+    exported quantization_config is a dense Linear of the exported tensors, under the wrapper's names."""
+    from test_export_gguf import hybrid_w4
+
+    from specquant.export.vllm import export_vllm
+
+    ref, _ = hybrid_w4(hybrid_pair["dense"], tmp_path / "ref", group_size=32,
+                       ignore=["lm_head", "embed_tokens", "in_proj_a", "in_proj_b"])
+    export_vllm(ref, None, tmp_path / "out", ExportConfig(engine="vllm"))
+    ignore = read_hf_config(tmp_path / "out" / "target")["quantization_config"]["ignore"]
+    names = set(_tensors(tmp_path / "out" / "target"))
+    assert sum(".in_proj_a" in n for n in ignore) == 3 and sum(".in_proj_b" in n for n in ignore) == 3
+    for n in ignore:
+        assert n == "lm_head" or n.startswith("model.language_model."), n
+        assert f"{n}.weight" in names and f"{n}.weight_packed" not in names, n

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from specquant.errors import SpecquantError
 from specquant.export.gguf import source_from_checkpoint, write_gguf
 from specquant.export.llama_cpp import find_tool  # noqa: F401  (re-exported for the bench CLI)
@@ -122,6 +124,51 @@ def llama_quantize(src: Path, out: Path, kind: str = "Q4_0", imatrix: Path | Non
         run_tool(cmd + [src, tmp, kind])
         tmp.rename(out)
     return out
+
+
+# --- our logits as llama-perplexity's base ---------------------------------------------------------------------
+
+
+def kl_base_rows(logits) -> np.ndarray:
+    """Log-probabilities [n, vocab] (fp32 logits) -> llama-perplexity's stored rows uint16 [n, nv]: per row the fp32
+    pair (scale, min log-prob), then each log-prob as round((logit - min_logit) / scale), clipped 16 nats below the
+    top (tools/perplexity/perplexity.cpp, log_softmax with a log_prob argument). The format is llama.cpp's own; it
+    is re-implemented here so that `--kl-divergence` measures llama.cpp against our engine, not against itself."""
+    x = np.asarray(logits, dtype=np.float32)
+    n, vocab = x.shape
+    top = x.max(1, keepdims=True)
+    low = np.maximum(x.min(1, keepdims=True), top - np.float32(16))
+    lse = np.log(np.exp(x - top, dtype=np.float32).sum(1, dtype=np.float64, keepdims=True)).astype(np.float32)
+    min_log_prob = (low - top - lse).astype(np.float32)
+    scale = ((top - low) / np.float32(65535)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(x > low, np.rint((x - low) * (np.float32(1) / scale)), 0)
+    q = np.where(scale > 0, q, 0).astype(np.uint16)
+    nv = 2 * ((vocab + 1) // 2) + 4
+    rows = np.zeros((n, nv), dtype=np.uint16)
+    rows[:, :4] = np.concatenate([scale, min_log_prob], 1).astype(np.float32).view(np.uint16)
+    rows[:, 4:4 + vocab] = q
+    return rows
+
+
+def write_kl_base(path: Path, tokens, logits_fn, vocab: int) -> Path:
+    """A `--kl-divergence-base` file from our model: tokens [chunks, ctx] (int), logits_fn(chunk ids [ctx]) ->
+    fp32 logits [ctx, vocab] of one fresh forward. llama-perplexity scores each chunk's second half (positions
+    ctx//2 .. ctx-2, each predicting the next token), so only those rows are stored."""
+    tokens = np.asarray(tokens, dtype=np.int32)
+    chunks, ctx = tokens.shape
+    first = ctx // 2
+    with open(path, "wb") as f:
+        f.write(b"_logits_")
+        f.write(np.array([ctx], dtype=np.uint32).tobytes())
+        f.write(np.array([vocab, chunks], dtype=np.int32).tobytes())
+        f.write(tokens.tobytes())
+        for c in range(chunks):
+            logits = np.asarray(logits_fn(tokens[c]), dtype=np.float32)
+            if logits.shape != (ctx, vocab):
+                raise SpecquantError(f"logits_fn gave shape {list(logits.shape)}; expected [{ctx}, {vocab}]")
+            f.write(kl_base_rows(logits[first:ctx - 1]).tobytes())
+    return path
 
 
 # --- one generation --------------------------------------------------------------------------------------------

@@ -52,8 +52,6 @@ class ExportConfig:
 def check_out(out, overwrite: bool):
     """An existing --out is replaced only with --overwrite and only when an earlier export made it (stricter than
     util.files: --overwrite never lets an export replace a directory specquant did not write)."""
-    from pathlib import Path
-
     from specquant.util.files import MARKER, check_out_dir
 
     out = check_out_dir(out, overwrite=True)  # not a file, writable; the rule on existing contents follows

@@ -17,6 +17,9 @@ scales generally are not. A group whose codes are all zero is exact whatever its
 Our grid values are (c - z)·s evaluated exactly (fp32 holds every such product); llama.cpp computes the same
 numbers, so a GGUF tensor dequantized by gguf.quants equals our dequantized weight bit for bit
 (tests/test_export_gguf.py).
+
+Architectures (tensor names, metadata keys, per-tensor rewrites such as Qwen3.5's value-head reorder) are rows of
+export/gguf_arch.py's ARCHS; this file maps our tensors onto them and writes the file.
 """
 
 from __future__ import annotations
@@ -32,23 +35,16 @@ import numpy as np
 import torch
 
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import load_tensors, read_hf_config, resolve, state_dict_for_save
+from specquant.model.checkpoint import (load_tensors, read_hf_config, resolve, split_tensors,
+                                         state_dict_for_save)
+from specquant.export.gguf_arch import Rewrite, _gguf, _gguf_arch, add_hparams, gguf_arch, rope_factors
 from specquant.model.config import ModelConfig
-from specquant.model.rope import ROPE_VARIANTS
 from specquant.quant.pack import unpack_codes
 
 log = logging.getLogger(__name__)
 
 QK = 32  # weights per ggml block for Q4_0 / Q4_1 / Q8_0
 GRID_TENSORS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")  # compressed-tensors names
-
-
-def _gguf():
-    try:
-        import gguf
-    except ImportError:
-        raise SpecquantError("GGUF export needs the `gguf` package: pip install 'specquant[export]'") from None
-    return gguf
 
 
 # --- our tensors -----------------------------------------------------------------------------------------------
@@ -119,9 +115,14 @@ def _grid_weight(name: str, tensors: dict[str, torch.Tensor]) -> GridWeight:
 
 
 def source_from_checkpoint(name_or_dir) -> Source:
-    """A checkpoint directory (dense or compressed-tensors pack-quantized) or bundled name."""
+    """A checkpoint directory (dense or compressed-tensors pack-quantized) or bundled name. A multimodal Qwen3.5
+    checkpoint gives its text model (its names as the decoder's); the MTP head (mtp.*) is not written."""
     path = resolve(name_or_dir)
-    return Source(read_hf_config(path), load_tensors(path), path, name=path.name)
+    tensors, kept = split_tensors(load_tensors(path))
+    if kept:
+        log.warning("%s: %d mtp.* tensors (the multi-token-prediction head) are not exported to GGUF", path.name,
+                    len(kept))
+    return Source(read_hf_config(path), tensors, path, name=path.name)
 
 
 def source_from_model(model, tokenizer_dir=None, name: str = "model") -> Source:
@@ -193,32 +194,57 @@ def dequantize_blocks(data: np.ndarray, kind: str) -> np.ndarray:
     return gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])
 
 
-def _llama_permute(x: np.ndarray | torch.Tensor, n_head: int):
-    """llama.cpp's `llama` arch applies RoPE to adjacent pairs, HF to the two halves of a head: reorder q/k rows the
-    way convert_hf_to_gguf.py does (rows are output channels, so quantized blocks move whole)."""
-    rows = x.shape[0]
-    return (x.reshape(n_head, 2, rows // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape))
-
-
 # --- tokenizer -------------------------------------------------------------------------------------------------
 
 
-def add_tokenizer(writer, src: Source) -> dict:
-    """GPT-2 byte-level BPE vocabulary, merges and special ids from tokenizer.json (+ tokenizer_config.json).
+# The Split regexes of Qwen's byte-level BPE tokenizers (tokenizer.json, as transformers' Qwen2 / Qwen3.5 tokenizers
+# write them) -> llama.cpp's pre-tokenizer that implements each (src/llama-vocab.cpp quotes the original beside its
+# own spelling of it)
+SPLIT_PRE_TOKENIZERS = {
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+        "qwen2",
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""":
+        "qwen35",
+}
 
-    pre-tokenizer "gpt-2": llama.cpp's GPT-2 regex, the same as tokenizers' ByteLevel(use_regex=True); the export
-    refuses any other pre-tokenizer rather than guess (tests tokenize with llama-tokenize and compare ids)."""
+
+def pre_tokenizer_name(tok: dict) -> str | None:
+    """llama.cpp's tokenizer.ggml.pre for a tokenizer.json, None when none is known to split text the same way:
+    "gpt-2" for ByteLevel(use_regex=True); "qwen2" / "qwen35" for Split(Qwen's regex, isolated) then
+    ByteLevel(use_regex=False), with or without Qwen's NFC normalizer (llama.cpp does not normalize, as its own
+    converter does not: text that is not NFC already may then tokenize differently)."""
+    pre, norm = tok.get("pre_tokenizer") or {}, tok.get("normalizer")
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space") \
+            and not norm:
+        return "gpt-2"
+    steps = pre.get("pretokenizers") or []
+    if pre.get("type") != "Sequence" or len(steps) != 2 or norm not in (None, {"type": "NFC"}):
+        return None
+    split, last = steps
+    if split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert") \
+            or any(last.get(k) != v for k, v in byte_level.items()) or last.get("use_regex", True):
+        return None
+    return SPLIT_PRE_TOKENIZERS.get((split.get("pattern") or {}).get("Regex"))
+
+
+def add_tokenizer(writer, src: Source) -> dict:
+    """Byte-level BPE vocabulary, merges and special ids from tokenizer.json (+ tokenizer_config.json).
+
+    The pre-tokenizer is one llama.cpp implements (pre_tokenizer_name: GPT-2's, Qwen2's or Qwen3.5's regex); the
+    export refuses any other rather than guess (tests tokenize with llama-tokenize and compare ids)."""
     gguf = _gguf()
     if src.tokenizer_dir is None or not (src.tokenizer_dir / "tokenizer.json").is_file():
         raise SpecquantError(f"no tokenizer.json beside the checkpoint ({src.tokenizer_dir}); GGUF needs the "
                              "vocabulary: copy the base model's tokenizer files into the checkpoint directory")
     tok = json.loads((src.tokenizer_dir / "tokenizer.json").read_text())
     model, pre = tok.get("model") or {}, tok.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) \
-            or pre.get("add_prefix_space") or tok.get("normalizer"):
-        raise SpecquantError(f"tokenizer in {src.tokenizer_dir} is not plain GPT-2 byte-level BPE (model "
-                             f"{model.get('type')!r}, pre-tokenizer {pre.get('type')!r}, normalizer "
-                             f"{(tok.get('normalizer') or {}).get('type')!r}); only that tokenizer is exported")
+    pre_name = pre_tokenizer_name(tok)
+    if model.get("type") != "BPE" or pre_name is None:
+        raise SpecquantError(f"tokenizer in {src.tokenizer_dir} is not a byte-level BPE llama.cpp splits the same "
+                             f"way (model {model.get('type')!r}, pre-tokenizer {pre.get('type')!r}, normalizer "
+                             f"{(tok.get('normalizer') or {}).get('type')!r}); exported are GPT-2's and Qwen's "
+                             "(pre-tokenizers gpt-2, qwen2, qwen35)")
     cfg_path = src.tokenizer_dir / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     vocab = dict(model["vocab"])
@@ -243,7 +269,7 @@ def add_tokenizer(writer, src: Source) -> dict:
             types.append(gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre_name)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -261,61 +287,7 @@ def add_tokenizer(writer, src: Source) -> dict:
         writer.add_pad_token_id(int(pad))
     if tok_cfg.get("chat_template"):
         writer.add_chat_template(tok_cfg["chat_template"])
-    return {"tokens": len(tokens), "merges": len(merges), "eos": int(eos), "bos": int(bos)}
-
-
-# --- architecture ----------------------------------------------------------------------------------------------
-
-
-def _gguf_arch(cfg: ModelConfig):
-    gguf = _gguf()
-    return {"qwen3": gguf.MODEL_ARCH.QWEN3, "qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}[
-        cfg.model_type]
-
-
-def add_hparams(writer, cfg: ModelConfig, file_type: int):
-    gguf = _gguf()
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(file_type)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    scaling = cfg.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(scaling["factor"]))
-    elif rope_type == "yarn":
-        if scaling.get("attention_factor") is not None or scaling.get("mscale") or not scaling.get("truncate", True):
-            raise SpecquantError(f"yarn rope_scaling {scaling} sets attention_factor/mscale/truncate, which GGUF's "
-                                 "yarn keys do not carry; export a config with the default yarn attention factor")
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(float(scaling["factor"]))
-        writer.add_rope_scaling_orig_ctx_len(int(scaling.get("original_max_position_embeddings")
-                                                 or cfg.max_position_embeddings))
-        writer.add_rope_scaling_yarn_beta_fast(float(scaling.get("beta_fast") or 32))
-        writer.add_rope_scaling_yarn_beta_slow(float(scaling.get("beta_slow") or 1))
-    elif rope_type not in ("default", "llama3"):  # llama3 is carried by the rope_freqs tensor (rope_factors)
-        raise SpecquantError(f"rope type {rope_type!r} has no GGUF export; supported: default, linear, llama3, yarn")
-
-
-def rope_factors(cfg: ModelConfig) -> np.ndarray | None:
-    """llama3 rope: llama.cpp divides each frequency by rope_freqs[i]; ours are inv_freq / scaled inv_freq."""
-    scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
-        return None
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-    scaled, _ = ROPE_VARIANTS["llama3"](inv, scaling, cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-    return (inv / scaled).numpy().astype(np.float32)
+    return {"tokens": len(tokens), "merges": len(merges), "eos": int(eos), "bos": int(bos), "pre": pre_name}
 
 
 DENSE_TYPES = {"f32": ("F32", torch.float32), "f16": ("F16", torch.float16), "bf16": ("BF16", torch.bfloat16)}
@@ -351,17 +323,50 @@ def _tensor_order(name: str) -> tuple:
     return (0 if parts[0] in ("token_embd", "rope_freqs") else 2, 0, name)
 
 
+def _rewrite_grid(name: str, w: GridWeight, rw: Rewrite) -> GridWeight:
+    """Row and block-column permutations of a quantized Linear: codes, scales and zero points move together."""
+    codes, scale, zero = w.codes, w.scale, w.zero
+    if rw.rows is not None:
+        codes, scale = codes[rw.rows], scale[rw.rows]
+        zero = None if zero is None else zero[rw.rows]
+    if rw.cols is not None:
+        blocks = rw.cols.reshape(-1, QK)
+        starts = blocks[:, 0]
+        if (starts % QK).any() or not torch.equal(blocks, starts[:, None] + torch.arange(QK)):
+            raise SpecquantError(f"{name}: llama.cpp's layout moves its input columns in pieces that are not whole "
+                                 f"blocks of {QK} weights, so its quantized groups cannot be carried exactly; keep "
+                                 "it dense when quantizing (--ignore), or quantize a model whose value head size "
+                                 f"is a multiple of {QK}")
+        if w.group_size % QK:
+            raise SpecquantError(f"{name}: group size {w.group_size} is not a multiple of GGUF's block of {QK} "
+                                 "weights; re-quantize with --group-size 32, 64 or 128")
+        per_block = w.group_size // QK
+        order = starts // QK  # new block b is old block order[b]; each block then carries its own scale
+        codes = codes[:, rw.cols]
+        scale = scale.repeat_interleave(per_block, dim=1)[:, order]
+        zero = None if zero is None else zero.repeat_interleave(per_block, dim=1)[:, order]
+    return GridWeight(codes, scale, zero, w.bits)
+
+
+def _rewrite_dense(t: torch.Tensor, rw: Rewrite) -> torch.Tensor:
+    if rw.squeeze:
+        t = t.squeeze()
+    if rw.rows is not None:
+        t = t[rw.rows]
+    if rw.cols is not None:
+        t = t[:, rw.cols]
+    if rw.value is not None:
+        t = rw.value(t)
+    return t
+
+
 def plan_tensors(src: Source, dense_dtype: str = "f32", inexact: str = "error"):
     """[(gguf name, array, GGUF type, TensorRow)] for every tensor, after the exactness checks."""
     gguf = _gguf()
     cfg = src.config
     tmap = gguf.get_tensor_name_map(_gguf_arch(cfg), cfg.num_hidden_layers)
+    rewrite = gguf_arch(cfg).rewrites(cfg)
     grid, dense = src.linears()
-    permute = {}
-    if cfg.model_type == "llama":
-        for i in range(cfg.num_hidden_layers):
-            permute[f"model.layers.{i}.self_attn.q_proj"] = cfg.num_attention_heads
-            permute[f"model.layers.{i}.self_attn.k_proj"] = cfg.num_key_value_heads
 
     def gname(key: str) -> str:
         name = tmap.get_name(key, try_suffixes=(".weight", ".bias"))
@@ -369,18 +374,19 @@ def plan_tensors(src: Source, dense_dtype: str = "f32", inexact: str = "error"):
             raise SpecquantError(f"tensor {key!r} has no GGUF name for arch {cfg.model_type!r}")
         return name
 
-    out, rows, bad = [], [], []
+    out, bad = [], []
     for name, w in grid.items():
-        if name in permute:
-            n = permute[name]
-            w = GridWeight(_llama_permute(w.codes, n), _llama_permute(w.scale, n),
-                           None if w.zero is None else _llama_permute(w.zero, n), w.bits)
+        rw = rewrite(name + ".weight")
+        if rw.value is not None or rw.squeeze:
+            raise SpecquantError(f"{name} is quantized, but llama.cpp needs its values rewritten (not only "
+                                 "reordered); keep it dense when quantizing (--ignore)")
+        w = _rewrite_grid(name, w, rw)
         data, kind, inexact_mask = encode(name, w)
         err, nbad = 0.0, int(inexact_mask.sum())
         if nbad:
             err = float(np.abs(dequantize_blocks(data, kind) - w.values().numpy()).max())
             bad.append(f"{name}: {nbad} of {inexact_mask.size} blocks, max |error| {err:.3g}")
-        row = TensorRow(gname(name + ".weight"), name + ".weight", kind, list(w.codes.shape), err, nbad)
+        row = TensorRow(gname(rw.name or name + ".weight"), name + ".weight", kind, list(w.codes.shape), err, nbad)
         out.append((row.name, data, kind, row))
     dense_kind = DENSE_TYPES[dense_dtype][0]
     for key, t in dense.items():
@@ -390,13 +396,12 @@ def plan_tensors(src: Source, dense_dtype: str = "f32", inexact: str = "error"):
             continue
         if not t.is_floating_point():
             raise SpecquantError(f"tensor {key!r} has dtype {t.dtype}; only floating tensors and packed Linears export")
-        base = key.rpartition(".")[0]
-        if base in permute:
-            t = _llama_permute(t, permute[base])
+        rw = rewrite(key)
+        t = _rewrite_dense(t, rw)
         # norms, biases (1-D) stay F32 as in llama.cpp's own converter; matrices take the chosen dense type
-        kind = dense_kind if t.dim() == 2 else "F32"
+        kind = dense_kind if t.dim() == 2 and not rw.squeeze else "F32"
         arr, err = _dense_array(t, kind)
-        row = TensorRow(gname(key), key, kind, list(t.shape), err)
+        row = TensorRow(gname(rw.name or key), key, kind, list(t.shape), err)
         out.append((row.name, arr, kind, row))
     factors = rope_factors(cfg)
     if factors is not None:

@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from specquant.errors import SpecquantError
-from specquant.export.gguf import (DENSE_TYPES, FILE_TYPES, GRID_TENSORS, Source, TensorRow, _dense_array, _gguf,
-                                   _grid_weight, add_hparams, add_tokenizer, dequantize_blocks, encode, rope_factors)
+from specquant.export.gguf import (DENSE_TYPES, FILE_TYPES, GRID_TENSORS, Source, TensorRow, _dense_array,
+                                   _grid_weight, add_tokenizer, dequantize_blocks, encode)
+from specquant.export.gguf_arch import _gguf, add_hparams, rope_factors
 from specquant.model.block_draft import BlockDraftConfig, is_block_draft_config
 from specquant.model.checkpoint import load_tensors, read_hf_config, resolve
 from specquant.model.config import ModelConfig

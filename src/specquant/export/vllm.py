@@ -8,19 +8,35 @@ lives in the checkpoint, never in a file name); each kind names its vLLM method:
          `block_size` -> method "dflash"; num_speculative_tokens is then the trained block size minus one
          (the block's first slot is the verified anchor token).
 vLLM itself does not run on the CPU CI; tests check the JSON against the fields of vLLM's SpeculativeConfig.
+
+Qwen3.5 hybrids are written in the layout vLLM's Qwen3_5ForConditionalGeneration reads, served with
+`--language-model-only` (the vision tower is never built). That class, not Qwen3_5ForCausalLM, is the one vLLM
+registers as a top-level architecture in the releases that run Qwen3.5 (its text class is an inner module without
+the hybrid-state interface; later releases register it too, and they read the wrapper layout all the same): config
+model_type "qwen3_5" with our config as its text_config, tensors renamed model.* -> model.language_model.* (its
+hf_to_vllm_mapper maps that prefix to language_model.model.*; lm_head.* and mtp.* keep their names), and the
+compressed-tensors `ignore` names renamed alike. vLLM fuses q/k/v, gate/up, in_proj_qkv/in_proj_z and
+in_proj_b/in_proj_a into one Linear each, so each such group must be all quantized or all dense.
+
+A block drafter's config.json is written with the fields vLLM's dflash loader (models/qwen3_dflash.py) reads and ours
+does not carry: eagle_aux_hidden_state_layer_ids (the target layers whose outputs it reads, in vLLM's numbering:
+layer i's output is aux index i + 1; releases that read only this key otherwise fall back to three default layers),
+target_hidden_size, rope_parameters, and our serve-time window as dflash_config.use_swa / swa_window_size.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from specquant.errors import SpecquantError
 from specquant.export.config import ExportConfig, check_out, write_marker
 from specquant.model.checkpoint import read_hf_config, resolve
 from specquant.util.files import atomic_dir
-from specquant.model.config import ModelConfig
+from specquant.model.config import MULTIMODAL, ModelConfig
 from specquant.spec_decode.drafter import DrafterKind
 from specquant.spec_decode.drafters import kind_of
 
@@ -53,6 +69,7 @@ def tp_notes(target: dict, draft: dict | None, tp: int) -> list[str]:
     replicated when tp > kv heads, but tp must then be a multiple of them); the draft runs at TP 1 or the target's."""
     notes, errors = [], []
     for role, hf in (("target", target), ("draft", draft)):
+        hf = None if hf is None else _text_config(hf)
         if hf is None or hf.get("num_attention_heads") is None:
             continue
         heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
@@ -67,7 +84,8 @@ def tp_notes(target: dict, draft: dict | None, tp: int) -> list[str]:
             ok_draft = heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
             notes.append(f"draft runs at draft_tensor_parallel_size 1 (allowed: 1 or the target's {tp}"
                          f"{'' if ok_draft else f'; {tp} does not divide its heads, so 1 is the only choice'})")
-        for key in ("intermediate_size", "vocab_size"):
+        # a hybrid's Gated DeltaNet shards its key and value heads too (vLLM's GatedDeltaNetAttention divides both)
+        for key in ("intermediate_size", "vocab_size", "linear_num_key_heads", "linear_num_value_heads"):
             if hf.get(key) and hf[key] % draft_tp:
                 errors.append(f"{role} {key}={hf[key]} is not divisible by tensor-parallel size {draft_tp}")
     if errors:
@@ -88,14 +106,153 @@ def speculative_config(draft_dir: Path, draft_hf: dict, cfg: ExportConfig) -> di
     return spec
 
 
-def serve_command(target_dir: Path, spec: dict | None, target_hf: dict, cfg: ExportConfig) -> str:
-    import json
+# --- the target's layout -----------------------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class VllmLayout:
+    """How vLLM loads one of our model_types when it is not loaded as it is saved."""
+
+    architecture: str  # the top-level class vLLM registers
+    model_type: str  # its config.json model_type; ours goes under text_config
+    prefix: tuple[str, str]  # (our tensor-name prefix, the one its weight mapper reads)
+    serve_flags: tuple[str, ...]  # what `vllm serve` needs to load it as a text model
+
+
+LAYOUTS = {"qwen3_5_text": VllmLayout("Qwen3_5ForConditionalGeneration", "qwen3_5", ("model.", "model.language_model."),
+                                      ("--language-model-only",))}
+# Linears vLLM fuses into one (merged column-parallel) layer: one quantization scheme each
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z"),
+         ("in_proj_b", "in_proj_a"))
+
+
+def layout_of(hf: dict) -> VllmLayout | None:
+    """The layout a config.json is rewritten to for vLLM; None when it loads as it is."""
+    return LAYOUTS.get(hf.get("model_type"))
+
+
+def _text_config(hf: dict) -> dict:
+    return hf.get("text_config") or hf
+
+
+def tensor_names(path: Path) -> list[str]:
+    """Every tensor name of a checkpoint, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    from specquant.model.checkpoint import _safetensors_files
+
+    names = []
+    for f in _safetensors_files(path):
+        with safe_open(f, "pt") as h:
+            names += list(h.keys())
+    return names
+
+
+def check_fused_groups(tensor_names) -> None:
+    """Every group vLLM fuses is all quantized (weight_packed) or all dense; raises naming the first mixed one."""
+    packed = {n[: -len(".weight_packed")] for n in tensor_names if n.endswith(".weight_packed")}
+    dense = {n[: -len(".weight")] for n in tensor_names if n.endswith(".weight")}
+    for group in FUSED:
+        for base in sorted({n.rpartition(".")[0] for n in packed | dense if n.rpartition(".")[2] == group[0]}):
+            kinds = {leaf: (f"{base}.{leaf}" in packed) for leaf in group if f"{base}.{leaf}" in packed | dense}
+            if len(set(kinds.values())) > 1:
+                raise SpecquantError(
+                    f"{base}: vLLM fuses {' + '.join(group)} into one layer, but only "
+                    f"{', '.join(k for k, q in kinds.items() if q)} is quantized; quantize all of them or none "
+                    "(`specquant quantize --ignore`)")
+
+
+def _rename(name: str, prefix: tuple[str, str]) -> str:
+    ours, theirs = prefix
+    return theirs + name[len(ours):] if name.startswith(ours) and not name.startswith(theirs) else name
+
+
+def layout_config(hf: dict, layout: VllmLayout) -> dict:
+    """Our config.json -> the one vLLM's `layout.architecture` reads: ours as text_config, the wrapper's own keys,
+    quantization_config at the top with its ignore names renamed as the tensors are."""
+    text = {k: v for k, v in hf.items() if k not in ("architectures", "quantization_config", "torch_dtype", "dtype")}
+    out = {"architectures": [layout.architecture], "model_type": layout.model_type, "text_config": text}
+    for key in ("tie_word_embeddings", "torch_dtype", "dtype", "bos_token_id", "eos_token_id"):
+        if key in hf:
+            out[key] = hf[key]
+    qc = hf.get("quantization_config")
+    if qc:
+        qc = dict(qc)
+        qc["ignore"] = [n if n.startswith("re:") else _rename(n, layout.prefix) for n in qc.get("ignore") or []]
+        out["quantization_config"] = qc
+    return out
+
+
+def write_target(src: Path, dst: Path, hf: dict) -> None:
+    """The target as vLLM loads it: copied as it is, or rewritten to its layout (config + renamed tensors; the
+    tokenizer and every other file copied)."""
+    layout = layout_of(hf)
+    if layout is None:
+        shutil.copytree(src, dst)
+        return
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from specquant.model.checkpoint import _safetensors_files
+
+    files = _safetensors_files(src)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json",
+                                                            "config.json"))
+    for f in files:
+        with safe_open(f, "pt") as h:
+            tensors = {_rename(k, layout.prefix): h.get_tensor(k) for k in h.keys()}
+            meta = h.metadata()
+        save_file(tensors, dst / f.name, metadata=meta or {"format": "pt"})
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {_rename(k, layout.prefix): v for k, v in data["weight_map"].items()}
+        (dst / index.name).write_text(json.dumps(data, indent=2) + "\n")
+    (dst / "config.json").write_text(json.dumps(layout_config(hf, layout), indent=2) + "\n")
+
+
+# --- the block drafter's config -----------------------------------------------------------------------------------
+
+
+def vllm_draft_config(draft_hf: dict, target_hf: dict) -> dict:
+    """A block drafter's config.json with the keys vLLM's dflash loader reads (module docstring); others as ours."""
+    out = json.loads(json.dumps(draft_hf))
+    target = _text_config(target_hf)
+    ids = list(out["dflash_config"]["target_layer_ids"])
+    # our ids name decoder layers whose outputs are read (0-based); vLLM's aux index i is the input of layer i
+    out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
+    out["target_hidden_size"] = target["hidden_size"]
+    if not out.get("rope_parameters"):
+        out["rope_parameters"] = {"rope_type": "default", **(out.get("rope_scaling") or {}),
+                                  "rope_theta": out.get("rope_theta", 10000.0)}
+    window = out.get("specquant_sliding_window")
+    if window:
+        out["dflash_config"] = {**out["dflash_config"], "use_swa": True, "swa_window_size": int(window)}
+    return out
+
+
+def check_block_pair(target_hf: dict, draft_hf: dict) -> None:
+    """The block drafter reads this target: same width and vocabulary, its layers exist, its mask id is a token."""
+    from specquant.model.block_draft import BlockDraftConfig
+
+    target = ModelConfig.from_hf(target_hf)
+    draft = BlockDraftConfig.from_hf(draft_hf)
+    draft.check_target(target)
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        raise SpecquantError(f"block drafter mask_token_id={draft.mask_token_id} is outside the target's vocabulary "
+                             f"of {target.vocab_size}; vLLM embeds the mask with the target's embeddings")
+
+
+def serve_command(target_dir: Path, spec: dict | None, target_hf: dict, cfg: ExportConfig) -> str:
     args = ["vllm", "serve", str(target_dir), "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     quant = quantization_of(target_hf)
     if quant:
         args += ["--quantization", quant]
-    args += ["--max-model-len", str(cfg.ctx_size or target_hf.get("max_position_embeddings", 2048))]
+    layout = layout_of(target_hf) or LAYOUTS.get(MULTIMODAL.get(target_hf.get("model_type")))
+    if layout is not None:
+        args += list(layout.serve_flags)
+    text = _text_config(target_hf)
+    args += ["--max-model-len", str(cfg.ctx_size or text.get("max_position_embeddings", 2048))]
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     return shlex.join(args)
@@ -103,12 +260,14 @@ def serve_command(target_dir: Path, spec: dict | None, target_hf: dict, cfg: Exp
 
 def check_pair(target_hf: dict, draft_hf: dict):
     """A standalone drafter (an LM) must share the target's vocabulary size (vLLM verifies token ids, not
-    strings)."""
+    strings); a block drafter must be the one trained for this target."""
     if drafter_kind(draft_hf).standalone:
         t, d = ModelConfig.from_hf(target_hf), ModelConfig.from_hf(draft_hf)
         if t.vocab_size != d.vocab_size:
             raise SpecquantError(f"draft vocab_size {d.vocab_size} differs from the target's {t.vocab_size}; "
                                  "an LM drafter must share the target's tokenizer")
+    elif drafter_kind(draft_hf).name == "block":
+        check_block_pair(target_hf, draft_hf)
 
 
 def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = False) -> dict:
@@ -124,16 +283,26 @@ def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = F
         check_pair(target_hf, draft_hf)
     notes = tp_notes(target_hf, draft_hf if draft_hf and drafter_kind(draft_hf).standalone else None,
                      cfg.tensor_parallel_size)
-    if draft_hf and draft_hf.get("specquant_sliding_window"):
+    for path in (target_path, draft_path):
+        if path is not None:
+            check_fused_groups(tensor_names(path))
+    if draft_hf and draft_hf.get("specquant_sliding_window") and drafter_kind(draft_hf).standalone:
         notes.append(f"draft sliding window {draft_hf['specquant_sliding_window']} is specquant's own; vLLM's "
                      "draft_model attends to the full context (still lossless, drafts may differ)")
     out_target, out_draft = out / "target", out / "draft"
     spec = speculative_config(out_draft.resolve(), draft_hf, cfg) if draft_hf is not None else None
     command = serve_command(out_target.resolve(), spec, target_hf, cfg)
+    if layout_of(target_hf) is not None:
+        notes.append(f"target written as {layout_of(target_hf).architecture} (vLLM's Qwen3.5 class), served with "
+                     f"{' '.join(layout_of(target_hf).serve_flags)}")
+    block = draft_hf is not None and drafter_kind(draft_hf).name == "block"
     with atomic_dir(out, overwrite=True) as tmp:  # check_out above is the stricter rule
-        shutil.copytree(target_path, tmp / "target")
+        write_target(target_path, tmp / "target", target_hf)
         if draft_path is not None:
             shutil.copytree(draft_path, tmp / "draft")
+        if block:
+            (tmp / "draft" / "config.json").write_text(
+                json.dumps(vllm_draft_config(draft_hf, target_hf), indent=2, sort_keys=True) + "\n")
         (tmp / "serve.sh").write_text("#!/usr/bin/env bash\n" + command + "\n")
         report = {"engine": "vllm", "out": str(out), "target": str(out_target),
                   "draft": str(out_draft) if draft else None, "speculative_config": spec, "command": command,

@@ -19,7 +19,7 @@ from specquant.decode.compiled import Stepper
 from specquant.decode.sampling import SamplingConfig, next_token
 from specquant.spec_decode.adaptive import next_draft_len
 from specquant.spec_decode.config import SpecConfig
-from specquant.spec_decode.drafter import Draft, Drafter
+from specquant.spec_decode.drafter import Drafter
 from specquant.spec_decode.metrics import StepMetrics
 from specquant.spec_decode.verify import verify
 
