@@ -19,6 +19,7 @@ from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.engine import SpecEngine, generate
+from specquant.model.layers import layer_kinds
 
 
 def ours(theirs) -> Transformer:
@@ -34,7 +35,7 @@ def _pair():
         torch.manual_seed(12)
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.03)  # accepts 0..3 of 3 drafts at different steps
-    assert target.config.per_layer_types == ("gated_attention", "linear_attention")
+    assert layer_kinds(target.config) == ("gated_attention", "linear_attention")
     return target, draft
 
 
