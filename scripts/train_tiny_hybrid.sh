@@ -11,9 +11,50 @@
 # windows (train_bundled.py's evaluate: 8 x 8 windows of 256 tokens, seed + 999).
 #   EVAL ONLY:  .venv/bin/python scripts/train_bundled.py --evaluate tiny-target --tokens data/tokens-heldout
 # The MTP layer is not trained here: `specquant distill draft --kind mtp` trains it on the exported target.
+#
+#   scripts/train_tiny_hybrid.sh              the target -> src/specquant/models/tiny-hybrid
+#   scripts/train_tiny_hybrid.sh block-draft  its block drafter, stage 1 (against the fp32 target) ->
+#                                             src/specquant/models/tiny-hybrid-block-draft
+# Stage 2 of the drafter trains against the W4 + QAD form of tiny-hybrid (hybrid QAD: `specquant distill target`
+# on a hybrid W4 student), warm-started from stage 1 with a fresh schedule:
+#   specquant quantize --model tiny-hybrid --method awq --out runs/hybrid-w4
+#   specquant distill target --teacher tiny-hybrid --student runs/hybrid-w4 --out runs/hybrid-qad
+#   specquant distill draft --kind block --init runs/hybrid-block-draft/model --target runs/hybrid-qad/model \
+#       --data runs/hybrid-block-draft/train.txt --labels target --out runs/hybrid-block-draft-stage2 \
+#       --steps 250 --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 --warmup 50 --save-every 100
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+if [ "${1:-target}" = block-draft ]; then
+  # Stage 1 on corpus text (every document but the held-out ones), labelled with the target's own greedy
+  # predictions (--labels target): the labels a regen of the target's generations would give, without the regen.
+  # Taps: DFlash's rule for a hybrid (5 layers from 1 to N-3: [1, 2, 3, 4, 5] at 8 layers).
+  RUN=runs/hybrid-block-draft
+  mkdir -p $RUN
+  if [ ! -f $RUN/train.txt ]; then
+    $PY - $RUN/train.txt <<'PYEOF'
+import sys
+from pathlib import Path
+held = set(Path("src/specquant/data/heldout.txt").read_text().split("\n\n\n"))
+docs, size = [], 0
+for d in Path("data/corpus/train.txt").read_text().split("\n\n\n"):
+    if d not in held and size < 3_000_000:  # ~0.9M tokens: more than stage 1 reads, so no block repeats
+        docs.append(d)
+        size += len(d)
+Path(sys.argv[1]).write_text("\n\n\n".join(docs))
+PYEOF
+  fi
+  RESUME=()
+  if [ -d $RUN/checkpoints ]; then RESUME=(--resume); elif [ -d $RUN/model ]; then RESUME=(--overwrite); fi
+  $PY -m specquant.cli distill draft --kind block --target src/specquant/models/tiny-hybrid --data $RUN/train.txt \
+      --labels target --out $RUN --steps ${STAGE1_STEPS:-800} --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 \
+      --warmup 50 --eval-every 200 --save-every 100 --layers 2 --no-progress --json "${RESUME[@]}"
+  EXPORT=src/specquant/models/tiny-hybrid-block-draft
+  rm -rf $EXPORT.tmp && cp -r $RUN/model $EXPORT.tmp && rm -f $EXPORT.tmp/.specquant-out
+  rm -rf $EXPORT && mv $EXPORT.tmp $EXPORT
+  echo "exported $EXPORT" >&2
+  exit 0
+fi
 TOK=data/tokens-heldout
 if [ ! -f $TOK/meta.json ]; then
   $PY - $TOK <<'PYEOF'
