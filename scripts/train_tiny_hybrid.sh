@@ -91,3 +91,4 @@ PYEOF
 phase() { local dir=$1 stop=$2; shift 2; local s; s=$(step "$dir"); [ "$s" -ge "$stop" ] || "$@" --stop-after $((stop - s)); }
 phase runs/hybrid 100 $T --steps 900
 $T --steps ${STEPS:-1200} ${CHUNK:+--stop-after $CHUNK} --export src/specquant/models/tiny-hybrid
+rm -f src/specquant/models/tiny-hybrid/.specquant-out  # the output marker is not part of the bundled model
