@@ -38,7 +38,7 @@ from pathlib import Path
 held = set(Path("src/specquant/data/heldout.txt").read_text().split("\n\n\n"))
 docs, size = [], 0
 for d in Path("data/corpus/train.txt").read_text().split("\n\n\n"):
-    if d not in held and size < 3_000_000:  # ~0.9M tokens: more than stage 1 reads, so no block repeats
+    if d not in held and size < 3_000_000:  # ~0.9M tokens: more than stage 1 reads (500 x 4 x 256), so no block repeats
         docs.append(d)
         size += len(d)
 Path(sys.argv[1]).write_text("\n\n\n".join(docs))
@@ -47,8 +47,8 @@ PYEOF
   RESUME=()
   if [ -d $RUN/checkpoints ]; then RESUME=(--resume); elif [ -d $RUN/model ]; then RESUME=(--overwrite); fi
   $PY -m specquant.cli distill draft --kind block --target src/specquant/models/tiny-hybrid --data $RUN/train.txt \
-      --labels target --out $RUN --steps ${STAGE1_STEPS:-800} --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 \
-      --warmup 50 --eval-every 200 --save-every 100 --layers 2 --no-progress --json "${RESUME[@]}"
+      --labels target --out $RUN --steps ${STAGE1_STEPS:-500} --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 \
+      --warmup 50 --eval-every 100 --save-every 100 --layers 2 --no-progress --json "${RESUME[@]}"
   EXPORT=src/specquant/models/tiny-hybrid-block-draft
   rm -rf $EXPORT.tmp && cp -r $RUN/model $EXPORT.tmp && rm -f $EXPORT.tmp/.specquant-out
   rm -rf $EXPORT && mv $EXPORT.tmp $EXPORT
