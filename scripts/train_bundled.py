@@ -8,7 +8,8 @@ Runs on CPU (bf16 autocast) or CUDA. `--export DIR` writes the final weights as 
     python scripts/train_bundled.py --role target --steps 2000 --run-dir runs/target --export src/specquant/models/tiny-target
     python scripts/train_bundled.py --role draft --teacher src/specquant/models/tiny-target --steps 1500 \
         --run-dir runs/draft --export src/specquant/models/tiny-draft
-    python scripts/train_bundled.py --role hybrid --steps 900 --run-dir runs/hybrid --export src/specquant/models/tiny-hybrid
+    python scripts/train_bundled.py --role hybrid --steps 1200 --run-dir runs/hybrid --tokens data/tokens-heldout \
+        --export src/specquant/models/tiny-hybrid       # as scripts/train_tiny_hybrid.sh runs it, in phases
     python scripts/train_bundled.py --evaluate src/specquant/models/tiny-target   # held-out perplexity of a checkpoint
 
 --role hybrid is a Qwen3.5-style target (qwen3_5_text): Gated DeltaNet and gated full attention layers in the 3:1

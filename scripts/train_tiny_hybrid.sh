@@ -87,7 +87,8 @@ PYEOF
 }
 # Phases, as the shipped model was trained: the first 100 steps ran under a 900-step cosine schedule sized from a
 # throughput measured while the run had a small share of the shared CPU; with its share restored the run resumed
-# with the budget that fits (the cosine follows the current --steps). phase <run dir> <stop at step> <command...> skips a phase already done.
+# with the budget that fits (the cosine follows the current --steps).
+# phase <run dir> <stop at step> <command...>: run a phase unless its checkpoint is already there.
 phase() { local dir=$1 stop=$2; shift 2; local s; s=$(step "$dir"); [ "$s" -ge "$stop" ] || "$@" --stop-after $((stop - s)); }
 phase runs/hybrid 100 $T --steps 900
 $T --steps ${STEPS:-1200} ${CHUNK:+--stop-after $CHUNK} --export src/specquant/models/tiny-hybrid
