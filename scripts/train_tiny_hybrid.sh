@@ -20,7 +20,7 @@
 #   specquant quantize --model tiny-hybrid --method awq --out runs/hybrid-w4
 #   specquant distill target --teacher tiny-hybrid --student runs/hybrid-w4 --out runs/hybrid-qad
 #   specquant distill draft --kind block --init runs/hybrid-block-draft/model --target runs/hybrid-qad/model \
-#       --data runs/hybrid-block-draft/train.txt --labels target --out runs/hybrid-block-draft-stage2 \
+#       --data runs/hybrid-block-draft.txt --labels target --out runs/hybrid-block-draft-stage2 \
 #       --steps 250 --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 --warmup 50 --save-every 100
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,9 +30,10 @@ if [ "${1:-target}" = block-draft ]; then
   # predictions (--labels target): the labels a regen of the target's generations would give, without the regen.
   # Taps: DFlash's rule for a hybrid (5 layers from 1 to N-3: [1, 2, 3, 4, 5] at 8 layers).
   RUN=runs/hybrid-block-draft
-  mkdir -p $RUN
-  if [ ! -f $RUN/train.txt ]; then
-    $PY - $RUN/train.txt <<'PYEOF'
+  TEXT=runs/hybrid-block-draft.txt  # beside the run, not in it: distill's --out must hold only its own files
+  mkdir -p runs
+  if [ ! -f $TEXT ]; then
+    $PY - $TEXT <<'PYEOF'
 import sys
 from pathlib import Path
 held = set(Path("src/specquant/data/heldout.txt").read_text().split("\n\n\n"))
@@ -46,7 +47,7 @@ PYEOF
   fi
   RESUME=()
   if [ -d $RUN/checkpoints ]; then RESUME=(--resume); elif [ -d $RUN/model ]; then RESUME=(--overwrite); fi
-  $PY -m specquant.cli distill draft --kind block --target src/specquant/models/tiny-hybrid --data $RUN/train.txt \
+  $PY -m specquant.cli distill draft --kind block --target src/specquant/models/tiny-hybrid --data $TEXT \
       --labels target --out $RUN --steps ${STAGE1_STEPS:-500} --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 \
       --warmup 50 --eval-every 100 --save-every 100 --layers 2 --no-progress --json "${RESUME[@]}"
   EXPORT=src/specquant/models/tiny-hybrid-block-draft
