@@ -49,3 +49,22 @@ def test_at_least_as_good_as_tiny_target_on_heldout_text():
     with torch.no_grad():
         r = compare(load_model("tiny-target"), load_model("tiny-hybrid"), tokens)
     assert r["ppl"] <= r["ppl_ref"], {k: r[k] for k in ("ppl", "ppl_ref")}
+
+
+@needs_bundled("tiny-hybrid-block-draft")
+def test_its_block_drafter_reads_dflash_taps_and_speculates_losslessly():
+    from specquant.drafter_loader import load_block_draft
+    from specquant.spec_decode.config import SpecConfig
+    from specquant.spec_decode.drafters.block import BlockDrafter
+    from specquant.spec_decode.engine import SpecEngine, generate
+
+    target = load_model("tiny-hybrid")
+    drafter = load_block_draft("tiny-hybrid-block-draft").attach_target(target).eval()
+    assert drafter.config.target_layer_ids == [1, 2, 3, 4, 5]  # DFlash's rule at 8 layers
+    cfg = SpecConfig(draft_len=3)
+    eng = SpecEngine(target, BlockDrafter(drafter, target, cfg), cfg)
+    prompt = torch.tensor([load_tokenizer(resolve("tiny-hybrid")).encode("The function returns the")])
+    ref = generate(target, prompt, 32, stop_on_eos=False).token_ids[0]
+    out = eng.generate(prompt, 32, stop_on_eos=False)
+    assert out.token_ids[0] == ref
+    assert out.stats["num_accepted_tokens"] > 0  # a trained drafter: some drafts are accepted

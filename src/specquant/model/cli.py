@@ -61,12 +61,13 @@ def run(args):
     if args.json:
         print_json({"models": rows})
         return 0
-    print(f"{'name':<16} {'params':>10} {'size':>10}  path  (architecture)")
+    w = max(16, *(len(r["name"]) for r in rows))
+    print(f"{'name':<{w}} {'params':>10} {'size':>10}  path  (architecture)")
     for r in rows:
         if r["available"]:
-            print(f"{r['name']:<16} {r['parameters'] / 1e6:>9.2f}M {r['bytes'] / 2**20:>8.1f}MB  {r['path']}  "
+            print(f"{r['name']:<{w}} {r['parameters'] / 1e6:>9.2f}M {r['bytes'] / 2**20:>8.1f}MB  {r['path']}  "
                   f"({r['architecture']})")
         else:
-            print(f"{r['name']:<16} {'-':>10} {'-':>10}  {r['path']} (not built: run "
+            print(f"{r['name']:<{w}} {'-':>10} {'-':>10}  {r['path']} (not built: run "
                   f"{BUILT_BY.get(r['name'], 'scripts/train_bundled.py')})")
     return 0
