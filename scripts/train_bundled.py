@@ -1,4 +1,4 @@
-"""Train the bundled tiny-target (CE on the corpus) or tiny-draft (KL to the target's logits).
+"""Train the bundled tiny-target or tiny-hybrid (CE on the corpus) or tiny-draft (KL to the target's logits).
 
 Deterministic given --seed: batch i is drawn from a generator seeded by (seed, i), so a resumed run sees exactly the
 batches an uninterrupted one would. Resumable: every --ckpt-every steps the model and AdamW state are written as
@@ -8,6 +8,12 @@ Runs on CPU (bf16 autocast) or CUDA. `--export DIR` writes the final weights as 
     python scripts/train_bundled.py --role target --steps 2000 --run-dir runs/target --export src/specquant/models/tiny-target
     python scripts/train_bundled.py --role draft --teacher src/specquant/models/tiny-target --steps 1500 \
         --run-dir runs/draft --export src/specquant/models/tiny-draft
+    python scripts/train_bundled.py --role hybrid --steps 1200 --run-dir runs/hybrid --tokens data/tokens-heldout \
+        --export src/specquant/models/tiny-hybrid       # as scripts/train_tiny_hybrid.sh runs it, in phases
+    python scripts/train_bundled.py --evaluate src/specquant/models/tiny-target   # held-out perplexity of a checkpoint
+
+--role hybrid is a Qwen3.5-style target (qwen3_5_text): Gated DeltaNet and gated full attention layers in the 3:1
+pattern, zero-centred norms, partial RoPE, without the MTP layer (`specquant distill draft --kind mtp` trains that).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from specquant.loader import load_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 
-# Architecture presets: Qwen3 layout, 8k vocab, tied embeddings.
+# Architecture presets: 8k vocab, tied embeddings; Qwen3 layout unless HF_PRESETS names the role.
 PRESETS = {
     # Sized by measurement on a 2-core CPU without bf16 matmul units (fp32 training, ~800 tok/s at this size):
     # the largest target that sees a few million tokens in about an hour.
@@ -38,6 +44,31 @@ PRESETS = {
     "draft": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64),
 }
+# Roles whose architecture is an HF config.json dict, built with ModelConfig.from_hf: the model trained is then
+# exactly the one its exported checkpoint loads as (the hybrid's per-family flags are from_hf's to set).
+HF_PRESETS = {
+    # Qwen3.5's layout in miniature: every 4th layer full attention (full_attention_interval), DeltaNet value heads
+    # twice its key heads, partial RoPE on a quarter of each head. Sized by measuring steps on this 2-core CPU at
+    # one thread (docs/MODELS.md): the largest that sees enough tokens in the training budget.
+    "hybrid": dict(model_type="qwen3_5_text", hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, full_attention_interval=4,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                   linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                   tie_word_embeddings=True, eos_token_id=0),
+}
+# residual-branch output projections of each layer kind: initialised smaller, scaled by depth (GPT-2)
+RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight", "out_proj.weight")
+# 1-D parameters of a DeltaNet that are not norms: kept at the mixer's own init (A in transformers' range, dt_bias
+# ones) and out of weight decay, as flash-linear-attention trains them
+NO_DECAY = ("A_log", "dt_bias")
+
+
+def model_config(role: str, vocab_size: int) -> ModelConfig:
+    """The architecture of a role: PRESETS' Qwen3 layout, or HF_PRESETS' config.json read as a checkpoint's is."""
+    if role in HF_PRESETS:
+        return ModelConfig.from_hf({**HF_PRESETS[role], "vocab_size": vocab_size, "max_position_embeddings": 2048})
+    return ModelConfig(vocab_size=vocab_size, max_position_embeddings=2048, rope_theta=10000.0, **PRESETS[role])
 
 
 @dataclass
@@ -130,9 +161,11 @@ def evaluate(model, val: np.ndarray, cfg: TrainConfig, device, teacher=None, bat
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", choices=list(PRESETS), default="target")
+    ap.add_argument("--role", choices=[*PRESETS, *HF_PRESETS], default="target")
     ap.add_argument("--tokens", default="data/tokens")
-    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--run-dir", help="checkpoints and log.jsonl (required unless --evaluate)")
+    ap.add_argument("--evaluate", metavar="MODEL", help="only print MODEL's held-out loss / perplexity on --tokens' "
+                    "val.bin (the windows training evaluates on) and exit")
     ap.add_argument("--teacher", help="draft only: distil from this target checkpoint (KL on logits)")
     ap.add_argument("--tokenizer-from", default="src/specquant/models/tiny-target")
     ap.add_argument("--export", help="write final bf16 weights + tokenizer here")
@@ -152,20 +185,25 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    val = np.memmap(Path(args.tokens) / "val.bin", dtype=np.uint16, mode="r")
+    if args.evaluate:
+        model = load_model(args.evaluate, dtype=torch.float32, device=device)
+        print(json.dumps({"model": args.evaluate, **evaluate(model, val, cfg, device)}), flush=True)
+        return
+    if not args.run_dir:
+        ap.error("--run-dir is required to train")
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     meta = json.loads((Path(args.tokens) / "meta.json").read_text())
     train = np.memmap(Path(args.tokens) / "train.bin", dtype=np.uint16, mode="r")
-    val = np.memmap(Path(args.tokens) / "val.bin", dtype=np.uint16, mode="r")
 
     torch.manual_seed(cfg.seed)
-    mcfg = ModelConfig(vocab_size=meta["vocab_size"], max_position_embeddings=2048, rope_theta=10000.0,
-                       **PRESETS[cfg.role])
+    mcfg = model_config(cfg.role, meta["vocab_size"])
     model = Transformer(mcfg).to(device)
     with torch.no_grad():  # GPT-2 style init: small normal weights, residual projections scaled by depth
         for n, p in model.named_parameters():
             if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * mcfg.num_hidden_layers) if n.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                std = 0.02 / math.sqrt(2 * mcfg.num_hidden_layers) if n.endswith(RESIDUAL_OUT) else 0.02
                 torch.nn.init.normal_(p, std=std)
     teacher = None
     if cfg.role == "draft":
@@ -174,8 +212,8 @@ def main():
         teacher = load_model(args.teacher, dtype=torch.bfloat16 if cfg.autocast_bf16 else torch.float32, device=device)
         for p in teacher.parameters():
             p.requires_grad_(False)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith(NO_DECAY)]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n.endswith(NO_DECAY)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     step = load_ckpt(run_dir, model, opt)

@@ -45,7 +45,8 @@ def test_models_json_lists_every_bundled(capsys):
     assert rc == 0 and err == ""
     assert len(out.splitlines()) == 1
     rows = json.loads(out)["models"]
-    assert [r["name"] for r in rows] == ["tiny-target", "tiny-draft", "tiny-block-draft"]
+    assert [r["name"] for r in rows] == ["tiny-target", "tiny-draft", "tiny-block-draft", "tiny-hybrid",
+                                         "tiny-hybrid-block-draft"]
     for r in rows:
         assert Path(r["path"]) == BUNDLED_DIR / r["name"]
         assert r["available"] == (Path(r["path"]) / "config.json").exists()

@@ -77,9 +77,12 @@ def test_bad_input_is_one_line(pair, tmp_path, capsys):
 
 
 def test_default_layer_ids_spread():
-    assert DraftConfig().layer_ids(8) == [1, 3, 4, 6]
-    assert DraftConfig().layer_ids(36) == [1, 12, 23, 34]
-    assert DraftConfig(target_layer_ids="2,5").layer_ids(8) == [2, 5]
+    from specquant.model.config import ModelConfig
+
+    dense = lambda n: ModelConfig(num_hidden_layers=n)  # noqa: E731
+    assert DraftConfig().layer_ids(dense(8)) == [1, 3, 4, 6]
+    assert DraftConfig().layer_ids(dense(36)) == [1, 12, 23, 34]
+    assert DraftConfig(target_layer_ids="2,5").layer_ids(dense(8)) == [2, 5]
 
 
 def test_resume_at_the_last_step_evaluates_and_exports(pair, tmp_path, capsys):

@@ -7,6 +7,7 @@ Architecture (REFERENCE.md §3, the `DFlashDraftModel` layout vLLM, SGLang and l
   non-causal inside the block, every context position before the anchor visible
   logits = target.lm_head(norm(block)) at block positions 1..B-1
 `h_l` is the output of the target's decoder layer l (0-based), i.e. transformers' `hidden_states[l + 1]`.
+Which layers a fresh drafter reads (its taps) is `default_target_layer_ids`: DFlash's rule for hybrid targets.
 
 The target's embeddings and lm_head are reused by reference (`attach_target`), never copied: they are not
 submodules, so they are neither saved, trained nor quantized with the drafter.
@@ -36,6 +37,38 @@ from specquant.model.rope import apply_rope, rope_tables
 
 ARCHITECTURE = "DFlashDraftModel"
 APPEND_CHUNK = 64  # largest number of context positions one ring-cache write takes (prefill is chunked)
+DENSE_TAPS = 4  # taps of a fresh drafter on a dense (Qwen3-style) target: this project's rule, as trained so far
+HYBRID_TAPS = 5  # on a hybrid (Qwen3.5) target: DFlash's released Qwen3.5 drafters read five layers
+
+
+def dflash_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """DFlash's tap rule (z-lab/dflash model/utils.py build_target_layer_ids, which SGLang mirrors): num_taps
+    layers spread evenly, rounded, from layer 1 to layer N-3; one tap reads the middle layer N // 2. At 32 layers
+    and 5 taps: [1, 8, 15, 22, 29].
+
+    Index convention: 0-based decoder layer ids, each naming that layer's output (the residual stream after it),
+    which DFlash reads as transformers' hidden_states[id + 1] (hidden_states[0] is the embeddings) and our
+    Transformer.forward(hidden_layers=ids) returns directly. Targets too shallow for num_taps distinct layers in
+    1..N-3 get fewer taps (DFlash's formula would repeat layers there)."""
+    if num_target_layers < 1 or num_taps < 1:
+        raise SpecquantError(f"a tap rule needs at least one target layer and one tap, not {num_target_layers} "
+                             f"layers and {num_taps} taps")
+    first, last = 1, num_target_layers - 3
+    taps = min(num_taps, max(1, last - first + 1))
+    if taps == 1:
+        return [num_target_layers // 2]
+    return [round(first + i * (last - first) / (taps - 1)) for i in range(taps)]
+
+
+def default_target_layer_ids(target: ModelConfig) -> list[int]:
+    """The layers a fresh drafter reads on this target: DFlash's rule for hybrids (HYBRID_TAPS over 1..N-3, the
+    reference's choice for Qwen3.5), and for dense targets DENSE_TAPS spread from layer 1 to N-2 (the last
+    layer's output is the final norm's input only), kept so dense drafters train as before."""
+    n = target.num_hidden_layers
+    if "linear_attention" in target.per_layer_types_hf:
+        return dflash_target_layer_ids(n, HYBRID_TAPS)
+    taps, last = min(DENSE_TAPS, n), max(1, n - 2)
+    return sorted({round(1 + i * (last - 1) / max(1, taps - 1)) for i in range(taps)})
 
 
 @dataclass

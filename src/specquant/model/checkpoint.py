@@ -36,13 +36,13 @@ IGNORED_PREFIXES = ("model.visual.",)
 KEPT_PREFIXES = ("mtp.",)
 
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "models"
-BUNDLED = ("tiny-target", "tiny-draft", "tiny-block-draft")
+BUNDLED = ("tiny-target", "tiny-draft", "tiny-block-draft", "tiny-hybrid", "tiny-hybrid-block-draft")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")
 
 
 def resolve(name_or_dir: str | os.PathLike) -> Path:
-    """A bundled model name (tiny-target, tiny-draft) or a local directory -> an existing directory."""
+    """A bundled model name (BUNDLED: tiny-target, tiny-hybrid, ...) or a local directory -> an existing directory."""
     s = str(name_or_dir)
     if s in BUNDLED:
         path = BUNDLED_DIR / s

@@ -14,6 +14,11 @@ from specquant.model.decoder import Transformer
 from specquant.util.flags import print_json
 
 
+# the script that builds each bundled model (what a "not built" row points to)
+BUILT_BY = {"tiny-block-draft": "scripts/train_block_draft.sh", "tiny-hybrid": "scripts/train_tiny_hybrid.sh",
+            "tiny-hybrid-block-draft": "scripts/train_tiny_hybrid.sh block-draft"}
+
+
 def add_parser(sub):
     p = sub.add_parser("models", help="list the bundled models (and describe checkpoint directories)")
     p.add_argument("paths", nargs="*", help="checkpoint directories to describe as well")
@@ -56,11 +61,13 @@ def run(args):
     if args.json:
         print_json({"models": rows})
         return 0
-    print(f"{'name':<16} {'params':>10} {'size':>10}  path  (architecture)")
+    w = max(16, *(len(r["name"]) for r in rows))
+    print(f"{'name':<{w}} {'params':>10} {'size':>10}  path  (architecture)")
     for r in rows:
         if r["available"]:
-            print(f"{r['name']:<16} {r['parameters'] / 1e6:>9.2f}M {r['bytes'] / 2**20:>8.1f}MB  {r['path']}  "
+            print(f"{r['name']:<{w}} {r['parameters'] / 1e6:>9.2f}M {r['bytes'] / 2**20:>8.1f}MB  {r['path']}  "
                   f"({r['architecture']})")
         else:
-            print(f"{r['name']:<16} {'-':>10} {'-':>10}  {r['path']} (not built: run scripts/train_bundled.py)")
+            print(f"{r['name']:<{w}} {'-':>10} {'-':>10}  {r['path']} (not built: run "
+                  f"{BUILT_BY.get(r['name'], 'scripts/train_bundled.py')})")
     return 0

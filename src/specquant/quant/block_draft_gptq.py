@@ -8,6 +8,9 @@ H = 2/n Σ xᵀx; then each Linear is quantized column by column by quant/gptq.p
 columns, damp·mean(diag H)) and swapped for a QuantLinear. One dense capture pass serves every Linear: the
 drafter is 2-5 layers, so the layer-by-layer re-capture of a deep target buys little here.
 
+The target may be dense or a hybrid (Qwen3.5): its features come from its own forward (`hidden_layers`), whatever
+its layer kinds, so a hybrid's drafter is calibrated on the hybrid's features the same way.
+
 The window is a serve-time setting (SpecConfig.draft_window / the drafter's `specquant_sliding_window`), not baked in.
 """
 

@@ -42,7 +42,8 @@ class DraftConfig:
     layers: int = field(default=2, metadata={"help": "block: drafter layers of a fresh drafter"})
     block_size: int = field(default=16, metadata={"help": "block: anchor + drafted tokens per forward"})
     target_layer_ids: str = field(default="", metadata={
-        "help": "block: comma-separated 0-based target layers read (default: 4 spread over the target's layers)"})
+        "help": "block: comma-separated 0-based target layers read (default: 4 spread over a dense target's "
+                "layers; DFlash's 5 from 1 to N-3 on a hybrid)"})
     mask_token_id: int = field(default=-1, metadata={"help": "block: MASK token id (-1: the tokenizer's pad token)"})
     block_init: str = field(default="random", metadata={
         "help": "block: how a fresh drafter starts: random (small normal init) or target (its layers copied from "
@@ -65,17 +66,26 @@ class DraftConfig:
             raise SpecquantError(f"block_init {self.block_init!r} is unknown; use one of {', '.join(BLOCK_INITS)}")
         return self
 
-    def layer_ids(self, num_target_layers: int) -> list[int]:
+    def layer_ids(self, target) -> list[int]:
+        """--target-layer-ids, or the tap rule for the target's ModelConfig (model/block_draft.py)."""
+        from specquant.model.block_draft import default_target_layer_ids
+
         if self.target_layer_ids:
             try:
                 return [int(x) for x in self.target_layer_ids.split(",")]
             except ValueError:
                 raise SpecquantError(f"--target-layer-ids {self.target_layer_ids!r} must be comma-separated "
                                      "integers, e.g. 1,3,5,6") from None
-        taps = min(4, num_target_layers)
-        # spread from layer 1 to the second-to-last (the last layer's output is the final norm's input only)
-        last = max(1, num_target_layers - 2)
-        return sorted({round(1 + i * (last - 1) / max(1, taps - 1)) for i in range(taps)})
+        return default_target_layer_ids(target)
+
+
+def norm_scale(norm) -> torch.Tensor:
+    """The per-channel scale a target norm applies, as the drafter's plain RMSNorm (x * w) stores it: a hybrid's
+    zero-centred norm keeps w as an offset from one (x * (1 + w)), so copying its weight would scale by w."""
+    from specquant.model.norms import ZeroCentredRMSNorm
+
+    w = norm.weight.detach().float()
+    return 1.0 + w if isinstance(norm, ZeroCentredRMSNorm) else w
 
 
 def init_block_drafter(drafter, target, seed: int, mode: str = "random"):
@@ -97,7 +107,7 @@ def init_block_drafter(drafter, target, seed: int, mode: str = "random"):
             if p.dim() == 2:
                 std = 0.02 / math.sqrt(2 * depth) if n.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=g) * std)
-        drafter.norm.weight.copy_(target.model.norm.weight)
+        drafter.norm.weight.copy_(norm_scale(target.model.norm))
         if mode == "random":
             return
         if mode != "target":
@@ -116,7 +126,7 @@ def init_block_drafter(drafter, target, seed: int, mode: str = "random"):
         h, last = cfg.hidden_size, cfg.target_layer_ids[-1]
         drafter.fc.weight[:, -h:].copy_(torch.eye(h))
         nxt = min(last + 1, len(layers) - 1)
-        drafter.hidden_norm.weight.copy_(layers[nxt].input_layernorm.weight.float())
+        drafter.hidden_norm.weight.copy_(norm_scale(layers[nxt].input_layernorm))
 
 
 class LMDraftTask:
@@ -169,7 +179,7 @@ def _block_task(target, target_dir, tokenizer, cfg: DraftConfig, bcfg, eval_toke
         if mask is None:
             raise SpecquantError("the tokenizer has no pad token to use as MASK; pass --mask-token-id")
         dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=cfg.layers, block_size=cfg.block_size,
-                                           target_layer_ids=cfg.layer_ids(target.config.num_hidden_layers),
+                                           target_layer_ids=cfg.layer_ids(target.config),
                                            mask_token_id=mask)
         drafter = BlockDraftModel(dcfg).to(device)
         init_block_drafter(drafter, target, seed, cfg.block_init)

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Trains the bundled tiny-hybrid (a Qwen3.5-style target: Gated DeltaNet + gated attention, 3:1) on the corpus with
+# tiny-target's tokenizer, deterministically given the seed. Resumable: the run checkpoints every 100 steps under
+# runs/hybrid, and rerunning this script continues from the last checkpoint (CHUNK=N: stop, checkpointed, after N
+# more steps, so the run can be spread over several calls). Needs data/corpus/ (docs/CORPUS.md, build_corpus.py).
+#
+# Held-out set: src/specquant/data/heldout.txt, the first documents of the corpus split tiny-target was trained
+# against, which tiny-target never saw. A corpus rebuilt today can shuffle into another split (Debian's
+# postgresql-doc-15 moved on), so the training tokens here are every corpus document except those, and the
+# held-out tokens are those documents: both models are measured on text neither was trained on, with the same
+# windows (train_bundled.py's evaluate: 8 x 8 windows of 256 tokens, seed + 999).
+#   EVAL ONLY:  .venv/bin/python scripts/train_bundled.py --evaluate tiny-target --tokens data/tokens-heldout
+# The MTP layer is not trained here: `specquant distill draft --kind mtp` trains it on the exported target.
+#
+#   scripts/train_tiny_hybrid.sh              the target -> src/specquant/models/tiny-hybrid
+#   scripts/train_tiny_hybrid.sh block-draft  its block drafter, stage 1 (against the fp32 target) ->
+#                                             src/specquant/models/tiny-hybrid-block-draft
+# Stage 2 of the drafter trains against the W4 + QAD form of tiny-hybrid (hybrid QAD: `specquant distill target`
+# on a hybrid W4 student), warm-started from stage 1 with a fresh schedule:
+#   specquant quantize --model tiny-hybrid --method awq --out runs/hybrid-w4
+#   specquant distill target --teacher tiny-hybrid --student runs/hybrid-w4 --out runs/hybrid-qad
+#   specquant distill draft --kind block --init runs/hybrid-block-draft/model --target runs/hybrid-qad/model \
+#       --data runs/hybrid-block-draft.txt --labels target --out runs/hybrid-block-draft-stage2 \
+#       --steps 250 --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 --warmup 50 --save-every 100
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+if [ "${1:-target}" = block-draft ]; then
+  # Stage 1 on corpus text (every document but the held-out ones), labelled with the target's own greedy
+  # predictions (--labels target): the labels a regen of the target's generations would give, without the regen.
+  # Taps: DFlash's rule for a hybrid (5 layers from 1 to N-3: [1, 2, 3, 4, 5] at 8 layers).
+  RUN=runs/hybrid-block-draft
+  TEXT=runs/hybrid-block-draft.txt  # beside the run, not in it: distill's --out must hold only its own files
+  mkdir -p runs
+  if [ ! -f $TEXT ]; then
+    $PY - $TEXT <<'PYEOF'
+import sys
+from pathlib import Path
+held = set(Path("src/specquant/data/heldout.txt").read_text().split("\n\n\n"))
+docs, size = [], 0
+for d in Path("data/corpus/train.txt").read_text().split("\n\n\n"):
+    if d not in held and size < 3_000_000:  # ~0.9M tokens: more than stage 1 reads (500 x 4 x 256), so no block repeats
+        docs.append(d)
+        size += len(d)
+Path(sys.argv[1]).write_text("\n\n\n".join(docs))
+PYEOF
+  fi
+  RESUME=()
+  if [ -d $RUN/checkpoints ]; then RESUME=(--resume); elif [ -d $RUN/model ]; then RESUME=(--overwrite); fi
+  $PY -m specquant.cli distill draft --kind block --target src/specquant/models/tiny-hybrid --data $TEXT \
+      --labels target --out $RUN --steps ${STAGE1_STEPS:-500} --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 \
+      --warmup 50 --eval-every 100 --save-every 100 --layers 2 --no-progress --json "${RESUME[@]}"
+  EXPORT=src/specquant/models/tiny-hybrid-block-draft
+  rm -rf $EXPORT.tmp && cp -r $RUN/model $EXPORT.tmp && rm -f $EXPORT.tmp/.specquant-out
+  rm -rf $EXPORT && mv $EXPORT.tmp $EXPORT
+  echo "exported $EXPORT" >&2
+  exit 0
+fi
+TOK=data/tokens-heldout
+if [ ! -f $TOK/meta.json ]; then
+  $PY - $TOK <<'PYEOF'
+import json, sys
+from pathlib import Path
+import numpy as np
+from tokenizers import Tokenizer
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+tok = Tokenizer.from_file("src/specquant/models/tiny-target/tokenizer.json")
+held = Path("src/specquant/data/heldout.txt").read_text().split("\n\n\n")
+skip = set(held)
+docs = [d for split in ("train", "val") for d in Path(f"data/corpus/{split}.txt").read_text().split("\n\n\n")
+        if d not in skip]
+def encode(ds):  # as tokenize_corpus.py: each document's tokens, then the end-of-text id 0
+    return np.array([t for e in tok.encode_batch(ds, add_special_tokens=False) for t in e.ids + [0]], np.uint16)
+for name, ds in (("train", docs), ("val", held)):
+    encode(ds).tofile(out / f"{name}.bin")
+json.dump({"vocab_size": tok.get_vocab_size(with_added_tokens=True), "train_docs": len(docs),
+           "val_docs": len(held), "val": "src/specquant/data/heldout.txt"}, open(out / "meta.json", "w"), indent=1)
+PYEOF
+fi
+T="$PY scripts/train_bundled.py --role hybrid --tokens $TOK --run-dir runs/hybrid --eval-every 100"
+step() { $PY - "$1" <<'PYEOF'
+import sys, pathlib
+from safetensors import safe_open
+p = pathlib.Path(sys.argv[1]) / "ckpt.safetensors"
+print(int(safe_open(str(p), "pt").metadata()["step"]) if p.exists() else 0)
+PYEOF
+}
+# Phases, as the shipped model was trained: the first 100 steps ran under a 900-step cosine schedule sized from a
+# throughput measured while the run had a small share of the shared CPU; with its share restored the run resumed
+# with the budget that fits (the cosine follows the current --steps).
+# phase <run dir> <stop at step> <command...>: run a phase unless its checkpoint is already there.
+phase() { local dir=$1 stop=$2; shift 2; local s; s=$(step "$dir"); [ "$s" -ge "$stop" ] || "$@" --stop-after $((stop - s)); }
+phase runs/hybrid 100 $T --steps 900
+$T --steps ${STEPS:-1200} ${CHUNK:+--stop-after $CHUNK} --export src/specquant/models/tiny-hybrid
+rm -f src/specquant/models/tiny-hybrid/.specquant-out  # the output marker is not part of the bundled model
