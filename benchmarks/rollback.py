@@ -163,6 +163,9 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+WARMUP = 3  # untimed repetitions per k: with one, the first k run was ~2x slower than later ones
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     hybrids = [s for s, f in SHAPES.items() if s.startswith("qwen3.5")]
@@ -217,10 +220,10 @@ def main():
                 ("rerun", "back"): lambda: [(lay.restore(), reforward(j)) for j in range(t)],
             }
             samples = {p: [] for p in parts}
-            for rep in range(args.reps + 1):  # the first repetition warms up (allocator, kernels)
+            for rep in range(WARMUP + args.reps):  # warm-ups: allocator, kernels, first-touch pages of this k
                 for p, fn in parts.items():
                     s = timed(fn)
-                    if rep:
+                    if rep >= WARMUP:
                         samples[p].append(s / t if p[1] == "back" else s)  # back: mean over the t accepted j
             for d in DESIGNS:
                 ms = {x: statistics.median(samples[(d, x)]) * 1e3 for x in ("rule", "keep", "back")}
