@@ -427,15 +427,32 @@ def write_gguf(src: Source, out_path, dense_dtype: str = "f32", inexact: str = "
                     cfg.model_type)
     planned = plan_tensors(src, dense_dtype, inexact)
     kinds = [k for _, _, k, row in planned if row.source.endswith(".weight") and len(row.shape) == 2]
-    main = max(set(kinds), key=lambda k: (k.startswith("Q"), kinds.count(k)))
+    main = main_kind(kinds)
+
+    def metadata(writer):
+        writer.add_name(src.name)
+        add_hparams(writer, cfg, int(gguf.LlamaFileType[FILE_TYPES[main]]))
+        return add_tokenizer(writer, src)
+
+    vocab = write_file(out_path, gguf.MODEL_ARCH_NAMES[_gguf_arch(cfg)], planned, metadata)
+    return file_report(out_path, cfg.model_type, main, planned, vocab)
+
+
+def main_kind(kinds: list[str]) -> str:
+    """The file type a GGUF declares: its most common quantized matrix kind (else its most common dense one)."""
+    return max(set(kinds), key=lambda k: (k.startswith("Q"), kinds.count(k)))
+
+
+def write_file(out_path: Path, arch_name: str, planned, metadata) -> dict:
+    """Write one GGUF atomically (a temporary file in the same directory, then a rename; removed on any failure):
+    metadata(writer) adds the keys and returns the tokenizer report, then planned's tensors follow as they are."""
+    gguf = _gguf()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[_gguf_arch(cfg)])
-        writer.add_name(src.name)
-        add_hparams(writer, cfg, int(gguf.LlamaFileType[FILE_TYPES[main]]))
-        vocab = add_tokenizer(writer, src)
+        writer = gguf.GGUFWriter(tmp, arch_name)
+        vocab = metadata(writer)
         for name, arr, kind, _ in planned:
             raw = None if kind in ("F32", "F16") else gguf.GGMLQuantizationType[kind]
             writer.add_tensor(name, arr, raw_dtype=raw)
@@ -448,9 +465,14 @@ def write_gguf(src: Source, out_path, dense_dtype: str = "f32", inexact: str = "
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return vocab
+
+
+def file_report(out_path: Path, arch: str, main: str, planned, vocab: dict, **extra) -> dict:
+    """What write_gguf / write_dflash_gguf return: the file, its kinds and the worst error of each class."""
     rows = [row for *_, row in planned]
-    return {"path": str(out_path), "arch": cfg.model_type, "file_type": main, "bytes": out_path.stat().st_size,
+    return {"path": str(out_path), "arch": arch, "file_type": main, "bytes": out_path.stat().st_size,
             "tensors": len(rows), "inexact_tensors": sum(r.inexact_blocks > 0 for r in rows),
             "max_abs_error_quantized": max((r.max_abs_error for r in rows if r.kind.startswith("Q")), default=0.0),
             "max_abs_error_dense": max((r.max_abs_error for r in rows if not r.kind.startswith("Q")), default=0.0),
-            "vocab": vocab, "rows": [r.__dict__ for r in rows]}
+            "vocab": vocab, **extra, "rows": [r.__dict__ for r in rows]}

@@ -28,15 +28,14 @@ written here as data; the Qwen3 layer names come from gguf's own tensor map.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from specquant.errors import SpecquantError
 from specquant.export.gguf import (DENSE_TYPES, FILE_TYPES, GRID_TENSORS, Source, TensorRow, _dense_array,
-                                   _grid_weight, add_tokenizer, dequantize_blocks, encode)
+                                   _grid_weight, add_tokenizer, dequantize_blocks, encode, file_report, main_kind,
+                                   write_file)
 from specquant.export.gguf_arch import _gguf, add_hparams, rope_factors
 from specquant.model.block_draft import BlockDraftConfig, is_block_draft_config
 from specquant.model.checkpoint import load_tensors, read_hf_config, resolve
@@ -140,15 +139,11 @@ def write_dflash_gguf(draft, target, out_path, dense_dtype: str = "f32", inexact
     for b in bad:
         logging.getLogger(__name__).warning("inexact GGUF export: %s", b)
     kinds = [k for _, _, k, row in planned if len(row.shape) == 2]
-    main = max(set(kinds), key=lambda k: (k.startswith("Q"), kinds.count(k)))
+    main = main_kind(kinds)
     # the vocabulary is the target's (llama.cpp compares the two token by token); ours are one tokenizer
     vocab_src = Source(target_hf, {}, target_path, name=target_path.name)
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, ARCH)
+
+    def metadata(writer):
         writer.add_name(draft_path.name)
         add_hparams(writer, cfg.layer_config(), int(gguf.LlamaFileType[FILE_TYPES[main]]))
         writer.add_array(KEY_TARGET_LAYERS, layers)
@@ -159,22 +154,9 @@ def write_dflash_gguf(draft, target, out_path, dense_dtype: str = "f32", inexact
             writer.add_sliding_window_pattern([True] * cfg.num_hidden_layers)
         vocab = add_tokenizer(writer, vocab_src)
         writer.add_mask_token_id(cfg.mask_token_id)
-        for name, arr, kind, _ in planned:
-            raw = None if kind in ("F32", "F16") else gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(name, arr, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    rows = [row for *_, row in planned]
-    return {"path": str(out_path), "arch": ARCH, "file_type": main, "bytes": out_path.stat().st_size,
-            "tensors": len(rows), "inexact_tensors": sum(r.inexact_blocks > 0 for r in rows),
-            "max_abs_error_quantized": max((r.max_abs_error for r in rows if r.kind.startswith("Q")), default=0.0),
-            "max_abs_error_dense": max((r.max_abs_error for r in rows if not r.kind.startswith("Q")), default=0.0),
-            "vocab": vocab, "target_layers": layers, "block_size": cfg.block_size,
-            "mask_token_id": cfg.mask_token_id, "rows": [r.__dict__ for r in rows]}
+        return vocab
+
+    out_path = Path(out_path)
+    vocab = write_file(out_path, ARCH, planned, metadata)
+    return file_report(out_path, ARCH, main, planned, vocab, target_layers=layers, block_size=cfg.block_size,
+                       mask_token_id=cfg.mask_token_id)

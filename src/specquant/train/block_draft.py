@@ -27,6 +27,7 @@ from torch import nn
 from specquant.errors import SpecquantError
 from specquant.model.block_draft import BlockDraftModel
 from specquant.model.checkpoint import save_block_drafter
+from specquant.train.trainer import HeldoutTask, bf16_state
 
 LABELS = ("data", "target")
 
@@ -171,17 +172,10 @@ def evaluate_blocks(objective: BlockDraftObjective, blocks: torch.Tensor, batch:
     return {"loss": tot / n, "mean_run": run / n, "acc_per_pos": [round(float(x), 4) for x in acc / n]}
 
 
-class BlockDraftTask:
+class BlockDraftTask(HeldoutTask):
     """The shared trainer's task: train `module` (the objective), evaluate on held-out blocks, export the drafter."""
 
     best_key = "loss"
-
-    def __init__(self, objective: BlockDraftObjective, heldout: torch.Tensor, tokenizer_from=None,
-                 extra_config: dict | None = None):
-        self.module = objective
-        self.heldout = heldout
-        self.tokenizer_from = tokenizer_from
-        self.extra_config = extra_config or {}
 
     def evaluate(self) -> dict:
         ev = evaluate_blocks(self.module, self.heldout)
@@ -193,8 +187,7 @@ class BlockDraftTask:
 
     def export(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
         drafter = self.module.drafter
-        tensors = {k.removeprefix("drafter."): v.to(torch.bfloat16) if v.is_floating_point() else v
-                   for k, v in state.items() if k.startswith("drafter.")}
+        tensors = bf16_state(state, "drafter.")
         save_block_drafter(drafter, out_dir, extra_config=self.extra_config, tensors=tensors,
                            tokenizer_from=self.tokenizer_from)
 

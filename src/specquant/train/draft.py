@@ -27,6 +27,7 @@ import torch
 from specquant.errors import SpecquantError, require_positive
 from specquant.spec_decode.drafters import block, lm, mtp
 from specquant.train.mtp import mtp_task
+from specquant.train.trainer import bf16_state
 
 BLOCK_INITS = ("random", "target")
 
@@ -155,8 +156,7 @@ class LMDraftTask:
     def export(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
         from specquant.model.checkpoint import save_model
 
-        tensors = {k.removeprefix("student."): v.to(torch.bfloat16) if v.is_floating_point() else v
-                   for k, v in state.items() if k.startswith("student.")}
+        tensors = bf16_state(state, "student.")
         if self.draft.config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_model(self.draft, out_dir, tokenizer_from=self.tokenizer_from, tensors=tensors,

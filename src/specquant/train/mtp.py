@@ -31,6 +31,7 @@ from torch import nn
 
 from specquant.errors import SpecquantError
 from specquant.model.mtp import MTPModel, mtp_from_tensors, mtp_layers_in, mtp_tensors, save_mtp_drafter
+from specquant.train.trainer import HeldoutTask, bf16_state
 
 
 def init_mtp(mtp: MTPModel, target, seed: int) -> MTPModel:
@@ -176,17 +177,10 @@ def evaluate_mtp(objective: MTPObjective, tokens: torch.Tensor, batch: int = 8) 
     return {k: v / n for k, v in sums.items()}
 
 
-class MTPTask:
+class MTPTask(HeldoutTask):
     """The shared trainer's task: train the MTP layer, evaluate on held-out text, export an MTP drafter directory."""
 
     best_key = "kl"
-
-    def __init__(self, objective: MTPObjective, heldout: torch.Tensor, tokenizer_from=None,
-                 extra_config: dict | None = None):
-        self.module = objective
-        self.heldout = heldout
-        self.tokenizer_from = tokenizer_from
-        self.extra_config = extra_config or {}
 
     def evaluate(self) -> dict:
         return evaluate_mtp(self.module, self.heldout)
@@ -197,8 +191,7 @@ class MTPTask:
                                  "mtp.* tensors are broken")
 
     def export(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
-        tensors = {k.removeprefix("mtp."): v.to(torch.bfloat16) if v.is_floating_point() else v
-                   for k, v in state.items() if k.startswith("mtp.")}
+        tensors = bf16_state(state, "mtp.")
         save_mtp_drafter(self.module.mtp, out_dir, tensors=tensors, tokenizer_from=self.tokenizer_from,
                          extra_config={"torch_dtype": "bfloat16", **self.extra_config})
 

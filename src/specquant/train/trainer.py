@@ -63,6 +63,25 @@ class Task(Protocol):
     def export(self, out_dir: Path, state: dict[str, torch.Tensor]) -> None: ...
 
 
+class HeldoutTask:
+    """The part of a Task every drafter objective shares: the objective as `module`, its held-out tokens, and what its
+    export writes beside the weights (the tokenizer's source, extra config.json keys)."""
+
+    def __init__(self, objective: nn.Module, heldout: torch.Tensor, tokenizer_from=None,
+                 extra_config: dict | None = None):
+        self.module = objective
+        self.heldout = heldout
+        self.tokenizer_from = tokenizer_from
+        self.extra_config = extra_config or {}
+
+
+def bf16_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of `state` under `prefix` (a submodule of the trained module), prefix removed, floats in bf16:
+    what an export saves."""
+    return {k.removeprefix(prefix): v.to(torch.bfloat16) if v.is_floating_point() else v
+            for k, v in state.items() if k.startswith(prefix)}
+
+
 # --- processes ------------------------------------------------------------------------------------------------
 
 
