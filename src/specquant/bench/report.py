@@ -159,15 +159,16 @@ def step_costs(row: RowResult, cat: str) -> dict | None:
 
 
 def drafter_verdict(results: BenchResults) -> str:
-    """Which drafter kind wins in this run (best tok/s row of each) and why, from the per-step costs."""
-    # the rows whose step costs were probed (LM and block): the levers' rows (s, u, p) have no prediction
+    """Which drafter kind wins in this run (best tok/s row of each) and why, from the per-step costs: the winner
+    against the runner-up, then the winner's lead over every other kind."""
+    # the rows whose step costs were probed (LM, block, MTP): the levers' rows (s, u, p) have no prediction
     spec = [r for r in results.ok_rows() if r.drafter and r.impl == "specquant" and r.predicted_speedup_avg is not None]
     best = {}
     for kind in dict.fromkeys(r.drafter for r in spec):  # in row order: the LM rows come first
         rows = [r for r in spec if r.drafter == kind]
         if rows:
             best[kind] = max(rows, key=lambda r: r.timing_avg.tokens_per_s)
-    if len(best) != 2:  # the verdict compares two kinds
+    if len(best) < 2:  # the verdict compares kinds
         return ""
     cats = list(results.lengths)
     cat = "medium" if "medium" in cats else cats[len(cats) // 2]
@@ -186,9 +187,8 @@ def drafter_verdict(results: BenchResults) -> str:
                      + f" = {c['step']:.2f}, for MAL {c['mal']:.2f} tokens: "
                      f"{c['per_token']:.2f} per token")
         lines.append(line)
-    (first_kind, first), (second_kind, second) = best.items()
-    winner, loser = ((second, first) if second.timing_avg.tokens_per_s > first.timing_avg.tokens_per_s
-                     else (first, second))
+    ranked = sorted(best.items(), key=lambda kv: -kv[1].timing_avg.tokens_per_s)  # ties: row order
+    (win_kind, winner), (_, loser) = ranked[0], ranked[1]
     cw, cl = step_costs(winner, cat), step_costs(loser, cat)
     why = ""
     if cw and cl:
@@ -201,7 +201,13 @@ def drafter_verdict(results: BenchResults) -> str:
             gap = winner.timing_avg.tokens_per_s / loser.timing_avg.tokens_per_s - 1
             why += (f" By those costs the other drafter is cheaper per token there, so this {gap:.1%} lead comes "
                     "from the other length categories or from run-to-run noise.")
-    kind = kind_named(second_kind if winner is second else first_kind).title
+    for other_kind, other in ranked[2:]:
+        co = step_costs(other, cat)
+        why += (f" The {kind_named(other_kind).title}'s best row ({other.id}) runs "
+                f"{other.timing_avg.tokens_per_s:.1f} tok/s"
+                + (f" at {co['per_token']:.2f} target steps per token (step {co['step']:.2f}, MAL {co['mal']:.2f})"
+                   if co else "") + ".")
+    kind = kind_named(win_kind).title
     return ("\n\n## Which drafter wins\n\n" + "\n".join(lines)
             + f"\n\nThe {kind} wins in this run: ({winner.id}) {winner.timing_avg.tokens_per_s:.1f} vs "
               f"({loser.id}) {loser.timing_avg.tokens_per_s:.1f} tok/s.{why}")
@@ -229,7 +235,8 @@ per prompt with EOS ignored; {cfg.warmup} warm-up + {cfg.runs} timed runs per pr
 k = {cfg.spec.draft_len} draft tokens per step (block drafter rows: k = {cfg.block_draft_len}, one drafter
 forward per step); draft window {cfg.spec.draft_window} (rows e, h). Rows s, u, p: the suffix drafter (its own
 k = {cfg.suffix.max_draft_len}), the hybrid (suffix, else the W4 block drafter) and the W4 block drafter with a
-head pruned to {cfg.pruned_head_fraction:.0%} of the vocabulary; no prediction for them.
+head pruned to {cfg.pruned_head_fraction:.0%} of the vocabulary; no prediction for them. Rows m, n (when the
+target has an MTP layer): its own MTP drafter, dense and W4, k = {cfg.spec.draft_len}, one MTP forward per token.
 Prompt lengths (target tokens): {lengths}.
 
 {qlines}
