@@ -381,3 +381,44 @@ def summary(results: BenchResults, files) -> dict:
             row["reason"] = r.reason
         rows.append(row)
     return {"benchmark": "bench", "out": str(Path(files[0]).parent), "files": [str(f) for f in files], "rows": rows}
+
+
+VERDICT = "## Which drafter wins"
+
+
+def demo_markdown(sections: list[tuple[str, str, str, str]]) -> str:
+    """`specquant demo`'s one report: per architecture (title, its models, its bench report.md text, the folder of
+    its files relative to the demo's --out), the bench report with its headings one level down, and first each
+    section's drafter verdict (drafter_verdict's conclusion)."""
+    verdicts, bodies = [], []
+    for title, models, text, folder in sections:
+        part = text.split(VERDICT, 1)[1] if VERDICT in text else ""
+        part = part.split("\n## ", 1)[0]
+        conclusion = next((p.strip() for p in part.split("\n\n") if p.strip().startswith("The ")), None)
+        verdicts.append(f"- {title}: " + (conclusion.replace("\n", " ") if conclusion else
+                                          "no verdict (fewer than two drafter kinds with probed costs ran)"))
+        lines = text.splitlines()
+        if lines and lines[0].startswith("# "):
+            lines = lines[1:]  # the bench's title: the section's own heading replaces it
+        body = "\n".join("#" + line if line.startswith("#") else line for line in lines)
+        if folder:  # its plots and numbers sit in its own folder
+            for name in FILES:
+                body = body.replace(f"`{name}`", f"`{folder}/{name}`")
+        bodies.append(f"## {title}: {models}\n{body}")
+    return ("# specquant demo\n\nOne bench per architecture, each on its own prompts and its own W4 / QAD "
+            "checkpoints; the rows, metrics and predictions are the bench's (docs/BENCH.md).\n\n"
+            "## Which drafter wins, per architecture\n\n" + "\n".join(verdicts) + "\n\n" + "\n\n".join(bodies))
+
+
+def write_demo_report(out: Path, sections: list[tuple[str, str, list[Path], str]]) -> Path | None:
+    """out/report.md from the sections' bench reports (each `section`'s written files, report.md among them);
+    None (nothing written) when a section wrote no report."""
+    texts = []
+    for title, models, files, folder in sections:
+        report = next((Path(f) for f in files if Path(f).name == "report.md"), None)
+        if report is None:
+            return None
+        texts.append((title, models, report.read_text(), folder))
+    path = Path(out) / "report.md"
+    atomic_write(path, demo_markdown(texts).encode())
+    return path
