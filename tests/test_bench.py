@@ -337,8 +337,8 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, hybrid_pair, tm
     results = run_demo(str(tmp_path / "demo"), quick=True, target=str(pair["target"]), draft=str(pair["draft"]),
                        log=logged.append, hf_compare=False, quant_overrides=tiny_quant,
                        block_draft=str(pair["block"]), block_draft_quant=block_quant, block_draft_len=3,
-                       hybrid=hybrid_pair, hybrid_overrides={"lengths": {"short": 8, "medium": 16},
-                                                             "content_max_tokens": 24, "filler_sets": ("filler",)},
+                       hybrid=hybrid_pair, hybrid_overrides={"lengths": {"short": 8, "medium": 16, "long": 24},
+                                                             "content_max_tokens": 24},
                        **SMALL_CFG)
     for name in FILES:
         assert (tmp_path / "demo" / name).exists()
