@@ -1,4 +1,5 @@
-"""The ablation: rows (a)-(e) and the transformers comparison, measured in one run on the same prompts.
+"""The ablation: rows (a)-(e) and the transformers comparison (with a block drafter rows f-h and the levers, with
+an MTP drafter rows m, n), measured in one run on the same prompts.
 
 Rows are data (ROWS): which target (high precision or W4), which draft (none, high precision, W4), whether the
 draft uses the sliding window. Every timed repetition runs every row on a prompt before the next prompt, so load

@@ -114,8 +114,10 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
         log(f"[3/{steps}] the hybrid pair: {hybrid['target']} (W4 by {hcfg.target_method.upper()}, QAD "
             f"{hcfg.qad_steps} steps), LM draft {hybrid['draft']}, block drafter {hybrid['block_draft']}, MTP drafter "
             f"({hybrid['mtp']}) dense and W4 -> {hcfg.out}; the quality gate runs on the Qwen3 pair only")
+        t1 = time.perf_counter()
         hybrid_results, hybrid_files = run_bench(hcfg, hybrid["target"], hybrid["draft"], log=log,
                                                  block_draft=hybrid["block_draft"], mtp_draft=hybrid["mtp"])
+        log(f"      the hybrid section took {time.perf_counter() - t1:.0f} s")
         sections.append(("Qwen3.5 hybrid pair", f"{hybrid['target']} + {hybrid['block_draft']} + its MTP layer",
                          hybrid_files, HYBRID_DIR))
     report = write_demo_report(Path(cfg.out), sections)
