@@ -84,6 +84,24 @@ def pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    """The demo's hybrid section at a tiny size: a random 2-layer Qwen3.5 hybrid (DeltaNet + gated attention, no
+    mtp.* tensors: the demo initialises an MTP layer), a noisy copy as its LM draft and a random block drafter."""
+    from _quant_models import hybrid_checkpoint, noisy_copy
+
+    root = tmp_path_factory.mktemp("demo_hybrid")
+    target = hybrid_checkpoint(root / "target", layers=2, layer_types=["linear_attention", "full_attention"],
+                               hidden_size=128, intermediate_size=256, linear_key_head_dim=32,
+                               linear_value_head_dim=32, head_dim=32, max_position_embeddings=256, scale=0.05)
+    t = load_model(target)
+    block = BlockDraftModel(BlockDraftConfig.for_target(t.config, num_hidden_layers=1, block_size=8,
+                                                        target_layer_ids=[0, 1], mask_token_id=3))
+    init_block_drafter(block, t, seed=0, mode="random")
+    return {"target": str(target), "draft": str(noisy_copy(target, root / "draft")),
+            "block_draft": str(save_block_drafter(block, root / "block", tokenizer_from=target)), "mtp": "init"}
+
+
+@pytest.fixture(scope="module")
 def bench_run(pair, tmp_path_factory):
     """One `specquant bench --json` run with ready-made quantized inputs; (stdout lines, results, out dir)."""
     out = tmp_path_factory.mktemp("bench") / "out"
@@ -310,8 +328,8 @@ def test_report_agrees_with_its_raw_numbers(bench_run):
     assert any(1.0 < r["acceptance_all"]["mean_acceptance_length"] < 5.0 for r in spec)
 
 
-def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
-    from specquant.bench.demo import NOT_RUN, run_demo
+def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, hybrid_pair, tmp_path):
+    from specquant.bench.demo import HYBRID_DIR, NOT_RUN, run_demo
 
     logged = []
     tiny_quant = {"calib_samples": 2, "seq_len": 32, "awq": {"grid": 2, "clip": False}}
@@ -319,6 +337,8 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
     results = run_demo(str(tmp_path / "demo"), quick=True, target=str(pair["target"]), draft=str(pair["draft"]),
                        log=logged.append, hf_compare=False, quant_overrides=tiny_quant,
                        block_draft=str(pair["block"]), block_draft_quant=block_quant, block_draft_len=3,
+                       hybrid=hybrid_pair, hybrid_overrides={"lengths": {"short": 8, "medium": 16, "long": 24},
+                                                             "content_max_tokens": 24},
                        **SMALL_CFG)
     for name in FILES:
         assert (tmp_path / "demo" / name).exists()
@@ -352,7 +372,7 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
         assert e["predicted"]["speedup"] == pytest.approx(c["target_hp_step_s_alone"] / c["target_qad_step_s_alone"])
     assert results["quantized"]["quantized_block_draft"]["produced"]
     report = (tmp_path / "demo" / "report.md").read_text()
-    assert "## Which drafter wins" in report and "## Block drafter, whole block verified" in report
+    assert "### Which drafter wins" in report and "### Block drafter, whole block verified" in report
     # the levers' rows: lossless against the QAD target, no prediction; the hybrid's steps split by source
     for rid in ("s", "u", "p"):
         assert rows[rid]["status"] == "ok" and rows[rid]["target"] == "qad"
@@ -364,7 +384,7 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
         assert sum(m["num_drafts"] for m in sources.values()) == acc["num_drafts"]
         assert sum(m["num_accepted_tokens"] for m in sources.values()) == acc["num_accepted_tokens"]
     assert rows["p"]["acceptance_all"]["num_drafts"] > 0
-    assert "## Hybrid drafter: which drafter drafted" in report and "## Filler prompt (filler)" in report
+    assert "### Hybrid drafter: which drafter drafted" in report and "### Filler prompt (filler)" in report
     gate = results["quality_gate"]  # the kl gate: W4 target against its fp32 source, quick preset's 4 x 128 tokens
     assert gate["kl"]["tokens"] == 4 * 128 and gate["kl"]["kl"] > 0 and len(gate["gates"]) == 3
     assert any(line == f"quality gate: {'PASS' if gate['passed'] else 'FAIL'}" for line in logged)
@@ -384,6 +404,30 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, tmp_path):
     assert info["produced"]  # another QuantConfig: quantized again
     assert json.loads((cache / "draft" / "config.json").read_text())["quantization_config"]["specquant"][
         "calib_samples"] == 3
+    # the hybrid section: its own bench in out/hybrid, rows (a), (b), (q), the block and the MTP rows against the QAD
+    # target, lossless, with the same metrics; one report with a section and a verdict per architecture
+    hyb = {r["id"]: r for r in results["hybrid"]["rows"]}
+    assert "m" not in rows and "n" not in rows  # tiny-target's pair has no MTP layer
+    for rid in ("a", "b", "q", "f", "g", "h", "m", "n"):
+        assert hyb[rid]["status"] == "ok", (rid, hyb[rid].get("reason"))
+        for e in hyb[rid]["categories"].values():
+            if rid not in "abq":
+                assert e["same_tokens_as"] == {"row": "q", "match": True}, rid
+            if rid in "mn":
+                assert e["predicted"]["draft_forwards_per_step"] == hyb[rid]["draft_len"]
+                assert e["acceptance"]["num_drafts"] > 0
+        if rid in "mn":
+            assert hyb[rid]["drafter"] == "mtp" and hyb[rid]["target"] == "qad"
+            assert len(hyb[rid]["acceptance_all"]["acceptance_rate_per_pos"]) == hyb[rid]["draft_len"]
+    assert results["hybrid"]["quantized"]["quantized_mtp_draft"]["produced"]
+    assert "UNTRAINED" in results["hybrid"]["quantized"]["mtp_draft"]["method"]
+    for name in FILES:
+        assert (tmp_path / "demo" / HYBRID_DIR / name).exists()
+    assert report.startswith("# specquant demo") and "## Qwen3 pair" in report and "## Qwen3.5 hybrid pair" in report
+    verdicts = report.split("## Which drafter wins, per architecture", 1)[1].split("\n## ", 1)[0]
+    assert [line.split(":")[0] for line in verdicts.strip().splitlines()] == ["- Qwen3 pair", "- Qwen3.5 hybrid pair"]
+    assert all("wins in this run" in line for line in verdicts.strip().splitlines())
+    assert report.count("### Which drafter wins") == 2 and f"`{HYBRID_DIR}/speedup.png`" in report
 
 
 # --- bad input ------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ drafter rows alike, and speculation keeps the target's own greedy tokens.
 Models: a random 2-layer hybrid target (one DeltaNet layer, one gated attention layer) and a noisy copy of it as
 the LM draft (a hybrid draft too: its DeltaNet state rolls back after every rejected draft), a random block
 drafter reading the target's two layers; W4 target and draft by RTN (ready-made inputs), the block drafter's W4 by
-the bench itself (GPTQ on the hybrid's features).
+the bench itself (GPTQ on the hybrid's features); rows (m), (n): the MTP drafter, an untrained MTP layer initialised
+from the target's attention layer ("init"), dense and W4 (write_w4_mtp).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import pytest
 from _quant_models import hybrid_checkpoint, noisy_copy
 
-from specquant.bench.ablation import rows_for, run_bench
+from specquant.bench.ablation import PREDICTED, rows_for, run_bench
 from specquant.bench.config import BenchConfig
+from specquant.bench.measure import ForwardKey
 from specquant.loader import load_model
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.checkpoint import save_block_drafter
@@ -51,10 +53,12 @@ def models(tmp_path_factory):
 def test_every_row_runs_on_a_hybrid_target_and_keeps_its_tokens(models, tmp_path):
     cfg = BenchConfig(out=str(tmp_path / "out"), **TINY)
     results, files = run_bench(cfg, str(models["target"]), str(models["draft"]), str(models["qtarget"]),
-                               str(models["qdraft"]), log=lambda *_: None, block_draft=str(models["block"]))
+                               str(models["qdraft"]), log=lambda *_: None, block_draft=str(models["block"]),
+                               mtp_draft="init")
     assert all(f.stat().st_size > 0 for f in files)
     rows = {r.id: r for r in results.rows}
-    assert list(rows) == [r.id for r in rows_for(with_qad=False, with_block=True)] + ["hf"]
+    assert list(rows) == [r.id for r in rows_for(with_qad=False, with_block=True, with_mtp=True)] + ["hf"]
+    assert [rid for rid, r in rows.items() if r.drafter == "mtp"] == ["m", "n"]
     # transformers' assisted generation refuses stateful (recurrent) targets: reported, not hidden
     assert rows["hf"].status == "skipped" and rows["hf"].reason
     for rid, r in rows.items():
@@ -64,8 +68,16 @@ def test_every_row_runs_on_a_hybrid_target_and_keeps_its_tokens(models, tmp_path
         assert set(r.categories) == set(TINY["lengths"])
         if r.draft is not None:  # lossless: the W4 target's own greedy tokens, with every drafter
             assert all(e.same_tokens_as.row == "b" and e.same_tokens_as.match for e in r.categories.values()), rid
-            assert all(e.prediction is not None for e in r.categories.values()), rid
+            if r.drafter in PREDICTED and rid != "p":  # the levers' rows (s, u, p) are not predicted
+                assert all(e.prediction is not None for e in r.categories.values()), rid
     lm_accept = [r.acceptance_all.mean_acceptance_length for rid, r in rows.items() if rid in "cde"]
     assert any(m > 1.0 for m in lm_accept), lm_accept  # the noisy copy is accepted sometimes: rollbacks happen
     for cat, costs in results.costs.items():
         assert all(s > 0 for s in costs.times.values()), cat
+        for rid, precision in (("m", "hp"), ("n", "w4")):  # the MTP rows' predictions use their own probed forward
+            p = rows[rid].categories[cat].prediction
+            assert p.draft_forwards_per_step == rows[rid].draft_len
+            own = costs.times[ForwardKey("mtp", precision)] / costs.times[ForwardKey("target", "w4")]
+            assert p.c_forward == pytest.approx(own, rel=1e-9)
+    assert results.quantized["quantized_mtp_draft"]["method"] == "rtn w4"
+    assert "UNTRAINED" in results.quantized["mtp_draft"]["method"]

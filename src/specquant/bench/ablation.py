@@ -1,4 +1,5 @@
-"""The ablation: rows (a)-(e) and the transformers comparison, measured in one run on the same prompts.
+"""The ablation: rows (a)-(e) and the transformers comparison (with a block drafter rows f-h and the levers, with
+an MTP drafter rows m, n), measured in one run on the same prompts.
 
 Rows are data (ROWS): which target (high precision or W4), which draft (none, high precision, W4), whether the
 draft uses the sliding window. Every timed repetition runs every row on a prompt before the next prompt, so load
@@ -19,9 +20,9 @@ from pathlib import Path
 import torch
 
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, ForwardKey, Probe, environment,
-                                     forward_times, hf_assisted, interleaved, ours_speculative, ours_target_only,
-                                     summarize)
+from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, ForwardKey, MTPForward, Probe,
+                                     environment, forward_times, hf_assisted, interleaved, ours_speculative,
+                                     ours_target_only, summarize)
 from specquant.bench.predict import StepCosts, predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
 from specquant.bench.results import BenchResults, CategoryCosts, CategoryResult, RowResult, SameTokens
@@ -31,14 +32,15 @@ from specquant.model.checkpoint import load_tokenizer
 from specquant.spec_decode.build import build_engine
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.runtime import RuntimeConfig
-from specquant.spec_decode.drafters import KINDS, block, hybrid, lm, suffix
+from specquant.spec_decode.drafters import KINDS, block, hybrid, lm, mtp, suffix
 from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.dtypes import DTYPES
 
 
-# the drafter kinds the rows run, from the registry (spec_decode/drafters/): lm = k forwards per step, block = one
-LM, BLOCK, SUFFIX, HYBRID = lm.KIND.name, block.KIND.name, suffix.KIND.name, hybrid.KIND.name
+# the drafter kinds the rows run, from the registry (spec_decode/drafters/): lm = k forwards per step, block = one,
+# mtp = k (the target's own MTP layer, chained)
+LM, BLOCK, SUFFIX, HYBRID, MTP = lm.KIND.name, block.KIND.name, suffix.KIND.name, hybrid.KIND.name, mtp.KIND.name
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,13 @@ BLOCK_ROWS = (
     Row("g", "W4 target + W4 block draft", "w4", "w4", drafter=BLOCK),
     Row("h", "W4 target + W4 block draft + window", "w4", "w4", window=True, drafter=BLOCK),
 )
+# The MTP drafter (Qwen3.5's own MTP layer, spec_decode/drafters/mtp.py) beside the block rows, on a target whose
+# checkpoint has mtp.* tensors (or with an MTP drafter directory): dense, and W4 by drafter_loader.write_w4_mtp;
+# k = BenchConfig.spec.draft_len, as the LM rows (one MTP forward per drafted token)
+MTP_ROWS = (
+    Row("m", "W4 target + MTP draft", "w4", "hp", drafter=MTP),
+    Row("n", "W4 target + W4 MTP draft", "w4", "w4", drafter=MTP),
+)
 # The levers (issue 25): the suffix drafter (model-free; its own k), the hybrid (suffix on a long match, else the W4
 # block drafter) and the W4 block drafter with a vocabulary-pruned head; no prediction (their costs are not probed)
 SUFFIX_ROW = Row("s", "W4 target + suffix draft", "w4", "model-free", drafter=SUFFIX)
@@ -82,13 +91,15 @@ QAD_ROW = Row("q", "W4 + QAD target", "qad", None)
 # (drafter kind, precision, the paths key of its checkpoint): the draft models a run loads, keyed as the rows read
 # them (Row.drafter, Row.draft)
 DRAFT_INPUTS = ((LM, "hp", "draft"), (LM, "w4", "quantized_draft"), (BLOCK, "hp", "block_draft"),
-                (BLOCK, "w4", "quantized_block_draft"))
+                (BLOCK, "w4", "quantized_block_draft"), (MTP, "hp", "mtp_draft"), (MTP, "w4", "quantized_mtp_draft"))
 
 
-def rows_for(with_qad: bool, with_block: bool = False) -> tuple[Row, ...]:
-    """ROWS (+ BLOCK_ROWS), or with a QAD target: row (q) after (b), and every draft row runs against the QAD
-    target."""
-    table = (*ROWS, *BLOCK_ROWS, SUFFIX_ROW, *LEVER_BLOCK_ROWS) if with_block else (*ROWS, SUFFIX_ROW)
+def rows_for(with_qad: bool, with_block: bool = False, with_mtp: bool = False) -> tuple[Row, ...]:
+    """ROWS (+ BLOCK_ROWS, + MTP_ROWS), or with a QAD target: row (q) after (b), and every draft row runs against
+    the QAD target."""
+    mtp_rows = MTP_ROWS if with_mtp else ()
+    table = ((*ROWS, *BLOCK_ROWS, *mtp_rows, SUFFIX_ROW, *LEVER_BLOCK_ROWS) if with_block
+             else (*ROWS, *mtp_rows, SUFFIX_ROW))
     if not with_qad:
         return table
     drafted = tuple(dataclasses.replace(r, target="qad", name=r.name.replace("W4 target", "W4 + QAD target"))
@@ -126,7 +137,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     for kind, precision, key in DRAFT_INPUTS:
         if key in paths:  # keyed by the rows' Row.drafter (a kind name) and Row.draft
             models[(kind, precision)] = KINDS[kind].load(paths[key], runtime)
-    table = rows_for("qad_target" in paths, (BLOCK, "hp") in models)
+    table = rows_for("qad_target" in paths, (BLOCK, "hp") in models, (MTP, "hp") in models)
     if (BLOCK, "w4") in models:  # row (p): its own copy of the W4 block drafter, with the token map
         models[(BLOCK, "w4", "pruned")] = _pruned_block(cfg, paths, runtime)
     context = min(models[("target", "hp")].config.max_position_embeddings,
@@ -223,8 +234,9 @@ ROW_SPECS = {LM: lambda cfg, window, draft_len: cfg.spec_for(window),
              BLOCK: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len),
              SUFFIX: lambda cfg, window, draft_len: dataclasses.replace(
                  cfg.spec_for(window), draft_len=cfg.suffix.max_draft_len, adaptive=False),
-             HYBRID: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len)}
-PREDICTED = (LM, BLOCK)  # the kinds whose forwards measure_costs probes (rows with a pruned head excepted)
+             HYBRID: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len),
+             MTP: lambda cfg, window, draft_len: cfg.spec_for(window)}
+PREDICTED = (LM, BLOCK, MTP)  # the kinds whose forwards measure_costs probes (rows with a pruned head excepted)
 
 
 def _engine(cfg: BenchConfig, runtime: RuntimeConfig, row: Row, models: dict, tokenizer, draft_tokenizer,
@@ -262,7 +274,8 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> di
     interleaved: each target's one-token step (between other probes, and alone: after its own step) and (k+1)-token
     verify, each draft's one-token step (the W4 draft also with the window); with block rows, each block drafter's
     forward and its accept of 1 .. block_draft_len + 1 rows (together its per-step cost), and each target's verify
-    of block_draft_len + 1 tokens."""
+    of block_draft_len + 1 tokens; with MTP rows, each MTP layer's chained forward and head (one per drafted
+    token, against the W4 target's embeddings and head, as its rows draft)."""
     k1 = cfg.spec.draft_len + 1
     targets = [t for t in ("hp", "w4", "qad") if ("target", t) in models]
     probes: dict[ForwardKey, Probe] = {}
@@ -286,6 +299,10 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> di
                 probes[ForwardKey(BLOCK, kind, window=windowed)] = Probe(fwd, window=window)
                 for rows in range(1, kb + 2):  # accept after 0 .. kb accepted drafts: 1 .. kb + 1 rows
                     probes[ForwardKey(BLOCK, kind, "accept", rows, windowed)] = Probe(acc, rows, window=window)
+    drafted = next(models[("target", t)] for t in ("qad", "w4", "hp") if ("target", t) in models)
+    for kind in ("hp", "w4"):
+        if (MTP, kind) in models:
+            probes[ForwardKey(MTP, kind)] = Probe(MTPForward(models[(MTP, kind)], drafted))
     out = {}
     with _bar(len(lengths), "forward costs") as bar:
         for cat, n in lengths.items():
@@ -378,11 +395,15 @@ def _add_speedups(rows: list[RowResult]):
 
 
 def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu", log=print,
-              qad_target=None, block_draft=None, quantized_block_draft=None) -> tuple[BenchResults, list[Path]]:
+              qad_target=None, block_draft=None, quantized_block_draft=None,
+              mtp_draft=None) -> tuple[BenchResults, list[Path]]:
     """The whole bench as one call (`specquant bench` and `specquant demo` only parse and call this): check every
     input, claim the output directory, quantize what was not given, measure every row, write the report.
     block_draft: a block drafter (DFlashDraftModel) for rows (f)-(h); its W4 is GPTQ'd into out/cache when not
-    given. Returns (results, written files)."""
+    given. mtp_draft: rows (m), (n), the MTP drafter: "mtp" (the target checkpoint's own mtp.* tensors), "init"
+    (those, else an untrained MTP layer initialised from the target's last attention layer, as `distill draft
+    --kind mtp` starts one) or a dense MTP drafter directory; its W4 is written into out/cache (prepare_mtp).
+    Returns (results, written files)."""
     from specquant.bench.prepare import prepare_quantized, validate
     from specquant.bench.report import write_report
     from specquant.util.files import claim_out_dir
@@ -391,9 +412,58 @@ def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_
                      quantized_block_draft)
     claim_out_dir(cfg.out, cfg.overwrite)
     quantized = prepare_quantized(cfg, paths, log)
+    if mtp_draft is not None:
+        quantized.update(prepare_mtp(paths, mtp_draft, Path(cfg.out) / "cache", cfg.sampling.seed, log))
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     torch.manual_seed(cfg.sampling.seed)
     results = run_ablation(cfg, paths, torch.device(device))
     results.quantized = quantized
     return results, write_report(results, Path(cfg.out))
+
+
+MTP_SOURCES = ("mtp", "init")  # run_bench's mtp_draft besides a directory
+
+
+def prepare_mtp(paths: dict[str, Path], source, cache: Path, seed: int = 0, log=print) -> dict:
+    """Fill paths["mtp_draft"] / paths["quantized_mtp_draft"]: the dense MTP drafter (cache/mtp, from the target's
+    mtp.* tensors or, with "init" and none, init_mtp; or the directory given) and its W4 (cache/mtp_w4) by
+    drafter_loader.write_w4_mtp, the MTP drafter's own W4 path (RTN: one layer, no calibration). Both are
+    rewritten every run: an MTP layer is a few tensors. Returns the quantized-inputs entries the report lists."""
+    from specquant.drafter_loader import load_mtp_drafter, write_w4_mtp
+    from specquant.errors import SpecquantError
+    from specquant.model.checkpoint import resolve
+    from specquant.model.mtp import mtp_layers_in, save_mtp_drafter
+
+    info = {}
+    if str(source) in MTP_SOURCES:
+        target = load_model(paths["target"])
+        if target.extra_tensors and mtp_layers_in(target.extra_tensors):
+            from specquant.model.mtp import mtp_from_tensors
+
+            model, how = mtp_from_tensors(target.config, target.extra_tensors), "the target checkpoint's mtp.* tensors"
+        elif source == "init":
+            from specquant.model.mtp import MTPModel
+            from specquant.train.mtp import init_mtp
+
+            model = init_mtp(MTPModel(target.config), target, seed)
+            how = "UNTRAINED: initialised from the target's last attention layer (init_mtp)"
+        else:
+            raise SpecquantError(f"mtp draft 'mtp' reads the target's mtp.* tensors, and {paths['target']} has none; "
+                                 "pass an MTP drafter directory (`specquant distill draft --kind mtp`) or 'init'")
+        dense = save_mtp_drafter(model, cache / "mtp", tokenizer_from=paths["target"], overwrite=True)
+        info["mtp_draft"] = {"path": str(dense), "method": how, "produced": True}
+    else:
+        dense = resolve(source)
+        if load_mtp_drafter(dense).quantization:
+            raise SpecquantError(f"mtp draft {dense} is already quantized; pass the dense MTP drafter (its W4 is "
+                                 "made here)")
+        how = f"the MTP drafter directory {dense}"
+    paths["mtp_draft"] = Path(dense)
+    log(f"MTP drafter: {how} -> {dense}")
+    report = write_w4_mtp(dense, cache / "mtp_w4", overwrite=True)
+    paths["quantized_mtp_draft"] = cache / "mtp_w4"
+    log(f"W4 MTP drafter: RTN (drafter_loader.write_w4_mtp) -> {cache / 'mtp_w4'}")
+    info["quantized_mtp_draft"] = {"path": str(cache / "mtp_w4"), "method": f"rtn w{report['config']['bits']}",
+                                   "produced": True}
+    return info

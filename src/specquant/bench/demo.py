@@ -1,6 +1,8 @@
-"""`specquant demo`: quantize the bundled target (AWQ) and draft (GPTQ), QAD the W4 target, bench every row.
+"""`specquant demo`: quantize the bundled target (AWQ) and draft (GPTQ), QAD the W4 target, bench every row; then
+the same on the bundled Qwen3.5-style hybrid pair, with its MTP drafter beside the block drafter.
 
-The main job on the bundled pair, end to end. Budget on 2 CPU cores: ≤ 10 minutes, `--quick` ≤ 2 minutes.
+The main job on both architectures, end to end, in one report (out/report.md, a section per architecture; each
+pair's own files: out/ and out/hybrid/). Budget on 2 CPU cores: ≤ 10 minutes, `--quick` ≤ 2 minutes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,22 @@ NOT_RUN = {
                           "`--kind block` trains a block drafter (docs/BLOCK_DRAFT.md)",
 }
 DEFAULT_OUT = "runs/demo"
+# The hybrid pair: tiny-hybrid (Gated DeltaNet + gated attention), its block drafter and its MTP layer ("init": the
+# checkpoint's mtp.* tensors, else an untrained one from its last attention layer, which the report flags). The LM
+# rows (c)-(e) draft with tiny-draft: it shares tiny-hybrid's tokenizer (same tokenizer.json), so it is a valid LM
+# drafter for it, and the LM rows keep the three drafter kinds side by side on both architectures (the bench's
+# context and drafter-latency curve are an LM draft's too).
+HYBRID = {"target": "tiny-hybrid", "draft": "tiny-draft", "block_draft": "tiny-hybrid-block-draft", "mtp": "init"}
+HYBRID_DIR = "hybrid"  # under --out
+# What the hybrid section changes on top of the preset: transformers' assisted generation refuses recurrent
+# targets (the hf row would only be skipped), and with --quick shorter prompts and fewer tokens keep it small (every
+# prompt category stays: a category that is not a length category would count as a content set, bench/prompts.py)
+HYBRID_PRESETS = {
+    "full": dict(hf_compare=False),
+    "quick": dict(hf_compare=False, max_new_tokens=24, lengths={"short": 32, "medium": 96, "long": 192},
+                  content_max_tokens=128, cost_reps=3, curve_fractions=(1 / 4,), qad_steps=4, qad_prompts=4,
+                  qad_new_tokens=24),
+}
 
 
 def add_parser(sub):
@@ -36,6 +54,8 @@ def add_parser(sub):
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory, relative to the cwd (default: {DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true", help="fewer prompts, tokens and runs, small calibration (≤ 2 min)")
     p.add_argument("--overwrite", action="store_true", help=BenchConfig.__dataclass_fields__["overwrite"].metadata["help"])
+    p.add_argument("--no-hybrid", dest="hybrid", action="store_false",
+                   help="skip the hybrid pair's section (tiny-hybrid with its block and MTP drafters)")
     p.add_argument("--serve", action="store_true",
                    help="then serve the W4 pair on loopback and time it with `specquant latency` (short category)")
     return p
@@ -45,16 +65,27 @@ def demo_config(out: str, quick: bool) -> BenchConfig:
     return dataclasses.replace(BenchConfig(), out=out, **PRESETS["quick" if quick else "full"])
 
 
+def hybrid_config(out: str, quick: bool, overrides: dict, hybrid_overrides: dict | None = None) -> BenchConfig:
+    """The hybrid section's BenchConfig: the demo's preset, then HYBRID_PRESETS, then the caller's overrides (the
+    ones given to both sections, then the hybrid's own), in out/hybrid."""
+    preset = "quick" if quick else "full"
+    return dataclasses.replace(demo_config(str(Path(out) / HYBRID_DIR), quick),
+                               **{**HYBRID_PRESETS[preset], **overrides, **(hybrid_overrides or {})})
+
+
 def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-target", draft: str = "tiny-draft",
-             log=print, block_draft: str | None = "tiny-block-draft", serve: bool = False, **overrides) -> dict:
+             log=print, block_draft: str | None = "tiny-block-draft", serve: bool = False,
+             hybrid: dict | None = HYBRID, hybrid_overrides: dict | None = None, **overrides) -> dict:
     """The demo as a function (the tests call it on small random checkpoints); returns results.json's content with
-    the quality gate's verdict added ("quality_gate"), and with serve the served pair's latency ("served")."""
+    the quality gate's verdict added ("quality_gate"), with serve the served pair's latency ("served"), and with
+    hybrid (HYBRID's keys; None: skipped) the hybrid section's results.json content ("hybrid")."""
     from specquant.bench.ablation import run_bench
-    from specquant.bench.report import summary_table
+    from specquant.bench.report import summary_table, write_demo_report
 
     cfg = dataclasses.replace(demo_config(out, quick), **overrides)
     t0 = time.perf_counter()
-    log(f"[1/3] quantize {target} with {cfg.target_method.upper()} and {draft} with {cfg.draft_method.upper()}, "
+    steps = 4 if hybrid else 3
+    log(f"[1/{steps}] quantize {target} with {cfg.target_method.upper()} and {draft} with {cfg.draft_method.upper()}, "
         f"QAD the W4 target on teacher-written text ({cfg.qad_steps} steps), then bench rows (a)-(e), "
         f"(q) W4 + QAD target and the transformers comparison ({'quick' if quick else 'full'} preset)")
     if block_draft:
@@ -63,7 +94,7 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
     for name, what in NOT_RUN.items():
         log(f"      {name}: not run by the demo ({what})")
     results, files = run_bench(cfg, target, draft, log=log, block_draft=block_draft)
-    log("[2/3] quality gate: the W4 target against the fp32 target (specquant gate's kl gate)")
+    log(f"[2/{steps}] quality gate: the W4 target against the fp32 target (specquant gate's kl gate)")
     from specquant.gate.kl import demo_gate
 
     w4 = results.quantized["quantized_target"]
@@ -77,13 +108,30 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
         log("      serve: the W4 pair on loopback, timed with specquant latency's protocol (short category)")
         served = serve_and_time(path(w4), path(results.quantized["quantized_draft"]),
                                 LatencyConfig(categories=["short"], runs=3 if quick else 10, warmup=1), log)
-    log(f"[3/3] done in {time.perf_counter() - t0:.0f} s\n")
+    sections, hybrid_results = [("Qwen3 pair", f"{target} + {draft}", files, "")], None
+    if hybrid:
+        hcfg = hybrid_config(out, quick, overrides, hybrid_overrides)
+        log(f"[3/{steps}] the hybrid pair: {hybrid['target']} (W4 by {hcfg.target_method.upper()}, QAD "
+            f"{hcfg.qad_steps} steps), LM draft {hybrid['draft']}, block drafter {hybrid['block_draft']}, MTP drafter "
+            f"({hybrid['mtp']}) dense and W4 -> {hcfg.out}; the quality gate runs on the Qwen3 pair only")
+        t1 = time.perf_counter()
+        hybrid_results, hybrid_files = run_bench(hcfg, hybrid["target"], hybrid["draft"], log=log,
+                                                 block_draft=hybrid["block_draft"], mtp_draft=hybrid["mtp"])
+        log(f"      the hybrid section took {time.perf_counter() - t1:.0f} s")
+        sections.append(("Qwen3.5 hybrid pair", f"{hybrid['target']} + {hybrid['block_draft']} + its MTP layer",
+                         hybrid_files, HYBRID_DIR))
+    report = write_demo_report(Path(cfg.out), sections)
+    log(f"[{steps}/{steps}] done in {time.perf_counter() - t0:.0f} s\n")
     log(summary_table(results))
-    log(f"\nreport: {Path(cfg.out) / 'report.md'}; numbers: {Path(cfg.out) / 'results.json'}; plots: "
+    if hybrid_results is not None:
+        log("\nhybrid pair:\n" + summary_table(hybrid_results))
+    log(f"\nreport: {report or Path(cfg.out) / 'report.md'}; numbers: {Path(cfg.out) / 'results.json'}"
+        + (f", {Path(cfg.out) / HYBRID_DIR / 'results.json'}" if hybrid else "") + "; plots: "
         + ", ".join(f.name for f in files if f.suffix == ".png"))
-    return {**results.to_json(), "quality_gate": gate, **({"served": served} if serve else {})}
+    return {**results.to_json(), "quality_gate": gate, **({"served": served} if serve else {}),
+            **({"hybrid": hybrid_results.to_json()} if hybrid_results is not None else {})}
 
 
 def run(args) -> int:
-    run_demo(args.out, args.quick, overwrite=args.overwrite, serve=args.serve)
+    run_demo(args.out, args.quick, overwrite=args.overwrite, serve=args.serve, hybrid=HYBRID if args.hybrid else None)
     return 0

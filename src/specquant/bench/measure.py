@@ -236,6 +236,43 @@ class BlockAccept(BlockForward):
         d.append_context(self._rows[t])
 
 
+class MTPForward:
+    """An MTP layer (spec_decode/drafters/mtp.py) behind the model interface `forward_times` probes: the prefill
+    call fills its KV cache with `context` entries of (random) target hidden states; every timed call is one MTP
+    forward of the new entries at that context plus its head's logits, which the MTP drafter runs once per drafted
+    token (one entry: a chained draft)."""
+
+    def __init__(self, mtp_model, target):
+        from specquant.spec_decode.drafters.mtp import draft_head
+
+        self.mtp, self.target = mtp_model, target
+        self.head = draft_head(target, getattr(mtp_model, "head_precision", "shared"))
+        self.config = target.config
+        self.model = target.model  # forward_times reads model.embed_tokens.weight.device (the target's embeddings)
+        self._gen = torch.Generator().manual_seed(0)
+        self._hidden: dict[int, torch.Tensor] = {}
+
+    def setup_cache(self, batch: int, length: int, max_block: int = 64, window: int | None = -1):
+        self.mtp.setup_cache(batch, length)
+
+    def _h(self, t: int) -> torch.Tensor:
+        if t not in self._hidden:  # made on the first call (an untimed round), reused after
+            w = self.target.model.embed_tokens.weight
+            self._hidden[t] = torch.randn(1, t, self.config.hidden_size, generator=self._gen).to(w)
+        return self._hidden[t]
+
+    def __call__(self, ids: torch.Tensor, start: int, last_only: bool = False):
+        embeds = self.target.model.embed_tokens(ids)
+        if start == 0:
+            self.mtp(self._h(ids.shape[1]), embeds, 0)
+            return None
+        self.mtp.rollback(start)
+        return self.head(self.mtp(self._h(ids.shape[1]), embeds, start)[:, -1])
+
+    def clear_cache(self):
+        self.mtp.clear_cache()
+
+
 # Probe.burst of a model's step as a loop that runs only that model sees it (a target decoding alone): timed after
 # two untimed calls of the same model. Timed between other probes instead, the fp32 target's step read 1.4x its
 # measured TPOT at 2 threads (docs/BENCH.md).

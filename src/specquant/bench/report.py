@@ -159,15 +159,16 @@ def step_costs(row: RowResult, cat: str) -> dict | None:
 
 
 def drafter_verdict(results: BenchResults) -> str:
-    """Which drafter kind wins in this run (best tok/s row of each) and why, from the per-step costs."""
-    # the rows whose step costs were probed (LM and block): the levers' rows (s, u, p) have no prediction
+    """Which drafter kind wins in this run (best tok/s row of each) and why, from the per-step costs: the winner
+    against the runner-up, then the winner's lead over every other kind."""
+    # the rows whose step costs were probed (LM, block, MTP): the levers' rows (s, u, p) have no prediction
     spec = [r for r in results.ok_rows() if r.drafter and r.impl == "specquant" and r.predicted_speedup_avg is not None]
     best = {}
     for kind in dict.fromkeys(r.drafter for r in spec):  # in row order: the LM rows come first
         rows = [r for r in spec if r.drafter == kind]
         if rows:
             best[kind] = max(rows, key=lambda r: r.timing_avg.tokens_per_s)
-    if len(best) != 2:  # the verdict compares two kinds
+    if len(best) < 2:  # the verdict compares kinds
         return ""
     cats = list(results.lengths)
     cat = "medium" if "medium" in cats else cats[len(cats) // 2]
@@ -186,9 +187,8 @@ def drafter_verdict(results: BenchResults) -> str:
                      + f" = {c['step']:.2f}, for MAL {c['mal']:.2f} tokens: "
                      f"{c['per_token']:.2f} per token")
         lines.append(line)
-    (first_kind, first), (second_kind, second) = best.items()
-    winner, loser = ((second, first) if second.timing_avg.tokens_per_s > first.timing_avg.tokens_per_s
-                     else (first, second))
+    ranked = sorted(best.items(), key=lambda kv: -kv[1].timing_avg.tokens_per_s)  # ties: row order
+    (win_kind, winner), (_, loser) = ranked[0], ranked[1]
     cw, cl = step_costs(winner, cat), step_costs(loser, cat)
     why = ""
     if cw and cl:
@@ -201,7 +201,13 @@ def drafter_verdict(results: BenchResults) -> str:
             gap = winner.timing_avg.tokens_per_s / loser.timing_avg.tokens_per_s - 1
             why += (f" By those costs the other drafter is cheaper per token there, so this {gap:.1%} lead comes "
                     "from the other length categories or from run-to-run noise.")
-    kind = kind_named(second_kind if winner is second else first_kind).title
+    for other_kind, other in ranked[2:]:
+        co = step_costs(other, cat)
+        why += (f" The {kind_named(other_kind).title}'s best row ({other.id}) runs "
+                f"{other.timing_avg.tokens_per_s:.1f} tok/s"
+                + (f" at {co['per_token']:.2f} target steps per token (step {co['step']:.2f}, MAL {co['mal']:.2f})"
+                   if co else "") + ".")
+    kind = kind_named(win_kind).title
     return ("\n\n## Which drafter wins\n\n" + "\n".join(lines)
             + f"\n\nThe {kind} wins in this run: ({winner.id}) {winner.timing_avg.tokens_per_s:.1f} vs "
               f"({loser.id}) {loser.timing_avg.tokens_per_s:.1f} tok/s.{why}")
@@ -229,7 +235,8 @@ per prompt with EOS ignored; {cfg.warmup} warm-up + {cfg.runs} timed runs per pr
 k = {cfg.spec.draft_len} draft tokens per step (block drafter rows: k = {cfg.block_draft_len}, one drafter
 forward per step); draft window {cfg.spec.draft_window} (rows e, h). Rows s, u, p: the suffix drafter (its own
 k = {cfg.suffix.max_draft_len}), the hybrid (suffix, else the W4 block drafter) and the W4 block drafter with a
-head pruned to {cfg.pruned_head_fraction:.0%} of the vocabulary; no prediction for them.
+head pruned to {cfg.pruned_head_fraction:.0%} of the vocabulary; no prediction for them. Rows m, n (when the
+target has an MTP layer): its own MTP drafter, dense and W4, k = {cfg.spec.draft_len}, one MTP forward per token.
 Prompt lengths (target tokens): {lengths}.
 
 {qlines}
@@ -374,3 +381,44 @@ def summary(results: BenchResults, files) -> dict:
             row["reason"] = r.reason
         rows.append(row)
     return {"benchmark": "bench", "out": str(Path(files[0]).parent), "files": [str(f) for f in files], "rows": rows}
+
+
+VERDICT = "## Which drafter wins"
+
+
+def demo_markdown(sections: list[tuple[str, str, str, str]]) -> str:
+    """`specquant demo`'s one report: per architecture (title, its models, its bench report.md text, the folder of
+    its files relative to the demo's --out), the bench report with its headings one level down, and first each
+    section's drafter verdict (drafter_verdict's conclusion)."""
+    verdicts, bodies = [], []
+    for title, models, text, folder in sections:
+        part = text.split(VERDICT, 1)[1] if VERDICT in text else ""
+        part = part.split("\n## ", 1)[0]
+        conclusion = next((p.strip() for p in part.split("\n\n") if p.strip().startswith("The ")), None)
+        verdicts.append(f"- {title}: " + (conclusion.replace("\n", " ") if conclusion else
+                                          "no verdict (fewer than two drafter kinds with probed costs ran)"))
+        lines = text.splitlines()
+        if lines and lines[0].startswith("# "):
+            lines = lines[1:]  # the bench's title: the section's own heading replaces it
+        body = "\n".join("#" + line if line.startswith("#") else line for line in lines)
+        if folder:  # its plots and numbers sit in its own folder
+            for name in FILES:
+                body = body.replace(f"`{name}`", f"`{folder}/{name}`")
+        bodies.append(f"## {title}: {models}\n{body}")
+    return ("# specquant demo\n\nOne bench per architecture, each on its own prompts and its own W4 / QAD "
+            "checkpoints; the rows, metrics and predictions are the bench's (docs/BENCH.md).\n\n"
+            "## Which drafter wins, per architecture\n\n" + "\n".join(verdicts) + "\n\n" + "\n\n".join(bodies))
+
+
+def write_demo_report(out: Path, sections: list[tuple[str, str, list[Path], str]]) -> Path | None:
+    """out/report.md from the sections' bench reports (each `section`'s written files, report.md among them);
+    None (nothing written) when a section wrote no report."""
+    texts = []
+    for title, models, files, folder in sections:
+        report = next((Path(f) for f in files if Path(f).name == "report.md"), None)
+        if report is None:
+            return None
+        texts.append((title, models, report.read_text(), folder))
+    path = Path(out) / "report.md"
+    atomic_write(path, demo_markdown(texts).encode())
+    return path
