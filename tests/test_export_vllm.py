@@ -228,15 +228,17 @@ def test_vllm_layout_loads_in_transformers_with_the_same_logits(tmp_path, hybrid
         assert torch.equal(theirs.float().eval()(input_ids=tokens).logits, ref.float().eval()(input_ids=tokens).logits)
 
 
-def test_vllm_export_refuses_a_half_quantized_fused_group_and_a_foreign_drafter(tmp_path, hybrid_pair):
+def test_vllm_export_refuses_a_half_quantized_fused_group_and_a_foreign_drafter(tmp_path, hybrid_pair, monkeypatch):
     """in_proj_b quantized beside a dense in_proj_a cannot be one vLLM layer; a block drafter trained for another
     target (width, layers) is refused before anything is written."""
     from test_export_gguf import hybrid_w4
 
     from specquant.export.vllm import export_vllm
+    from specquant.quant import pipeline
 
-    half, _ = hybrid_w4(hybrid_pair["dense"], tmp_path / "half", group_size=32,
-                        ignore=["lm_head", "embed_tokens", "in_proj_a"])
+    # our quantizer keeps both dense (DENSE_BY_KIND); a checkpoint from elsewhere may quantize only one of them
+    monkeypatch.setitem(pipeline.DENSE_BY_KIND, "linear_attention", ("linear_attn.in_proj_a",))
+    half, _ = hybrid_w4(hybrid_pair["dense"], tmp_path / "half", group_size=32, ignore=["lm_head", "embed_tokens"])
     with pytest.raises(SpecquantError, match=r"fuses in_proj_b \+ in_proj_a into one layer, but only in_proj_b"):
         export_vllm(half, None, tmp_path / "a", ExportConfig(engine="vllm"))
     with pytest.raises(SpecquantError, match="block drafter has hidden_size=384 but the target has 64"):

@@ -23,4 +23,7 @@ def test_every_timed_path_matches_sdpa(dtype, atol, context, queries):
 
 
 def test_gemm_peak_is_measured():
-    assert load_benchmark("few_query_attention.py").peak_macs_per_s(torch.float32, n=64, reps=2) > 1e8  # any CPU does 64³ faster than 2.6 ms
+    # a rate, positive and finite; not a speed floor (speed is for the benchmark, not a unit test: a loaded machine
+    # measured 1.3e7 here once)
+    peak = load_benchmark("few_query_attention.py").peak_macs_per_s(torch.float32, n=64, reps=2)
+    assert 0 < peak < float("inf")
