@@ -48,7 +48,7 @@ def load_mtp_drafter(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = 
                      device: str | torch.device = "cpu", w4_activations: str = "float") -> MTPModel:
     """An MTP drafter directory (model/mtp.py's layout), dense or W4; its head precision (config.json
     `specquant_mtp_head`, default shared) is kept as `model.head_precision` for the drafter."""
-    from specquant.spec_decode.drafters.mtp import HEAD_KEY
+    from specquant.model.mtp import HEAD_KEY
 
     dtype = parse_dtype(dtype)
     path = resolve(name_or_dir)
@@ -108,9 +108,9 @@ def quantize_mtp(model: MTPModel, bits: int = 4, group_size: int = 32, symmetric
 def write_w4_mtp(src, out, bits: int = 4, group_size: int = 32, head: str = "shared",
                  overwrite: bool = False) -> dict:
     """A W`bits` copy (quantize_mtp) of the dense MTP drafter directory `src` at `out`, drafting through `head`
-    (spec_decode/drafters/mtp.py's HEADS, recorded in its config.json); returns quantize_mtp's report."""
+    (model/mtp.py's HEADS, recorded in its config.json); returns quantize_mtp's report."""
     from specquant.model.mtp import save_mtp_drafter
-    from specquant.spec_decode.drafters.mtp import HEAD_KEY, HEADS
+    from specquant.model.mtp import HEAD_KEY, HEADS
 
     if head not in HEADS:
         raise SpecquantError(f"MTP head {head!r} is unknown; use one of {', '.join(HEADS)}")

@@ -43,6 +43,8 @@ from specquant.util.files import atomic_dir
 
 PREFIX = "mtp."  # the checkpoint prefix of the MTP tensors (model.checkpoint.KEPT_PREFIXES keeps them)
 ARCHITECTURE = "Qwen3_5MTP"  # config.json `architectures` of an MTP drafter directory (vLLM's class name)
+HEADS = ("shared", "bf16", "w8", "w4")  # the head an MTP drafter drafts with: the target's lm_head, or its own copy
+HEAD_KEY = "specquant_mtp_head"  # config.json of an MTP drafter directory: which of HEADS
 
 
 class MTPModel(nn.Module):

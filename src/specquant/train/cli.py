@@ -75,7 +75,7 @@ def _per_step(seconds: float | None) -> str:
 
 def add_draft(p: argparse.ArgumentParser):
     from specquant.train.block_draft import BlockDraftTrainConfig
-    from specquant.spec_decode.drafters.mtp import HEADS as MTP_HEADS
+    from specquant.model.mtp import HEADS as MTP_HEADS
     from specquant.train.draft import KINDS, DraftConfig
 
     p.add_argument("--kind", required=True, choices=KINDS,

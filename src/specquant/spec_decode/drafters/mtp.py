@@ -26,12 +26,11 @@ from torch import nn
 from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
-from specquant.model.mtp import MTPModel, is_mtp_config, mtp_from_tensors
+from specquant.model.mtp import HEAD_KEY, HEADS, MTPModel, is_mtp_config, mtp_from_tensors
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft, DrafterKind
 
-HEADS = ("shared", "bf16", "w8", "w4")
-HEAD_KEY = "specquant_mtp_head"  # config.json of an MTP drafter directory: the head it drafts with
+__all__ = ["HEADS", "HEAD_KEY", "KIND", "MTPDrafter"]  # HEADS / HEAD_KEY are model.mtp's, named here too
 
 
 def draft_head(target: Transformer, head: str) -> nn.Module:
