@@ -10,11 +10,14 @@
 # held-out tokens are those documents: both models are measured on text neither was trained on, with the same
 # windows (train_bundled.py's evaluate: 8 x 8 windows of 256 tokens, seed + 999).
 #   EVAL ONLY:  .venv/bin/python scripts/train_bundled.py --evaluate tiny-target --tokens data/tokens-heldout
-# The MTP layer is not trained here: `specquant distill draft --kind mtp` trains it on the exported target.
+# The MTP layer is trained afterwards against the frozen exported target (`mtp` below), not jointly.
 #
 #   scripts/train_tiny_hybrid.sh              the target -> src/specquant/models/tiny-hybrid
 #   scripts/train_tiny_hybrid.sh block-draft  its block drafter, stage 1 (against the fp32 target) ->
 #                                             src/specquant/models/tiny-hybrid-block-draft
+#   scripts/train_tiny_hybrid.sh mtp          its MTP layer (distill draft --kind mtp), written into
+#                                             src/specquant/models/tiny-hybrid (mtp.* tensors; run block-draft first:
+#                                             it writes the training text)
 # Stage 2 of the drafter trains against the W4 + QAD form of tiny-hybrid (hybrid QAD: `specquant distill target`
 # on a hybrid W4 student), warm-started from stage 1 with a fresh schedule:
 #   specquant quantize --model tiny-hybrid --method awq --out runs/hybrid-w4
@@ -54,6 +57,20 @@ PYEOF
   rm -rf $EXPORT.tmp && cp -r $RUN/model $EXPORT.tmp && rm -f $EXPORT.tmp/.specquant-out
   rm -rf $EXPORT && mv $EXPORT.tmp $EXPORT
   echo "exported $EXPORT" >&2
+  exit 0
+fi
+if [ "${1:-target}" = mtp ]; then
+  # KL to the frozen target over the full vocabulary, 3 chained drafts per position; the first run writes a copy
+  # of the target with the trained mtp.* tensors, whose weights and config then replace the bundled ones
+  RUN=runs/tiny-hybrid-mtp
+  RESUME=()
+  if [ -d $RUN/checkpoints ]; then RESUME=(--resume); elif [ -d $RUN/model ]; then RESUME=(--overwrite); fi
+  $PY -m specquant.cli distill draft --kind mtp --target src/specquant/models/tiny-hybrid \
+      --data runs/hybrid-block-draft.txt --out $RUN --steps ${MTP_STEPS:-400} --seq-len 128 --batch 8 --lr 1e-3 \
+      --warmup 40 --eval-every 100 --save-every 50 --mtp-steps 3 --mtp-into-target runs/tiny-hybrid-with-mtp \
+      --no-progress --json "${RESUME[@]}"
+  cp runs/tiny-hybrid-with-mtp/config.json runs/tiny-hybrid-with-mtp/model.safetensors src/specquant/models/tiny-hybrid/
+  echo "wrote the MTP layer into src/specquant/models/tiny-hybrid" >&2
   exit 0
 fi
 TOK=data/tokens-heldout
