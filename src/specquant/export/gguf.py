@@ -360,6 +360,22 @@ def _rewrite_dense(t: torch.Tensor, rw: Rewrite) -> torch.Tensor:
     return t
 
 
+
+def rope_freqs_rows(cfg: ModelConfig) -> list:
+    """The rope_freqs tensor llama.cpp reads for llama3 rope scaling, as a planned row ([] without that scaling)."""
+    factors = rope_factors(cfg)
+    if factors is None:
+        return []
+    name = _gguf().TENSOR_NAMES[_gguf().MODEL_TENSOR.ROPE_FREQS] + ".weight"
+    return [(name, factors, "F32", TensorRow(name, "(rope_scaling llama3)", "F32", [len(factors)], 0.0))]
+
+
+def refuse_inexact(bad: list[str], inexact: str, what: str = "quantized tensors") -> None:
+    """With inexact == "error", quantized tensors whose scales fp16 cannot hold exactly are a one-line error."""
+    if bad and inexact == "error":
+        raise SpecquantError(f"{len(bad)} {what} have scales that fp16 cannot hold exactly (e.g. "
+                             f"{bad[0]}); re-quantize with --dtype float16, or export with --inexact warn")
+
 def plan_tensors(src: Source, dense_dtype: str = "f32", inexact: str = "error"):
     """[(gguf name, array, GGUF type, TensorRow)] for every tensor, after the exactness checks."""
     gguf = _gguf()
@@ -403,14 +419,9 @@ def plan_tensors(src: Source, dense_dtype: str = "f32", inexact: str = "error"):
         arr, err = _dense_array(t, kind)
         row = TensorRow(gname(rw.name or key), key, kind, list(t.shape), err)
         out.append((row.name, arr, kind, row))
-    factors = rope_factors(cfg)
-    if factors is not None:
-        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-        out.append((name, factors, "F32", TensorRow(name, "(rope_scaling llama3)", "F32", [len(factors)], 0.0)))
+    out += rope_freqs_rows(cfg)
     out.sort(key=lambda item: _tensor_order(item[0]))
-    if bad and inexact == "error":
-        raise SpecquantError(f"{len(bad)} quantized tensors have scales that fp16 cannot hold exactly (e.g. "
-                             f"{bad[0]}); re-quantize with --dtype float16, or export with --inexact warn")
+    refuse_inexact(bad, inexact)
     for b in bad:
         log.warning("inexact GGUF export: %s", b)
     return out

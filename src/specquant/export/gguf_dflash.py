@@ -35,8 +35,8 @@ import numpy as np
 from specquant.errors import SpecquantError
 from specquant.export.gguf import (DENSE_TYPES, FILE_TYPES, GRID_TENSORS, Source, TensorRow, _dense_array,
                                    _grid_weight, add_tokenizer, dequantize_blocks, encode, file_report, main_kind,
-                                   write_file)
-from specquant.export.gguf_arch import _gguf, add_hparams, rope_factors
+                                   refuse_inexact, rope_freqs_rows, write_file)
+from specquant.export.gguf_arch import _gguf, add_hparams
 from specquant.model.block_draft import BlockDraftConfig, is_block_draft_config
 from specquant.model.checkpoint import load_tensors, read_hf_config, resolve
 from specquant.model.config import ModelConfig
@@ -102,14 +102,9 @@ def plan_tensors(tensors: dict, cfg: BlockDraftConfig, dense_dtype: str = "f32",
         arr, err = _dense_array(t, kind)
         row = TensorRow(_gguf_name(key, tmap), key, kind, list(t.shape), err)
         out.append((row.name, arr, kind, row))
-    factors = rope_factors(cfg.layer_config())
-    if factors is not None:  # dflash.cpp ropes with layers[0].rope_freqs, loaded from the one rope_freqs tensor
-        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-        out.append((name, factors, "F32", TensorRow(name, "(rope_scaling llama3)", "F32", [len(factors)], 0.0)))
+    out += rope_freqs_rows(cfg.layer_config())  # dflash.cpp ropes with layers[0].rope_freqs, the one such tensor
     out.sort(key=lambda item: _order(item[0]))
-    if bad and inexact == "error":
-        raise SpecquantError(f"{len(bad)} quantized drafter tensors have scales that fp16 cannot hold exactly (e.g. "
-                             f"{bad[0]}); re-quantize with --dtype float16, or export with --inexact warn")
+    refuse_inexact(bad, inexact, "quantized drafter tensors")
     return out, bad
 
 
