@@ -62,6 +62,7 @@ from specquant.model.fuse import fuse_projections
 from specquant.model.gated_delta import gated_delta_rule, l2_normalize
 from specquant.model.modules import Linear
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
+from specquant.quant.kernels import FAMILIES
 from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
 
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,
@@ -357,8 +358,10 @@ def main():
     torch.set_num_threads(args.threads)
     rows = sorted({1, *(int(r) for r in args.rows.split(","))})
     bw = streamed_bandwidth()
+    kernels = {name: f.why() for name, f in FAMILIES.items()}  # SPECQUANT_NATIVE=avx2,portable: an AVX2 CPU's choice
     print(f"streamed read bandwidth: {bw:.1f} GB/s, {args.threads} threads, context {args.context}, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+          f"load average {os.getloadavg()[0]:.1f}; native kernels: "
+          + ", ".join(f"{k} {v}" for k, v in kernels.items()), flush=True)
     head = (f"{'shape':<12} {'mode':<5} {'tok/s':>7} {'floor':>7} "
             + " ".join(f"{'v' + str(t):>6}" for t in rows if t > 1)
             + f" {'lin ms':>7} {'attn':>6} {'rule':>6} {'head':>6} {'rest':>6} {'v4 lin/attn/head':>17} {'spread':>6}"
@@ -420,7 +423,7 @@ def main():
           "lin/attn/rule/head/rest = 1-row ms; v4 = the same parts at 4 rows; 'beside': hybrid / Qwen3 step time "
           "in ms (below 1: the hybrid step is cheaper)")
     print(json.dumps({"benchmark": "shapes", "bandwidth_gb_s": bw, "threads": args.threads, "context": args.context,
-                      "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0],
+                      "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0], "kernels": kernels,
                       "torch": torch.__version__,
                       "results": results, "beside": comparisons}))
 

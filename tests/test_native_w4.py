@@ -160,10 +160,32 @@ def test_disabled_or_missing_compiler_falls_back_with_a_reason(monkeypatch, tmp_
 
 def test_an_unknown_switch_value_is_one_line(monkeypatch):
     from specquant.errors import SpecquantError
+    from specquant.quant.kernels import reset
 
-    monkeypatch.setenv("SPECQUANT_NATIVE", "maybe")
-    with pytest.raises(SpecquantError, match="SPECQUANT_NATIVE='maybe' is not understood; use off"):
-        build.disabled()
+    for value in ("maybe", "avx2,avx9"):
+        monkeypatch.setenv("SPECQUANT_NATIVE", value)
+        reset()
+        with pytest.raises(SpecquantError, match=rf"SPECQUANT_NATIVE='{value}' is not understood; use off .*"
+                                                 r"list of variants to keep \(avx2, avx512_bf16, .*portable\)"):
+            FAMILY.choose()
+    reset()
+
+
+def test_the_switch_keeps_the_named_variants(monkeypatch):
+    """SPECQUANT_NATIVE=avx2,portable is what an AVX2-only CPU gets, on any CPU that runs AVX2: every family takes its
+    best kept variant the CPU runs, and a family with none of the names says so."""
+    from specquant.quant.kernels import FAMILIES, reset
+
+    for keep in (("avx2", "portable"), ("portable",), ("avx512_vnni",)):
+        monkeypatch.setenv("SPECQUANT_NATIVE", ",".join(keep))
+        reset()
+        for f in FAMILIES.values():
+            runs = [v for v in f.supported_variants() if v.name in keep]
+            if not runs:
+                assert f.library() is None and f.why().startswith(f"disabled by SPECQUANT_NATIVE={','.join(keep)}")
+            elif f.library() is not None:  # it may still fail to build (no g++): then it says why
+                assert f.variant() is runs[0]
+    reset()
 
 
 def test_auto_takes_the_first_variant_that_loads_and_says_why_when_none_does(monkeypatch):

@@ -10,7 +10,8 @@ already loaded, so every kernel shares one thread pool.
 A build lands in `${SPECQUANT_CACHE:-~/.cache/specquant}/kernels/<family>-<variant>-<hash>.so` (the hash covers the
 source, every header in this folder and the flags), written to a temporary name and renamed, so concurrent
 processes never load a half-written file. `SPECQUANT_NATIVE=off` (or `0`) disables every native kernel, so the
-fallback backends can be run, and tested, on any machine.
+fallback backends can be run, and tested, on any machine. `SPECQUANT_NATIVE=avx2,portable` (variant names) keeps
+only those variants, so a CPU with AVX-512 can run, test and time what an AVX2-only or an ARM machine would get.
 """
 
 from __future__ import annotations
@@ -46,15 +47,28 @@ class Variant:
     cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags it needs (none: portable)
 
 
+def _switch() -> str:
+    return os.environ.get(SWITCH, "").strip().lower()
+
+
 def disabled() -> bool:
-    """True when SPECQUANT_NATIVE says off; an unknown value is one line naming it."""
-    value = os.environ.get(SWITCH, "").strip().lower()
+    """True when SPECQUANT_NATIVE says off."""
+    return _switch() in OFF
+
+
+def restriction(known: set[str]) -> frozenset[str] | None:
+    """The variant names SPECQUANT_NATIVE keeps (None: every variant; empty: off). `known` is every family's
+    variant names, so that a typo is one line naming the value and the choices instead of a silent fallback."""
+    value = _switch()
     if value in OFF:
-        return True
+        return frozenset()
     if value in ON:
-        return False
-    raise SpecquantError(f"{SWITCH}={value!r} is not understood; use off (or 0) to disable the native kernels, "
-                         "or unset it")
+        return None
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    if not names or names - known:
+        raise SpecquantError(f"{SWITCH}={value!r} is not understood; use off (or 0) to disable the native kernels, "
+                             f"a comma-separated list of variants to keep ({', '.join(sorted(known))}), or unset it")
+    return names
 
 
 def cache_dir() -> Path:

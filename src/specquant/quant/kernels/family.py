@@ -2,7 +2,7 @@
 
 A family's variants all export the same C functions and read the same packed layout, so QuantLinear prepares a
 layer once per family whichever variant runs it; `auto` (the only policy) takes the first variant this CPU supports
-that builds and loads, and logs the choice. What is shared by both W4 families lives here too: tiles of 16 outputs,
+that builds and loads, and logs the choice; SPECQUANT_NATIVE=<variant,...> narrows the walk to the named variants. What is shared by both W4 families lives here too: tiles of 16 outputs,
 the packed scales, and the ctypes call.
 """
 
@@ -20,6 +20,8 @@ from specquant.quant.kernels import build
 from specquant.quant.kernels.build import Variant
 
 log = logging.getLogger(__name__)
+
+_FAMILIES: list["Family"] = []  # every family made, so that SPECQUANT_NATIVE's variant names are checked against all
 
 TILE = 16  # output rows per tile in every family's packed layout (one zmm, two ymm of fp32 results)
 
@@ -46,6 +48,9 @@ class Family:
     _loaded: dict = field(default_factory=dict, repr=False)  # variant name -> (library or None, reason)
     _choice: tuple | None = field(default=None, repr=False)  # (variant or None, library or None, reason)
 
+    def __post_init__(self):
+        _FAMILIES.append(self)
+
     def load(self, variant: Variant) -> tuple[ctypes.CDLL | None, str]:
         """Build (or find cached) and load one variant; (library or None, why not)."""
         if variant.name not in self._loaded:
@@ -58,20 +63,26 @@ class Family:
         return [v for v in self.variants if build.cpu_problem(v.cpu_flags) is None]
 
     def choose(self) -> tuple[Variant | None, ctypes.CDLL | None, str]:
-        """`auto`: the first variant that this CPU supports and that builds and loads (logged once)."""
+        """`auto`: the first variant that this CPU supports and that builds and loads (logged once), among those
+        SPECQUANT_NATIVE keeps."""
         if self._choice is None:
+            keep = build.restriction({v.name for f in _FAMILIES for v in f.variants})
             reasons = []
             for v in self.variants:
+                if keep is not None and v.name not in keep:
+                    continue
                 lib, why = self.load(v)
                 if lib is not None:
                     self._choice = (v, lib, f"variant {v.name}")
                     log.info("native %s kernel: variant %s (the first of %s this CPU runs)", self.name, v.name,
-                             ", ".join(x.name for x in self.variants))
+                             ", ".join(x.name for x in self.variants if keep is None or x.name in keep))
                     break
                 reasons.append(f"{v.name}: {why}")
             else:
-                if build.disabled():
+                if keep is not None:
                     why = f"disabled by {build.SWITCH}={os.environ[build.SWITCH]}"
+                    if keep and reasons:
+                        why += " (" + "; ".join(reasons) + ")"
                 else:
                     why = "; ".join(reasons) or "no variant listed"
                 log.info("native %s kernel unavailable (%s); QuantLinear uses its other backends", self.name, why)
