@@ -271,6 +271,17 @@ def test_bench_block_rows_inside_llama_cpp(bin_dir, tmp_path):
         run_rows(files, [], None, rows=rows)
 
 
+def test_match_fraction_counts_a_longer_speculative_text_and_no_trailer():
+    """A speculative text that overshoots its reference by a token still reproduces it all; a real difference
+    counts from the first differing token."""
+    from specquant.bench.llama_cpp import match_fraction
+
+    encode = list  # one token per character
+    assert match_fraction(encode, "the man's", "the man") == 1.0
+    assert match_fraction(encode, "the mat", "the man") == 6 / 7
+    assert match_fraction(encode, "", "") == 1.0
+
+
 def test_parse_kl_reads_llama_perplexity_summary():
     """The summary lines as tools/perplexity/perplexity.cpp prints them (format strings copied from its LOG calls)."""
     from specquant.bench.llama_cpp_quality import parse_kl

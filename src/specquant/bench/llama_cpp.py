@@ -201,6 +201,12 @@ def _run_until(cmd: list, needed: tuple[re.Pattern, ...]) -> tuple[subprocess.Co
                          f"in {TRIES} runs (its format changed?); stderr ends: {proc.stderr[-300:]!r}")
 
 
+# What each tool prints to stdout after the generated text, whatever it generated (LOG("\n\n") before its timings
+# in tools/completion/completion.cpp; once before the timings and once before exiting in speculative-simple.cpp).
+# Left on, they re-tokenize into the last tokens and understate `match`.
+COMPLETION_TRAILER, SPECULATIVE_TRAILER = "\n\n", "\n\n\n\n"
+
+
 def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx: int,
              draft: Path | None = None, draft_len: int = 3, spec_type: str = "draft-simple") -> Generation:
     """Greedy continuation of the prompt by llama.cpp (with a draft: llama-speculative-simple --spec-type
@@ -212,12 +218,12 @@ def generate(bin_dir, target: Path, prompt_file: Path, n: int, threads: int, ctx
                                     "--no-display-prompt", "--simple-io"], (_EVAL, _SAMPLING))
         # decode forwards + sampling, as llama-speculative-simple's `decoded` time also counts its sampling
         seconds = (float(m.group(1)) + float(ms.group(1))) / 1e3
-        return Generation(proc.stdout, int(m.group(2)) / seconds)
+        return Generation(proc.stdout.removesuffix(COMPLETION_TRAILER), int(m.group(2)) / seconds)
     proc, (m, drafted, accepted) = _run_until(
         [find_tool("llama-speculative-simple", bin_dir), *common, "-md", draft, "--spec-type", spec_type,
          "--spec-draft-n-max", draft_len, "-td", threads], (_DECODED, _DRAFTED, _ACCEPTED))
-    return Generation(_strip_prompt(proc.stdout, prompt_file), float(m.group(3)), int(drafted.group(1)),
-                      int(accepted.group(1)))
+    return Generation(_strip_prompt(proc.stdout, prompt_file).removesuffix(SPECULATIVE_TRAILER), float(m.group(3)),
+                      int(drafted.group(1)), int(accepted.group(1)))
 
 
 def _strip_prompt(stdout: str, prompt_file: Path) -> str:
@@ -236,7 +242,12 @@ def _strip_prompt(stdout: str, prompt_file: Path) -> str:
 
 
 def match_fraction(encode, text: str, reference: str) -> float:
-    """Fraction of the reference's tokens (encode: str -> ids) reproduced from the start (1.0 = identical)."""
+    """Fraction of the reference's tokens (encode: str -> ids) reproduced from the start (1.0 = identical).
+    llama-speculative-simple stops once it has more than -n tokens, so a speculative text can run past its
+    reference by up to k tokens; a text that starts with the whole reference reproduces all of it (re-tokenizing
+    the longer text could merge the reference's last token with the next characters)."""
+    if text.startswith(reference):
+        return 1.0
     a, b = encode(text), encode(reference)
     if not b:
         return 1.0
