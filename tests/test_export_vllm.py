@@ -262,3 +262,17 @@ def test_vllm_export_renames_the_ignore_list_with_the_tensors(tmp_path, hybrid_p
     for n in ignore:
         assert n == "lm_head" or n.startswith("model.language_model."), n
         assert f"{n}.weight" in names and f"{n}.weight_packed" not in names, n
+
+
+def test_the_vllm_layout_of_a_w4_hybrid_loads_back_with_the_same_logits(tmp_path, hybrid_pair):
+    """Our loader reads the exported W4 hybrid (its `ignore` under the wrapper's names, in_proj_a/b dense) and gives
+    the logits of the checkpoint it was exported from."""
+    from specquant.export.vllm import export_vllm
+    from specquant.loader import load_model
+
+    export_vllm(hybrid_pair["w4"], None, tmp_path / "out", ExportConfig(engine="vllm"))
+    tokens = torch.randint(0, 8192, (1, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = load_model(tmp_path / "out" / "target", dtype=torch.float32).eval()(tokens)
+        ours = load_model(hybrid_pair["w4"], dtype=torch.float32).eval()(tokens)
+    assert torch.equal(theirs, ours)

@@ -113,6 +113,17 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def text_name(name: str) -> str:
+    """A wrapped checkpoint's tensor or module name (model.language_model.*) -> the decoder's (model.*)."""
+    prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+    return name if prefix is None else TEXT_PREFIXES[prefix] + name[len(prefix):]
+
+
+def wrapped_names(name: str) -> list[str]:
+    """The decoder's module name and what each wrapping checkpoint layout calls it (text_name's inverse)."""
+    return [name, *(wrap + name[len(short):] for wrap, short in TEXT_PREFIXES.items() if name.startswith(short))]
+
+
 def split_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A checkpoint's tensors -> (the decoder's, under its names; the kept extras: mtp.*), vision tower dropped."""
     decoder, kept, ignored = {}, {}, 0
@@ -122,8 +133,7 @@ def split_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
         elif name.startswith(KEPT_PREFIXES):
             kept[name] = t
         else:
-            prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
-            decoder[name if prefix is None else TEXT_PREFIXES[prefix] + name[len(prefix):]] = t
+            decoder[text_name(name)] = t
     if ignored:
         log.info("checkpoint: ignoring %d vision-tower tensors (%s); specquant runs the text model", ignored,
                  ", ".join(f"{p}*" for p in IGNORED_PREFIXES))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.model.checkpoint import load_dense_into, save_model
+from specquant.model.checkpoint import load_dense_into, save_model, wrapped_names
 from specquant.quant.config import GPTQConfig, QuantConfig
 from specquant.quant.linear import QuantLinear
 
@@ -95,12 +95,15 @@ def save_quantized(model: nn.Module, out, tokenizer_from=None, cfg: QuantConfig 
 
 
 def _matches(name: str, patterns, cls_name: str = "") -> bool:
-    """compressed-tensors' matching: a class name, an exact module name, or 're:<regex>' (re.match)."""
+    """compressed-tensors' matching: a class name, an exact module name, or 're:<regex>' (re.match). The names are
+    the checkpoint's, so a wrapped layout's (model.language_model.*, as the vLLM export of a Qwen3.5 writes its
+    `ignore`) match the decoder's module under either name."""
+    names = wrapped_names(name)
     for p in patterns or ():
         if p.startswith("re:"):
-            if re.match(p[3:], name):
+            if any(re.match(p[3:], n) for n in names):
                 return True
-        elif p == name or p == cls_name:
+        elif p in names or p == cls_name:
             return True
     return False
 
