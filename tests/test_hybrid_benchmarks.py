@@ -42,17 +42,53 @@ def _run(module, argv, monkeypatch, capsys) -> tuple[str, dict]:
 
 def test_shapes_runs_hybrid_rows_beside_dense(bench, monkeypatch, capsys):
     shapes, _ = bench
-    out, res = _run(shapes, ["--shapes", "qwen3.5-tiny,qwen3-tiny", "--modes", "fp32,bf16,w4", "--reps", "1",
+    out, res = _run(shapes, ["--shapes", "qwen3.5-tiny,qwen3-tiny", "--modes", "fp32,bf16,w4,w4a8", "--reps", "1",
                              "--context", "8", "--rows", "1,2,16", "--threads", "1"], monkeypatch, capsys)
     rows = {(r["shape"], r["mode"]) for r in res["results"]}
-    assert rows == {("qwen3.5-tiny", "fp32"), ("qwen3.5-tiny", "bf16"), ("qwen3-tiny", "fp32"), ("qwen3-tiny", "bf16"),
-                    ("qwen3-tiny", "w4")}  # a W4 hybrid row is skipped, and says so
-    assert "qwen3.5-tiny w4    skipped" in out
+    assert rows == {(s, m) for s in ("qwen3.5-tiny", "qwen3-tiny") for m in ("fp32", "bf16", "w4", "w4a8")}
     hybrid = next(r for r in res["results"] if r["shape"] == "qwen3.5-tiny" and r["mode"] == "fp32")
     assert hybrid["beside"] == "qwen3-tiny" and set(hybrid["verify_steps"]) == {"2", "16"}
     assert hybrid["per_rows"]["1"]["rule_ms"] > 0  # the DeltaNet rule is timed apart
-    assert {(c["shape"], c["mode"]) for c in res["beside"]} == {("qwen3.5-tiny", "fp32"), ("qwen3.5-tiny", "bf16")}
+    assert {(c["shape"], c["mode"]) for c in res["beside"]} == {("qwen3.5-tiny", m) for m in ("fp32", "bf16", "w4",
+                                                                                            "w4a8")}
     assert "beside qwen3-tiny: step time x" in out
+    for mode in ("w4", "w4a8"):  # the W4 hybrid rows have the same breakdown, the DeltaNet rule included
+        w4 = next(r for r in res["results"] if r["shape"] == "qwen3.5-tiny" and r["mode"] == mode)
+        assert w4["per_rows"]["1"]["rule_ms"] > 0 and w4["per_rows"]["1"]["linears_ms"] > 0
+        assert w4["llama_cpp_gguf"] is None and 0 < w4["weight_bytes"] < hybrid["weight_bytes"]
+    dense_w4 = next(r for r in res["results"] if r["shape"] == "qwen3-tiny" and r["mode"] == "w4")
+    assert dense_w4["dense_layer_linears"] == []
+
+
+def test_w4_hybrid_quantizes_what_specquant_quantize_would(bench):
+    """The W4 row's dense layer Linears are exactly the ones the quantizer's own selection leaves (DENSE_BY_KIND:
+    in_proj_a / in_proj_b of every DeltaNet layer), every other layer Linear is a QuantLinear with bf16 scales, and
+    the rest of the model is float32 with the head still tied to the embedding."""
+    from specquant.quant.config import QuantConfig
+    from specquant.quant.linear import QuantLinear
+    from specquant.quant.pipeline import kept_dense, target_linears
+
+    shapes, _ = bench
+    cfg = shapes.SHAPES["qwen3.5-tiny"]()
+    fresh = shapes.random_model(cfg, torch.bfloat16)
+    kept = kept_dense(fresh)
+    assert kept == {f"model.layers.{i}.linear_attn.in_proj_{ab}" for i in (0, 1, 2) for ab in "ab"}
+    quantized = set(target_linears(fresh, QuantConfig(group_size=32)))
+    assert not quantized & kept and "lm_head" not in quantized
+    model = shapes.build(cfg, "w4", "dense")
+    assert set(shapes.dense_layer_linears(model)) == kept
+    n_quant = sum(isinstance(m, QuantLinear) for m in model.modules())
+    # fused after quantizing: gate/up -> one module in each of the 4 layers, q/k/v -> one in the attention layer
+    assert n_quant == len(quantized) - 4 * 1 - 1 * 2
+    assert all(m.weight_scale.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, QuantLinear))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.float32
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    # the quantized weights are RTN of the bf16 model's weights, which the bf16 row runs (and the bf16 GGUF holds)
+    name = "model.layers.0.linear_attn.out_proj"
+    ref = fresh.get_submodule(name).weight.float()
+    deq = model.get_submodule(name).dequantized_weight().float()
+    assert (deq - ref).abs().max() <= ref.abs().max() / 7 / 2 * 1.01
 
 
 def test_shapes_preset_and_floor_bytes_at_the_4b_shape(bench):
@@ -99,3 +135,4 @@ def test_rollback_memory_at_the_4b_shape(bench):
     assert rank1 == pytest.approx(factors + 24 * 19 * 8192 * 2 / (1 << 20) + 48)
     assert factors / 16 / 24 * 1024 == pytest.approx(24.125)  # KiB per token and layer
     assert rollback.extra_mib(shape, "rerun", 16, 2) < rank1 < slots / 10
+
