@@ -136,3 +136,51 @@ def test_rollback_memory_at_the_4b_shape(bench):
     assert factors / 16 / 24 * 1024 == pytest.approx(24.125)  # KiB per token and layer
     assert rollback.extra_mib(shape, "rerun", 16, 2) < rank1 < slots / 10
 
+
+def test_shapes_gguf_writes_a_qwen35_file_llama_cpp_runs(bench, monkeypatch, tmp_path, capsys):
+    """shapes_gguf.py at a tiny hybrid: the bf16 and f32 sources and llama.cpp's Q4_0 of the bf16 one, which
+    llama-bench (through shapes.py's own llama.cpp column) loads and runs, with the tensors Q4_0 left in other types
+    reported; shapes.py then prints both sides' weight bytes per step. The binaries are absent only when their
+    build was skipped deliberately (SPECQUANT_SKIP_LLAMA_CPP=1, as tests/test_export_llama_cpp.py)."""
+    import os
+
+    pytest.importorskip("gguf")
+    from specquant.export.llama_cpp import default_bin_dir
+
+    base = default_bin_dir()
+    missing = [t for t in ("llama-bench", "llama-quantize") if not os.access(base / t, os.X_OK)]
+    if missing:
+        if os.environ.get("SPECQUANT_SKIP_LLAMA_CPP") == "1":
+            pytest.skip(f"llama.cpp build skipped deliberately (SPECQUANT_SKIP_LLAMA_CPP=1); {missing} not in {base}")
+        pytest.fail(f"llama.cpp tools {missing} missing from {base}: run `bash scripts/setup.sh --test`, or set "
+                    "SPECQUANT_SKIP_LLAMA_CPP=1 to skip these tests deliberately")
+    shapes, _ = bench
+    monkeypatch.syspath_prepend(str(BENCH))
+    import shapes_gguf
+
+    # the bundled tokenizer's 8192 ids need that vocabulary; head size 32 keeps each head one Q4_0 block
+    monkeypatch.setitem(shapes.SHAPES, "qwen3.5-gguf-tiny", lambda: shapes._hybrid(
+        4, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        vocab_size=8192))
+    root = tmp_path / "llama"
+    root.mkdir()
+    (root / "bin").symlink_to(base)
+    _, res = _run(shapes_gguf, [str(root), "--shapes", "qwen3.5-gguf-tiny", "--threads", "1"], monkeypatch, capsys)
+    names = sorted(Path(f).name for f in res["files"])
+    assert names == [f"qwen3.5-gguf-tiny-{k}.gguf" for k in ("bf16", "f32", "q4_0")]
+    q4 = res["q4_0"]["qwen3.5-gguf-tiny"]
+    assert q4["main_type"] == "Q4_0" and q4["types"]["Q4_0"]["tensors"] > 0
+    # the tied embedding/output in llama.cpp's output type, the conv kernel as written (F32), the rest Q4_0
+    assert set(q4["other_types"]) == {"token_embd.weight", "blk.*.ssm_conv1d.weight"}, q4["other_types"]
+    assert q4["other_types"]["token_embd.weight"] != "Q4_0" and q4["vector_types"] == ["F32"]
+    assert q4["weight_bytes"] == sum(t["bytes"] for t in q4["types"].values())  # tied: token_embd is the head
+    assert (root / "shapes" / "qwen3.5-gguf-tiny-q4_0.log").read_text().strip()
+    out, res = _run(shapes, ["--shapes", "qwen3.5-gguf-tiny", "--modes", "bf16,w4", "--reps", "1", "--context", "8",
+                             "--rows", "1,2", "--threads", "1", "--llama-cpp", str(root)], monkeypatch, capsys)
+    for row in res["results"]:
+        assert set(row["llama_cpp"]) == {"tg", "pp2"} and row["llama_cpp"]["tg"] > 0, row["llama_cpp"]
+        assert row["llama_cpp_gguf"]["weight_bytes"] > 0
+    w4 = next(r for r in res["results"] if r["mode"] == "w4")
+    assert w4["llama_cpp_gguf"]["file"] == "qwen3.5-gguf-tiny-q4_0.gguf"
+    assert "weights per step: ours" in out
