@@ -131,8 +131,8 @@ def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:
     """Random-init model of the shape in `dtype` (N(0, 0.02) matrices, unit norms, seed 0; speed does not depend
-    on the values), allocated once in that dtype. benchmarks/quantize_time.py and shapes_gguf.py build the same
-    model (fp32)."""
+    on the values), allocated once in that dtype. benchmarks/quantize_time.py (fp32) and shapes_gguf.py (f32 and
+    bf16 files) build the same models."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype).to_empty(device="cpu")  # the dtype set on the meta tensors: one allocation, in it
