@@ -22,17 +22,30 @@ token, the chunked form for more); `lm_head` = the head on T rows; `rest` = step
 causal conv, cache writes and the DeltaNet rollback record, embedding, Python).
 
 Memory: a model is built directly in its dtype (the 4B hybrid is ~17 GB in fp32, ~8.5 GB in bf16), so a bf16 row never
-holds an fp32 copy. W4 rows are for the dense shapes (the hybrids run fp32 and bf16; a W4 hybrid row is skipped).
+holds an fp32 copy. A W4 row is built in bf16 too and quantized from it (what `specquant quantize` reads from a bf16
+checkpoint, and the values of the bf16 GGUF llama.cpp's Q4_0 is made from: benchmarks/shapes_gguf.py), then its
+dense remainder is widened to float32, so it never holds the fp32 model either.
 
 W4 = RTN, 4 bits, group 32, symmetric (GGUF Q4_0's grid), bf16 scales (as `specquant quantize` writes them for a
-Qwen3 checkpoint), activations in the model dtype (float32); w4a8 = the same weights with int8 activations
-(set_w4_activations: the native W4A8 kernel, GGUF's Q4_0 x Q8_0, which is also what llama.cpp's Q4_0 column runs);
-the head's precision is --lm-head (dense: the model's fp32 matrix, tied to the embedding; bf16 / w8 / w4: see
-specquant.quant.head).
+bf16 checkpoint), activations in float32; w4a8 = the same weights with int8 activations (set_w4_activations: the
+native W4A8 kernel, GGUF's Q4_0 x Q8_0, which is also what llama.cpp's Q4_0 column runs); the head's precision is
+--lm-head (dense: the fp32 matrix tied to the embedding; bf16 / w8 / w4: see specquant.quant.head).
+The quantized modules are the quantizer's own choice (quant.pipeline.target_linears with QuantConfig's default
+--ignore), so a row quantizes what `specquant quantize` would. On a Qwen3.5 hybrid that is every MLP projection,
+the full-attention q/k/v/o and the DeltaNet in_proj_qkv, in_proj_z and out_proj; dense stay: the DeltaNet
+in_proj_a / in_proj_b (quant.pipeline.DENSE_BY_KIND: value_heads rows each, and their outputs set the state's decay
+and write strength, whose errors persist in the recurrent state), the causal conv1d, A_log and dt_bias (not
+Linears), every norm, and the embedding (and the head, per --lm-head). The JSON row lists the dense layer Linears.
 
 With --llama-cpp DIR, llama-bench (DIR/build/bin/llama-bench or DIR/bin/llama-bench) is run on the GGUF files
-DIR/shapes/<shape>-<f32|q4_0>.gguf for tg (decode) and pp2..pp16 (verify-sized prompt batches); the column says
-"not built" when the binary is absent and "no gguf" when a file is (benchmarks/shapes_gguf.py DIR makes them).
+DIR/shapes/<shape>-<f32|bf16|q4_0>.gguf (GGUF_KINDS: the fp32, bf16 and both W4 rows) for tg (decode) and
+pp2..pp16 (verify-sized prompt batches); the column says "not built" when the binary is absent and "no gguf" when
+a file is (benchmarks/shapes_gguf.py DIR makes them). For a file that is there, the row also gets the weight bytes
+one llama.cpp step reads (read from the GGUF's tensor table with the gguf package; the embedding only when it is
+also the output) beside ours (`weight_bytes`: every decoder-layer tensor, the final norm and the head), and the
+matrices llama.cpp keeps in a type other than the file's main one (llama-quantize's Q4_0 keeps the tied
+embedding/output in its output type, Q6_K, and qwen35's conv kernel F32; every 1-D tensor is F32; it does quantize
+the DeltaNet in_proj_a / in_proj_b, which ours keeps dense).
 
 Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b | hybrid] [--modes fp32,bf16,w4,w4a8]
        [--rows 1,2,4,8,16] [--context 128] [--reps 5] [--threads N] [--lm-head dense] [--llama-cpp DIR]
@@ -45,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -100,6 +114,8 @@ SHAPES = {
 BESIDE = {"qwen3.5-0.8b": "qwen3-0.6b", "qwen3.5-2b": "qwen3-1.7b", "qwen3.5-4b": "qwen3-4b"}
 PRESETS = {"hybrid": [s for pair in BESIDE.items() for s in pair]}
 MODES = {"fp32": torch.float32, "bf16": torch.bfloat16, "w4": torch.float32, "w4a8": torch.float32}
+# the GGUF of each mode's llama.cpp column: DIR/shapes/<shape>-<kind>.gguf (benchmarks/shapes_gguf.py writes them)
+GGUF_KINDS = {"fp32": "f32", "bf16": "bf16", "w4": "q4_0", "w4a8": "q4_0"}
 
 
 def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
@@ -116,8 +132,8 @@ def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:
     """Random-init model of the shape in `dtype` (N(0, 0.02) matrices, unit norms, seed 0; speed does not depend
-    on the values), allocated once in that dtype. benchmarks/quantize_time.py and shapes_gguf.py build the same
-    model (fp32)."""
+    on the values), allocated once in that dtype. benchmarks/quantize_time.py (fp32) and shapes_gguf.py (f32 and
+    bf16 files) build the same models."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype).to_empty(device="cpu")  # the dtype set on the meta tensors: one allocation, in it
@@ -134,20 +150,38 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transf
     return model
 
 
+def widen_dense(model: Transformer, dtype: torch.dtype = torch.float32):
+    """Every floating tensor outside the QuantLinears in `dtype`, in place (QuantLinear._apply would widen its bf16
+    scales too); parameters keep their identity, so a tied head stays tied."""
+    for m in model.modules():
+        if not isinstance(m, QuantLinear):
+            m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+
+
 def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
-    """Random-init model in the mode's dtype (W4: RTN g32 of the fp32 weights), fused like the engine's loads."""
-    model = random_model(cfg, MODES[mode]).eval()
-    if mode in ("w4", "w4a8"):
+    """Random-init model in the mode's dtype (W4: RTN g32 of the bf16 weights, the rest widened to float32), fused
+    like the engine's loads."""
+    w4 = mode in ("w4", "w4a8")
+    model = random_model(cfg, torch.bfloat16 if w4 else MODES[mode]).eval()
+    if w4:
         from specquant.quant.config import QuantConfig
         from specquant.quant.linear import set_w4_activations
         from specquant.quant.pipeline import quantize
 
-        # bf16 scales: what `specquant quantize` writes for a Qwen3 checkpoint (its torch_dtype is bfloat16)
+        # bf16 scales: what `specquant quantize` writes for a bf16 checkpoint; its module choice (target_linears:
+        # QuantConfig's default --ignore and DENSE_BY_KIND), not a list of our own
         quantize(model, QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True), scale_dtype=torch.bfloat16)
+        widen_dense(model, MODES[mode])
         set_lm_head(model, lm_head, torch.bfloat16)
         set_w4_activations(model, "int8" if mode == "w4a8" else "float")
     fuse_projections(model)
     return model
+
+
+def dense_layer_linears(model: Transformer) -> list[str]:
+    """Names of the decoder-layer Linears a W4 model kept dense (DENSE_BY_KIND's, on a hybrid)."""
+    return [f"model.layers.{i}.{n}" for i, layer in enumerate(model.model.layers) for n, m in layer.named_modules()
+            if isinstance(m, torch.nn.Linear)]
 
 
 def layer_linears(model: Transformer) -> list[torch.nn.Module]:
@@ -285,6 +319,45 @@ def packaged_decode(model: Transformer, context: int, reps: int) -> dict:
     return {"ms": ms, "decode_tok_s": 1e3 / ms, "build_s": build_s, "built": built}
 
 
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of the weights one step reads: every decoder layer's tensors (linears, norms, a DeltaNet's conv, A_log
+    and dt_bias), the final norm and the head; the embedding only as the tied head (a step reads one row of it)."""
+    return sum(module_bytes(m) for m in (*model.model.layers, model.model.norm, model.lm_head))
+
+
+def gguf_path(root: Path, shape: str, mode: str) -> Path:
+    return root / "shapes" / f"{shape}-{GGUF_KINDS[mode]}.gguf"
+
+
+def gguf_weights(path: Path) -> dict:
+    """From a GGUF's tensor table: the weight bytes one llama.cpp step reads (the same rule as weight_bytes: the
+    embedding counts only when no separate output.weight exists, since it is then the head), bytes and tensor counts
+    per GGML type, every matrix name pattern (blk.N -> blk.*) whose type is not the file's main type, and the
+    types of the 1-D tensors (norms, biases, DeltaNet A and dt: F32 in every file)."""
+    from gguf import GGUFReader  # the optional export extra; only read when a GGUF file is there
+
+    from specquant.export.gguf import main_kind
+
+    read = GGUFReader(path).tensors
+    tensors = [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in read]
+    names = {name for name, _, _ in tensors}
+    types: dict[str, dict] = {}
+    for _, kind, n in tensors:
+        row = types.setdefault(kind, {"tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += n
+    main = main_kind([t.tensor_type.name for t in read if len(t.shape) == 2])  # the rule the file type follows
+    step = sum(n for name, _, n in tensors if name != "token_embd.weight" or "output.weight" not in names)
+    other, vectors = {}, set()
+    for t in read:
+        if len(t.shape) < 2:
+            vectors.add(t.tensor_type.name)
+        elif t.tensor_type.name != main:
+            other[re.sub(r"^blk\.\d+\.", "blk.*.", t.name)] = t.tensor_type.name
+    return {"file": path.name, "bytes": path.stat().st_size, "weight_bytes": step, "main_type": main, "types": types,
+            "other_types": dict(sorted(other.items())), "vector_types": sorted(vectors)}
+
+
 def step_bytes(model: Transformer, context: int, t: int) -> int:
     """Bytes one step of t tokens moves: weights, K/V of the attention layers, DeltaNet states (read + write)."""
     cfg = model.config
@@ -302,8 +375,7 @@ def llama_bench(root: Path | None, shape: str, mode: str, rows: list[int]) -> di
                None) or shutil.which("llama-bench", path=str(root))
     if exe is None:
         return "not built"
-    kind = {"fp32": "f32", "bf16": "bf16", "w4": "q4_0", "w4a8": "q4_0"}[mode]
-    gguf = root / "shapes" / f"{shape}-{kind}.gguf"
+    gguf = gguf_path(root, shape, mode)
     if not gguf.is_file():
         return "no gguf"
     cmd = [str(exe), "-m", str(gguf), "-t", str(torch.get_num_threads()), "-o", "json", "-r", "3",
@@ -374,9 +446,6 @@ def main():
             raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(SHAPES)} or {', '.join(PRESETS)}")
         cfg = SHAPES[shape]()
         for mode in args.modes.split(","):
-            if mode.startswith("w4") and "linear_attention" in cfg.layer_types:
-                print(f"{shape:<12} {mode:<5} skipped: the hybrid shapes run fp32 and bf16", flush=True)
-                continue
             t0 = time.perf_counter()
             model = build(cfg, mode, args.lm_head)
             set_fold(model, args.attention != "reference")
@@ -385,13 +454,18 @@ def main():
             floor = {t: step_bytes(model, args.context, t) / (bw * 1e9) * 1e3 for t in rows}
             one = res[1]
             lc = llama_bench(args.llama_cpp, shape, mode, rows)
+            lc_file = None
+            if args.llama_cpp is not None and gguf_path(args.llama_cpp, shape, mode).is_file():
+                lc_file = gguf_weights(gguf_path(args.llama_cpp, shape, mode))
             row = {"shape": shape, "mode": mode, "lm_head": args.lm_head if mode.startswith("w4") else "dense",
                    "parameters": model.num_parameters(), "beside": BESIDE.get(shape),
                    "decode_tok_s": 1e3 / one["ms"], "floor_tok_s": 1e3 / floor[1],
                    "verify_steps": {t: res[t]["ms"] / one["ms"] for t in rows if t > 1},
                    "floor_verify_steps": {t: floor[t] / floor[1] for t in rows if t > 1},
-                   "step_bytes": step_bytes(model, args.context, 1), "build_s": build_s,
-                   "per_rows": res, "llama_cpp": lc}
+                   "step_bytes": step_bytes(model, args.context, 1), "weight_bytes": weight_bytes(model),
+                   "build_s": build_s, "per_rows": res, "llama_cpp": lc, "llama_cpp_gguf": lc_file}
+            if mode.startswith("w4"):
+                row["dense_layer_linears"] = dense_layer_linears(model)
             results.append(row)
             v4 = res.get(4, one)
             lc_s = lc if isinstance(lc, str) else " ".join(f"{k}={v:.1f}" for k, v in lc.items())
@@ -401,6 +475,12 @@ def main():
                   f"{one['lm_head_ms']:6.2f} "
                   f"{one['rest_ms']:6.2f} {v4['linears_ms']:5.1f}/{v4['attention_ms']:4.1f}/{v4['lm_head_ms']:5.1f} "
                   f"{max(r['spread'] for r in res.values()):6.2f}  {lc_s}", flush=True)
+            if lc_file is not None:
+                other = ", ".join(f"{n} {k}" for n, k in lc_file["other_types"].items())
+                print(f"{'  bytes':<12} {mode:<5} weights per step: ours {row['weight_bytes'] / 1e9:.3f} GB, "
+                      f"llama.cpp {lc_file['weight_bytes'] / 1e9:.3f} GB ({lc_file['file']}; matrices not "
+                      f"{lc_file['main_type']}: {other or 'none'}; 1-D: {'/'.join(lc_file['vector_types'])})",
+                      flush=True)
             if args.aot:
                 row["aot"] = packaged_decode(model, args.context, args.reps)
                 a = row["aot"]

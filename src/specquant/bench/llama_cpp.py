@@ -115,13 +115,18 @@ def export_block_files(paths: dict[str, Path], workdir: Path, log=print) -> dict
     return files
 
 
-def llama_quantize(src: Path, out: Path, kind: str = "Q4_0", imatrix: Path | None = None, bin_dir=None) -> Path:
+def llama_quantize(src: Path, out: Path, kind: str = "Q4_0", imatrix: Path | None = None, bin_dir=None,
+                   threads: int | None = None, log: Path | None = None) -> Path:
+    """llama-quantize src -> out (kept when out exists); threads: its thread count (default: all cores); log: a
+    file for its output, whose per-tensor lines say which tensors it kept in another type than kind."""
     if not out.exists():
         tmp = out.with_name(f".{out.name}.tmp")
         cmd = [find_tool("llama-quantize", bin_dir)]
         if imatrix is not None:
             cmd += ["--imatrix", imatrix]
-        run_tool(cmd + [src, tmp, kind])
+        proc = run_tool(cmd + [src, tmp, kind] + ([threads] if threads else []))
+        if log is not None:
+            log.write_text(proc.stdout + proc.stderr)
         tmp.rename(out)
     return out
 

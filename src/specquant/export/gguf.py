@@ -299,7 +299,8 @@ def _dense_array(t: torch.Tensor, kind: str) -> tuple[np.ndarray, float]:
     """(array for GGUFWriter, max |rounding error| against t) for a dense tensor written as kind."""
     target = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]
     cast = t.detach().to(target)
-    err = float((cast.float() - t.float()).abs().max()) if t.numel() else 0.0
+    # already in that dtype: exact, and no fp32 copies to compare (GBs for a bf16 4B embedding)
+    err = float((cast.float() - t.float()).abs().max()) if t.numel() and t.dtype != target else 0.0
     if kind == "BF16":  # numpy has no bfloat16: hand over the raw bytes with the GGML type
         return cast.view(torch.int16).numpy().view(np.uint8).reshape(*t.shape[:-1], -1), err
     return cast.numpy(), err
