@@ -21,26 +21,39 @@ from specquant.quant.checkpoint import load_quantized_into
 from specquant.quant.linear import set_w4_activations
 
 
+def _checkpoint(name_or_dir, is_kind, refusal: str) -> tuple:
+    """(path, config.json) of a drafter checkpoint of one kind, or a one-line refusal naming what it is."""
+    path = resolve(name_or_dir)
+    hf = read_hf_config(path)
+    if not is_kind(hf):
+        raise SpecquantError(f"{path} is not {refusal.format(architectures=hf.get('architectures'))}")
+    return path, hf
+
+
+def _fill_quantized(model, tensors: dict, path, quantization: dict, dtype, device, w4_activations: str,
+                    set_rope) -> None:
+    """A meta-device drafter -> its W4 checkpoint's weights, RoPE tables, and the kernel choice for activations."""
+    load_quantized_into(model, tensors, quantization, dtype, device)
+    set_rope()
+    model.quantization = quantization
+    model.source_path = path
+    set_w4_activations(model, w4_activations)
+
+
 def load_block_draft(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
                      device: str | torch.device = "cpu", w4_activations: str = "float") -> BlockDraftModel:
     """A block drafter ready to attach to its target (`model.attach_target(target)`); w4_activations as
     loader.load_model's."""
     dtype = parse_dtype(dtype)
-    path = resolve(name_or_dir)
-    hf = read_hf_config(path)
-    if not is_block_draft_config(hf):
-        raise SpecquantError(f"{path} is not a block drafter (config.json architectures {hf.get('architectures')}); "
-                             "pass a DFlashDraftModel checkpoint")
+    path, hf = _checkpoint(name_or_dir, is_block_draft_config, "a block drafter (config.json architectures "
+                           "{architectures}); pass a DFlashDraftModel checkpoint")
     quantization = hf.get("quantization_config")
     if not quantization:
         return load_block_draft_dense(path, hf, dtype, device)
     with torch.device("meta"):
         model = BlockDraftModel(BlockDraftConfig.from_hf(hf))
-    load_quantized_into(model, load_tensors(path), quantization, dtype, device)
-    model._set_rope(model.config.max_position_embeddings)
-    model.quantization = quantization
-    model.source_path = path
-    set_w4_activations(model, w4_activations)
+    _fill_quantized(model, load_tensors(path), path, quantization, dtype, device, w4_activations,
+                    lambda: model._set_rope(model.config.max_position_embeddings))
     return model.eval()
 
 
@@ -51,11 +64,8 @@ def load_mtp_drafter(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = 
     from specquant.model.mtp import HEAD_KEY
 
     dtype = parse_dtype(dtype)
-    path = resolve(name_or_dir)
-    hf = read_hf_config(path)
-    if not is_mtp_config(hf):
-        raise SpecquantError(f"{path} is not an MTP drafter (config.json architectures {hf.get('architectures')}); "
-                             "pass a directory written by `specquant distill draft --kind mtp`")
+    path, hf = _checkpoint(name_or_dir, is_mtp_config, "an MTP drafter (config.json architectures {architectures}); "
+                           "pass a directory written by `specquant distill draft --kind mtp`")
     quantization = hf.get("quantization_config")
     if not quantization:
         model = load_mtp_dense(path, dtype, device)
@@ -64,11 +74,8 @@ def load_mtp_drafter(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = 
         cfg = ModelConfig.from_hf(hf)
         with torch.device("meta"):
             model = MTPModel(cfg, mtp_layers_in(tensors))
-        load_quantized_into(model, split_mtp(tensors), quantization, dtype, device)
-        model._set_rope(cfg.max_position_embeddings, device)
-        model.quantization = quantization
-        model.source_path = path
-        set_w4_activations(model, w4_activations)
+        _fill_quantized(model, split_mtp(tensors), path, quantization, dtype, device, w4_activations,
+                        lambda: model._set_rope(cfg.max_position_embeddings, device))
     model.head_precision = hf.get(HEAD_KEY, "shared")
     return model.eval()
 
