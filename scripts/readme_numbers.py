@@ -75,7 +75,7 @@ def parse_records(text: str) -> dict[str, dict]:
             if not row.startswith("|"):
                 break
             table.append(_cells(row))
-        if len(table) < 3 or missing(fields):
+        if len(table) < 3 or _missing_fields(fields):
             raise ValueError(f"docs/BENCH.md line {i + 1}: record {rid!r} needs commit, cpu and command fields and a "
                              f"markdown table on the next line")
         if rid in records:
@@ -85,7 +85,7 @@ def parse_records(text: str) -> dict[str, dict]:
     return records
 
 
-def missing(fields: dict) -> list[str]:
+def _missing_fields(fields: dict) -> list[str]:
     return [k for k in ("commit", "cpu", "command") if not fields.get(k)]
 
 
@@ -98,14 +98,16 @@ def check_records(records: dict[str, dict]) -> list[str]:
         for what in [rec["commit"], *rec["command"].split(" ;; ")]:
             if norm(what) not in prose:
                 problems.append(f"record {rid!r} (docs/BENCH.md line {rec['line']}): {what!r} is not in the prose "
-                                f"above its table")
+                                f"above its table; make the record line say what the paragraph says, then run "
+                                f"python scripts/readme_numbers.py")
     return problems
 
 
 def cell(records: dict[str, dict], fig: Figure) -> str:
     rec = records.get(fig.record)
     if rec is None:
-        raise ValueError(f"docs/BENCH.md has no record {fig.record!r} (a `<!-- record: {fig.record} | ... -->` line)")
+        raise ValueError(f"docs/BENCH.md has no record {fig.record!r}: put a `<!-- record: {fig.record} | commit: ... | "
+                         f"cpu: ... | command: ... -->` line right above the table it names (scripts/readme_numbers.py)")
     if fig.column not in rec["header"]:
         raise ValueError(f"record {fig.record!r}: no column {fig.column!r}; its columns are {rec['header']}")
     col = rec["header"].index(fig.column)
