@@ -37,15 +37,18 @@ class Figure:
 
 
 FIGURES = (
-    Figure("demo", ("(h)",), "avg", "demo speedup over the fp32 target, best row: (h) W4 + QAD target, W4 block drafter, window 128"),
+    Figure("demo", ("(h)",), "avg",
+           "demo speedup over the fp32 target, best row: (h) W4 + QAD target, W4 block drafter, window 128"),
     Figure("demo", ("(e)",), "avg", "demo speedup: (e) W4 + QAD target, W4 LM draft, window 128"),
     Figure("demo", ("(b)",), "avg", "demo speedup: (b) W4 target alone"),
     Figure("demo", ("(hf)",), "avg", "demo speedup: transformers' assisted generation, fp32 pair"),
     Figure("shapes-2t", ("Qwen3-0.6B",), "ours W4A8 / Q4_0", "Qwen3-0.6B shape, W4A8 decode tok/s / llama.cpp Q4_0"),
     Figure("shapes-2t", ("Qwen3-0.6B",), "ours W4 (float act.) / Q4_0",
            "Qwen3-0.6B shape, W4 (float activations) decode tok/s / llama.cpp Q4_0"),
-    Figure("shapes-2t", ("Qwen3-0.6B",), "ours fp32 / llama.cpp F32", "Qwen3-0.6B shape, fp32 decode tok/s / llama.cpp F32"),
-    Figure("shapes-2t", ("Qwen3-0.6B",), "W4A8 verify v4 / v8", "Qwen3-0.6B shape, W4A8 4- / 8-row verify in decode steps"),
+    Figure("shapes-2t", ("Qwen3-0.6B",), "ours fp32 / llama.cpp F32",
+           "Qwen3-0.6B shape, fp32 decode tok/s / llama.cpp F32"),
+    Figure("shapes-2t", ("Qwen3-0.6B",), "W4A8 verify v4 / v8",
+           "Qwen3-0.6B shape, W4A8 4- / 8-row verify in decode steps"),
     Figure("shapes-2t", ("Qwen3-1.7B",), "ours W4A8 / Q4_0", "Qwen3-1.7B shape, W4A8 decode tok/s / llama.cpp Q4_0"),
     Figure("kl-hybrid", ("GPTQ",), "KL (nats/token)", "tiny-hybrid GPTQ W4 g32: KL to its fp32 self"),
     Figure("serve-latency", ("specquant + W4 draft", "short"), "speedup",
@@ -106,8 +109,9 @@ def check_records(records: dict[str, dict]) -> list[str]:
 def cell(records: dict[str, dict], fig: Figure) -> str:
     rec = records.get(fig.record)
     if rec is None:
-        raise ValueError(f"docs/BENCH.md has no record {fig.record!r}: put a `<!-- record: {fig.record} | commit: ... | "
-                         f"cpu: ... | command: ... -->` line right above the table it names (scripts/readme_numbers.py)")
+        raise ValueError(f"docs/BENCH.md has no record {fig.record!r}: put a `<!-- record: {fig.record} | commit: "
+                         f"... | cpu: ... | command: ... -->` line right above the table it names "
+                         f"(scripts/readme_numbers.py)")
     if fig.column not in rec["header"]:
         raise ValueError(f"record {fig.record!r}: no column {fig.column!r}; its columns are {rec['header']}")
     col = rec["header"].index(fig.column)
