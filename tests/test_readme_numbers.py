@@ -1,9 +1,11 @@
-"""The README's numbers table is what scripts/readme_numbers.py reads from docs/BENCH.md (a stale table fails), and
-the script reads what the records say, not something else."""
+"""The README's numbers table is what scripts/readme_numbers.py reads from docs/BENCH.md (a stale table fails), the
+script reads what the records say, not something else, and the README's commands parse with today's flags."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -52,3 +54,28 @@ def test_a_missing_row_or_record_is_an_error_naming_it():
         readme_numbers.cell(records, readme_numbers.Figure("demo", ("(zz)",), "avg", "x"))
     with pytest.raises(ValueError, match="exactly one"):
         readme_numbers.render("no markers here", BENCH)
+
+
+def readme_commands() -> list[list[str]]:
+    """Every `specquant ...` command in the README's bash blocks (continuations joined, comments cut, $M / $D as the
+    bundled pair), as argv after the program name."""
+    readme = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("#", 1)[0].split("&&"):
+                words = shlex.split(part.replace("$M", "tiny-target").replace("$D", "tiny-draft"))
+                if words and words[0].endswith("specquant"):
+                    commands.append(words[1:])
+    return commands
+
+
+def test_the_readme_commands_parse_with_todays_flags():
+    """A renamed or removed flag breaks the README's recipe: argparse exits (2) on it, so this fails instead."""
+    from specquant.cli import build_parser
+
+    commands = readme_commands()
+    assert {c[0] for c in commands} >= {"demo", "quantize", "regen", "distill", "bench", "export", "serve"}
+    parser, _ = build_parser()
+    for argv in commands:
+        parser.parse_args(argv)  # SystemExit on an unknown flag or a missing required one
