@@ -12,11 +12,13 @@ For each drafter in --drafts and each N in --keep (the full vocabulary is the re
    vocabulary).
 3. Cost: the drafter's propose of k tokens after a prompt of --context tokens (block: its one forward; LM: k
    forwards), and its head alone on k rows, each the median of --reps calls after a warm-up; "step_vs_full" =
-   propose time / the full head's.
+   propose time / the full head's. Every N of a drafter is timed in each of --rounds rounds, one after another,
+   and each figure is the median over rounds: whatever else the machine runs falls on every N alike.
 
 Times are wall-clock medians and include whatever else the machine runs; the acceptance counters are exact.
 Usage: python benchmarks/prune_head.py [--target tiny-target] [--drafts tiny-block-draft,tiny-draft]
        [--keep 512,1024,2048,4096] [--k 3] [--new-tokens 32] [--prompts-per-set 1] [--context 256] [--reps 20]
+       [--rounds 5]
        [--data FILE] [--threads N] [--out DIR] [--overwrite]
 With --out the result is also written to DIR/prune_head.json (the --out policy of every command, util/files.py).
 The last stdout line is one JSON object: {"benchmark": "prune_head", "rows": [...]}.
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompts-per-set", type=int, default=1)
     ap.add_argument("--context", type=int, default=256, help="prompt tokens before the timed propose")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per figure and round")
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds, every N once per round (median over them)")
     ap.add_argument("--data", default=None, help="text (.txt) or regen .jsonl to count on (default: calib.txt)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write DIR/prune_head.json")
@@ -132,8 +135,9 @@ def main(argv=None) -> int:
     try:  # the --out policy of every command (util/files.py), before any work
         out = claim_out_dir(args.out, args.overwrite) if args.out else None
         keeps = sorted({int(n) for n in args.keep.split(",")})
-        if args.k < 1 or min(keeps) < 1:
-            raise SpecquantError(f"--k {args.k} and every --keep value must be at least 1")
+        if args.k < 1 or min(keeps) < 1 or args.rounds < 1 or args.reps < 1:
+            raise SpecquantError(f"--k {args.k}, --rounds {args.rounds}, --reps {args.reps} and every --keep value "
+                                 "must be at least 1")
     except (SpecquantError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.drafts.split(","):
         d = Drafter(name, target, RuntimeConfig())
-        full = None
+        maps = []
         for n in [vocab] + [n for n in keeps if n < vocab]:
             try:
                 ids, summary = (None, {"coverage": 1.0}) if n == vocab else build_token_map(
@@ -162,16 +166,28 @@ def main(argv=None) -> int:
                 return 2
             drafter = d.build(ids, args.k)
             acc, match = acceptance(target, drafter, prompts, refs, args.k, args.new_tokens)
-            head = d.full_head() if ids is None else drafter.head if d.kind.name == "block" else d.model.lm_head
-            propose_ms, head_ms = step_cost(target, d.build(ids, args.k), head, context, args.k, args.reps)
-            row = {"draft": name, "kind": d.kind.name, "keep": n, "coverage": summary["coverage"],
-                   "mal": acc["content"].mean_acceptance_length, "mal_filler": acc["filler"].mean_acceptance_length,
-                   "acceptance_per_pos": [round(x, 3) for x in acc["content"].acceptance_rate_per_pos],
-                   "propose_ms": propose_ms, "head_ms": head_ms, "greedy_match": match}
-            full = full or row
-            row.update(mal_vs_full=row["mal"] / full["mal"] if full["mal"] else None,
-                       step_vs_full=propose_ms / full["propose_ms"], head_vs_full=head_ms / full["head_ms"])
-            rows.append(row)
+            maps.append((n, ids))
+            rows.append({"draft": name, "kind": d.kind.name, "keep": n, "coverage": summary["coverage"],
+                         "mal": acc["content"].mean_acceptance_length,
+                         "mal_filler": acc["filler"].mean_acceptance_length,
+                         "acceptance_per_pos": [round(x, 3) for x in acc["content"].acceptance_rate_per_pos],
+                         "greedy_match": match})
+        times = {n: ([], []) for n, _ in maps}
+        for _ in range(args.rounds):  # interleaved: each round times every N once
+            for n, ids in maps:
+                drafter = d.build(ids, args.k)
+                head = d.full_head() if ids is None else drafter.head if d.kind.name == "block" else d.model.lm_head
+                propose_ms, head_ms = step_cost(target, drafter, head, context, args.k, args.reps)
+                times[n][0].append(propose_ms)
+                times[n][1].append(head_ms)
+        mine = [r for r in rows if r["draft"] == name]
+        for r in mine:
+            r["propose_ms"], r["head_ms"] = (statistics.median(t) for t in times[r["keep"]])
+            r["propose_ms_rounds"] = [round(t, 3) for t in times[r["keep"]][0]]
+        full = mine[0]
+        for r in mine:
+            r.update(mal_vs_full=r["mal"] / full["mal"] if full["mal"] else None,
+                     step_vs_full=r["propose_ms"] / full["propose_ms"], head_vs_full=r["head_ms"] / full["head_ms"])
     print(f"{'draft':<18} {'kind':<6} {'keep':>6} {'cover':>6} {'MAL':>5} {'vs full':>7} {'MAL fill':>8} "
           f"{'propose ms':>10} {'vs full':>7} {'head ms':>8} {'vs full':>7} match")
     for r in rows:
@@ -179,6 +195,7 @@ def main(argv=None) -> int:
               f"{r['mal_vs_full'] or 0:>7.3f} {r['mal_filler']:>8.2f} {r['propose_ms']:>10.3f} "
               f"{r['step_vs_full']:>7.3f} {r['head_ms']:>8.4f} {r['head_vs_full']:>7.3f} {r['greedy_match']}")
     result = {"benchmark": "prune_head", "target": args.target, "k": args.k, "new_tokens": args.new_tokens,
+              "reps": args.reps, "rounds": args.rounds, "threads": torch.get_num_threads(),
               "vocab_size": vocab, "rows": rows}
     if out is not None:
         atomic_write(out / "prune_head.json", json.dumps(result, indent=1))
