@@ -82,6 +82,14 @@ def check_inputs(target, draft, quantized_target=None, quantized_draft=None, qad
             raise SpecquantError(f"--{role.replace('_', '-')} {str(path)!r} has no quantization_config in its "
                                  "config.json; pass a compressed-tensors checkpoint or omit the flag to quantize")
         paths[role] = path
+    # every row is compared with the unpruned baseline on one tokenization ("same tokens as", speedups); a
+    # vocabulary-pruned target (specquant/pruned_vocab.py) has other tokens, so it runs only as its own lossy row
+    from specquant.pruned_vocab import refuse_pruned
+
+    for role in ("target", "quantized_target", "qad_target"):
+        if role in paths:
+            refuse_pruned(paths[role], f"--{role.replace('_', '-')} rows are compared with the unpruned target",
+                          "pass the unpruned checkpoint (and the pruned one as --pruned-target for its lossy row)")
     check_vocab(read_config(paths["target"]).vocab_size, read_config(paths["draft"]).vocab_size)
     return paths
 
