@@ -151,7 +151,8 @@ def check_prunable(src: Path, hf: dict, keep_below: int) -> torch.Tensor:
 
 def read_vocab_map(hf: dict) -> torch.Tensor | None:
     """The kept ids [N'] of a pruned checkpoint's config.json dict (full-vocabulary ids), or None."""
-    entry = hf.get(CONFIG_KEY)
+    text = hf.get("text_config") or {}  # vLLM's Qwen3.5 layout keeps the text model's keys there
+    entry = hf.get(CONFIG_KEY, text.get(CONFIG_KEY))
     if entry is None:
         return None
     if not isinstance(entry, dict) or not isinstance(entry.get("token_ids"), list) \
@@ -160,14 +161,14 @@ def read_vocab_map(hf: dict) -> torch.Tensor | None:
                              '"full_vocab_size"; prune the unpruned checkpoint again (specquant quantize '
                              "--prune-vocab N)")
     ids = check_token_ids(entry["token_ids"], entry["full_vocab_size"])
-    if ids.numel() != hf.get("vocab_size", (hf.get("text_config") or {}).get("vocab_size")):
+    if ids.numel() != hf.get("vocab_size", text.get("vocab_size")):
         raise SpecquantError(f'config.json "{CONFIG_KEY}" keeps {ids.numel()} ids but vocab_size is '
                              f"{hf.get('vocab_size')}; prune the unpruned checkpoint again")
     return ids
 
 
 def full_vocab_size(hf: dict) -> int | None:
-    entry = hf.get(CONFIG_KEY)
+    entry = hf.get(CONFIG_KEY, (hf.get("text_config") or {}).get(CONFIG_KEY))
     return None if entry is None else int(entry["full_vocab_size"])
 
 
@@ -184,7 +185,7 @@ def to_full_vocab(ids: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 def is_pruned(name_or_dir) -> bool:
     from specquant.model.checkpoint import read_hf_config, resolve
 
-    return CONFIG_KEY in read_hf_config(resolve(name_or_dir))
+    return full_vocab_size(read_hf_config(resolve(name_or_dir))) is not None
 
 
 def refuse_pruned(name_or_dir, what: str, fix: str):
