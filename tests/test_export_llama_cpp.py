@@ -409,3 +409,28 @@ def test_llama_tokenize_gives_our_ids_with_qwens_pre_tokenizer(bin_dir, tmp_path
         proc = run_tool([bin_dir / "llama-tokenize", "-m", tmp_path / "m.gguf", "-f", f, "--ids", "--log-disable",
                          "--no-bos"])
         assert ast.literal_eval(proc.stdout.strip().splitlines()[-1]) == tok.encode(text).ids, text[:40]
+
+
+def test_llama_cpp_reads_a_pruned_vocabulary_as_ours(bin_dir, tmp_path):
+    """A vocabulary-pruned target (specquant/pruned_vocab.py): llama.cpp's tokenizer gives the cut tokenizer's ids
+    (its token list is the cut embedding's rows) and its greedy continuation of the F32 export is ours."""
+    from specquant.pruned_vocab import prune_checkpoint
+
+    ckpt = prune_checkpoint("tiny-target", tmp_path / "pruned", 4096)
+    path = tmp_path / "pruned.gguf"
+    write_gguf(source_from_checkpoint(ckpt), path)
+    tok = load_tokenizer(ckpt)
+    for i, text in enumerate(TEXTS):
+        f = tmp_path / f"t{i}.txt"
+        f.write_text(text, encoding="utf-8")
+        proc = run_tool([bin_dir / "llama-tokenize", "-m", path, "-f", f, "--ids", "--log-disable", "--no-bos"])
+        ids = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+        assert ids == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, text[:40]
+        assert max(ids) < 4096
+    text = "Once upon a time, in a small village by the sea, there lived"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(text)
+    n = 24
+    g = generate(bin_dir, path, prompt, n, threads=1, ctx=256)
+    ours = _ours_greedy(str(ckpt), tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, n)
+    assert len(ours) == n and g.text.startswith(tok.decode(ours))

@@ -94,6 +94,21 @@ def check_inputs(target, draft, quantized_target=None, quantized_draft=None, qad
     return paths
 
 
+def check_pruned_target(paths: dict[str, Path], given) -> Path:
+    """Row (v)'s checkpoint: vocabulary-pruned (specquant/pruned_vocab.py) from the --target's vocabulary."""
+    from specquant.pruned_vocab import full_vocab_size
+
+    path = resolve(given)
+    full = full_vocab_size(read_hf_config(path))
+    if full is None:
+        raise SpecquantError(f"--pruned-target {str(path)!r} has no pruned_vocab map in its config.json; make one with "
+                             "specquant quantize --prune-vocab N")
+    if full != read_config(paths["target"]).vocab_size:
+        raise SpecquantError(f"--pruned-target {str(path)!r} was pruned from a {full}-token vocabulary, --target has "
+                             f"{read_config(paths['target']).vocab_size}; prune the bench's own target")
+    return path
+
+
 def check_block_inputs(paths: dict[str, Path], block_draft, quantized_block_draft=None):
     """Add the block drafter (and its W4) to `paths` after checking that they are block drafters for this target."""
     from specquant.model.block_draft import BlockDraftConfig, is_block_draft_config
