@@ -149,6 +149,17 @@ def test_a_quantized_or_bf16_head_is_cut_in_its_own_precision(tmp_path, head):
         torch.testing.assert_close(cut(tokens), full(tokens)[..., :4096], rtol=0, atol=1e-5)
 
 
+def test_pruning_a_w4_checkpoint_equals_quantize_with_prune_vocab(tmp_path, pruned):
+    """prune_checkpoint on the W4 checkpoint (e.g. a QAD target) writes what quantize --prune-vocab writes."""
+    out = prune_checkpoint(pruned["w4"], tmp_path / "w4-cut", 4096)
+    a, b = load_model(out), load_model(pruned["pruned"])
+    assert read_hf_config(out)["quantization_config"]["config_groups"] == \
+        read_hf_config(pruned["pruned"])["quantization_config"]["config_groups"]
+    tokens = torch.randint(0, 4096, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(a(tokens), b(tokens))
+
+
 def test_hybrid_w4_prunes_and_generates(tmp_path):
     from specquant.spec_decode.engine import generate
 
@@ -260,15 +271,17 @@ def test_transformers_reads_a_pruned_dense_checkpoint_as_ours(tmp_path):
         torch.testing.assert_close(theirs(input_ids=tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_gguf_token_list_matches_the_cut_embedding(tmp_path, pruned):
+@pytest.mark.parametrize("name", ["tiny-target", "tiny-hybrid"])
+def test_gguf_token_list_matches_the_cut_embedding(tmp_path, pruned, name):
     gguf = pytest.importorskip("gguf")
     from specquant.export.gguf import source_from_checkpoint, write_gguf
 
-    report = write_gguf(source_from_checkpoint(pruned["pruned"]), tmp_path / "p.gguf")
+    ckpt = pruned["pruned"] if name == "tiny-target" else _quantize(tmp_path / "h", name, 4096)
+    report = write_gguf(source_from_checkpoint(ckpt), tmp_path / "p.gguf")
     assert report["max_abs_error_quantized"] == 0.0
     reader = gguf.GGUFReader(tmp_path / "p.gguf")
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert len(tokens) == 4096 == int(embd.shape[-1])
-    cut = load_tokenizer(pruned["pruned"])
+    cut = load_tokenizer(ckpt)
     assert tokens[:8] == [cut.convert_ids_to_tokens(i) for i in range(8)]

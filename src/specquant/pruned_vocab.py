@@ -118,8 +118,9 @@ def remap_ids(value, token_ids: torch.Tensor):
 
 
 def prune_checkpoint(src, out, keep_below: int, overwrite: bool = False) -> Path:
-    """A dense checkpoint pruned to the ids < keep_below plus its specials, written dense (the W4 path is
-    `specquant quantize --prune-vocab N`). Returns out."""
+    """A checkpoint pruned to the ids < keep_below plus its specials, written as it was: dense, or compressed-tensors
+    with its own quantization_config (e.g. a W4 + QAD target, which `quantize` does not take). From an unquantized
+    checkpoint, `specquant quantize --prune-vocab N` quantizes and prunes in one go. Returns out."""
     import tempfile
 
     from specquant.model.checkpoint import load_dense, read_hf_config, resolve, save_model
@@ -127,11 +128,19 @@ def prune_checkpoint(src, out, keep_below: int, overwrite: bool = False) -> Path
     src = resolve(src)
     hf = read_hf_config(src)
     ids = check_prunable(src, hf, keep_below)
-    model = prune_model(load_dense(src, dtype=hf.get("torch_dtype") or "float32"), ids, keep_below)
+    dtype = hf.get("torch_dtype") or "float32"
+    if hf.get("quantization_config"):
+        from specquant.loader import load_model
+        from specquant.quant.checkpoint import save_quantized
+
+        model, save = load_model(src, dtype), save_quantized
+    else:
+        model, save = load_dense(src, dtype=dtype), save_model
+    prune_model(model, ids, keep_below)
     with tempfile.TemporaryDirectory() as tmp:
         write_pruned_tokenizer(src, Path(tmp), ids)
-        return save_model(model, out, tokenizer_from=tmp, extra_config={CONFIG_KEY: model.vocab_map_entry},
-                          overwrite=overwrite)
+        return save(model, out, tokenizer_from=tmp, extra_config={CONFIG_KEY: model.vocab_map_entry},
+                    overwrite=overwrite)
 
 
 def check_prunable(src: Path, hf: dict, keep_below: int) -> torch.Tensor:
