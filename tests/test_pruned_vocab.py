@@ -285,3 +285,15 @@ def test_gguf_token_list_matches_the_cut_embedding(tmp_path, pruned, name):
     assert len(tokens) == 4096 == int(embd.shape[-1])
     cut = load_tokenizer(ckpt)
     assert tokens[:8] == [cut.convert_ids_to_tokens(i) for i in range(8)]
+
+
+def test_specquant_gate_kl_fails_a_pruned_target_on_its_lost_mass_unless_allowed(tmp_path, pruned, capsys):
+    small = ["--kl-samples", "4", "--kl-seq-len", "64", "--json"]
+    argv = ["gate", "--model", str(pruned["pruned"]), "--baseline", "tiny-target", "--tasks", "kl"]
+    assert main([*argv, "--out", str(tmp_path / "a"), *small]) == 1
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [g["metric"] for g in res["gates"]] == ["kl", "ppl_ratio", "top1_agree", "lost_mass"]
+    assert [g["passed"] for g in res["gates"]][-1] is False and res["kl"]["lost_mass"] > 0.05
+    allowed = tmp_path / "thr.json"
+    allowed.write_text(json.dumps({"kl": {"max_kl": 0.05, "min_top1": 0.9, "max_lost_mass": 0.5}}))
+    assert main([*argv, "--out", str(tmp_path / "b"), "--thresholds", str(allowed), *small]) == 0
