@@ -285,7 +285,7 @@ def _respelled(run, tokenizer, own_tokenizer):
     takes more tokens where the full spelling used a cut one, so its last len(prompt) tokens are kept: the same
     prompt length as every other row (the lengths are in tokens), over nearly the same text."""
 
-    def respelled(prompt_ids: torch.Tensor) -> object:
+    def respelled(prompt_ids: torch.Tensor):
         text = tokenizer.decode(prompt_ids[0].tolist())
         own = own_tokenizer.encode(text, add_special_tokens=False)[-prompt_ids.shape[1]:]
         return run(torch.tensor([own], device=prompt_ids.device))

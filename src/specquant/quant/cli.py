@@ -107,8 +107,8 @@ def run(args) -> int:
         save_quantized(model, out, tokenizer_from=src, cfg=cfg, overwrite=args.overwrite)
     else:
         _save_pruned(model, out, src, cfg, kept, args.overwrite)
-        report["pruned_vocab"] = {"kept": int(kept.numel()), "vocab_size": int(hf.get("vocab_size") or 0),
-                                  "keep_below": cfg.prune_vocab}
+        report["pruned_vocab"] = {"kept": int(kept.numel()), "keep_below": cfg.prune_vocab,
+                                  "vocab_size": model.vocab_map_entry["full_vocab_size"]}
     report["out"] = str(out)
     report["dtype"] = dtype_name
     print(json.dumps(report) if args.json else _table(report))
