@@ -80,6 +80,9 @@ def pair(tmp_path_factory):
         m = load_model(paths[role])
         quantize(m, QuantConfig(method="rtn"))
         paths[f"q{role}"] = save_quantized(m, root / f"q{role}", tokenizer_from=TOKENIZER)
+    from specquant.pruned_vocab import prune_checkpoint
+
+    paths["pruned"] = prune_checkpoint(paths["target"], root / "pruned", 4096)  # row (v); an untied head
     return paths
 
 
@@ -107,7 +110,7 @@ def bench_run(pair, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "out"
     argv = ["bench", "--target", str(pair["target"]), "--draft", str(pair["draft"]),
             "--quantized-target", str(pair["qtarget"]), "--quantized-draft", str(pair["qdraft"]),
-            "--out", str(out), "--json", *SMALL]
+            "--pruned-target", str(pair["pruned"]), "--out", str(out), "--json", *SMALL]
     import contextlib
     import io
 
@@ -289,7 +292,7 @@ def test_bench_cli_writes_every_file_and_json_last(bench_run):
 def test_report_agrees_with_its_raw_numbers(bench_run):
     _, results, _ = bench_run
     ids = [r["id"] for r in results["rows"]]
-    assert ids == [r.id for r in rows_for(with_qad=True)] + ["hf"]
+    assert ids == [r.id for r in rows_for(with_qad=True)] + ["v", "hf"]
     for r in results["rows"]:
         assert r["status"] == "ok" or r["reason"], r["id"]
     base = results["rows"][0]["categories"]
@@ -326,6 +329,28 @@ def test_report_agrees_with_its_raw_numbers(bench_run):
         assert r["acceptance_all"]["num_drafts"] == merged
     # the noisy-copy draft is neither always right nor always wrong
     assert any(1.0 < r["acceptance_all"]["mean_acceptance_length"] < 5.0 for r in spec)
+
+
+def test_pruned_target_row_is_lossy_with_its_kl_and_never_compared(bench_run, pair):
+    _, results, out = bench_run
+    v = next(r for r in results["rows"] if r["id"] == "v")
+    assert v["status"] == "ok" and v["target"] == "pruned"
+    assert all("same_tokens_as" not in e for e in v["categories"].values())  # no greedy-identity claim
+    q = v["lossy"]
+    assert q["baseline"] == str(pair["target"]) and q["lost_mass"] > 0 and q["rows"]
+    report = (out / "report.md").read_text()
+    assert "## Lossy rows" in report and f"lost mass {q['lost_mass']:.4f}" in report
+
+
+def test_bench_refuses_a_pruned_target_as_the_w4_or_a_foreign_pruned_target(pair, tmp_path):
+    from specquant.bench.prepare import check_inputs, check_pruned_target
+
+    with pytest.raises(SpecquantError, match="pruned vocabulary .*--pruned-target"):
+        check_inputs(pair["pruned"], pair["draft"])
+    paths = check_inputs(pair["target"], pair["draft"])
+    assert check_pruned_target(paths, pair["pruned"]) == pair["pruned"]
+    with pytest.raises(SpecquantError, match="no pruned_vocab map"):
+        check_pruned_target(paths, pair["qtarget"])
 
 
 def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, hybrid_pair, tmp_path):

@@ -420,3 +420,51 @@ def test_llama_tokenize_gives_our_ids_with_qwens_pre_tokenizer(bin_dir, tmp_path
         proc = run_tool([bin_dir / "llama-tokenize", "-m", tmp_path / "m.gguf", "-f", f, "--ids", "--log-disable",
                          "--no-bos"])
         assert ast.literal_eval(proc.stdout.strip().splitlines()[-1]) == tok.encode(text).ids, text[:40]
+
+
+def test_llama_cpp_reads_a_pruned_vocabulary_as_ours(bin_dir, tmp_path):
+    """A vocabulary-pruned target (specquant/pruned_vocab.py): llama.cpp's tokenizer gives the cut tokenizer's ids
+    (its token list is the cut embedding's rows) and its greedy continuation of the F32 export is ours."""
+    from specquant.pruned_vocab import prune_checkpoint
+
+    ckpt = prune_checkpoint("tiny-target", tmp_path / "pruned", 4096)
+    path = tmp_path / "pruned.gguf"
+    write_gguf(source_from_checkpoint(ckpt), path)
+    tok = load_tokenizer(ckpt)
+    for i, text in enumerate(TEXTS):
+        f = tmp_path / f"t{i}.txt"
+        f.write_text(text, encoding="utf-8")
+        proc = run_tool([bin_dir / "llama-tokenize", "-m", path, "-f", f, "--ids", "--log-disable", "--no-bos"])
+        ids = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+        assert ids == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, text[:40]
+        assert max(ids) < 4096
+    text = "Once upon a time, in a small village by the sea, there lived"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(text)
+    n = 24
+    g = generate(bin_dir, path, prompt, n, threads=1, ctx=256)
+    ours = _ours_greedy(str(ckpt), tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, n)
+    assert len(ours) == n and g.text.startswith(tok.decode(ours))
+
+
+def test_llama_cpp_speculates_losslessly_with_a_pair_pruned_alike(bin_dir, tmp_path):
+    """The fix the export names for a pruned target's LM drafter (prune it with the same N) gives a pair llama.cpp
+    accepts and decodes as the pruned target alone."""
+    from specquant.bench.llama_cpp import _strip_prompt
+    from specquant.pruned_vocab import prune_checkpoint
+
+    target = write_gguf(source_from_checkpoint(prune_checkpoint("tiny-target", tmp_path / "t", 4096)),
+                        tmp_path / "t.gguf")["path"]
+    draft = write_gguf(source_from_checkpoint(prune_checkpoint("tiny-draft", tmp_path / "d", 4096)),
+                       tmp_path / "d.gguf")["path"]
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Once upon a time, in a small village by the sea, there lived")
+    n = 24
+    alone = generate(bin_dir, Path(target), prompt, n, threads=1, ctx=256)
+    proc = run_tool([bin_dir / "llama-speculative-simple", "-m", target, "-md", draft, "--spec-type", "draft-simple",
+                     "--spec-draft-n-max", "3", "-f", prompt, "-n", n, "--temp", "0", "--ignore-eos", "-t", 1,
+                     "-td", 1, "-c", 256])
+    spec, text = _strip_prompt(proc.stdout, prompt).rstrip(), alone.text.rstrip()  # the tools end differently
+    assert "n_accept" in proc.stderr
+    shorter = min(len(spec), len(text))
+    assert shorter > 20 and spec[:shorter] == text[:shorter]

@@ -44,6 +44,11 @@ def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.
         model.extra_tensors = kept
         model.init_non_persistent(device)
         set_w4_activations(model, w4_activations)
+    from specquant.pruned_vocab import ATTRIBUTE, read_vocab_map
+
+    token_ids = read_vocab_map(hf)
+    if token_ids is not None:  # a pruned vocabulary (pruned_vocab.py): the full-vocabulary id of each index
+        setattr(model, ATTRIBUTE, token_ids.to(device))
     if fuse:
         fuse_projections(model)
     return model.eval()

@@ -83,6 +83,10 @@ LEVER_BLOCK_ROWS = (
     Row("u", "W4 target + hybrid: suffix, else W4 block draft", "w4", "w4", drafter=HYBRID),
     Row("p", "W4 target + W4 block draft, pruned head", "w4", "w4", drafter=BLOCK, pruned=True),
 )
+# The target with a pruned vocabulary (quantize --prune-vocab N, specquant/pruned_vocab.py), alone: LOSSY, so it is
+# never compared token for token with the unpruned target; the report gives its kl gate stats instead. Its prompts
+# are the same texts spelled by its own (cut) tokenizer.
+PRUNED_ROW = Row("v", "pruned-vocabulary target (lossy)", "pruned", None)
 HF_ROW = Row("hf", "transformers assisted: target + draft", "hp", "hp", impl="transformers")
 BASELINE = "a"
 QAD_ROW = Row("q", "W4 + QAD target", "qad", None)
@@ -133,11 +137,14 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     # load as their kind loads them (spec_decode/drafters/)
     models = {("target", kind): load_model(paths[key], runtime.dtype, device, fuse=True,
                                            w4_activations=runtime.w4_activations)
-              for kind, key in (("hp", "target"), ("w4", "quantized_target"), ("qad", "qad_target")) if key in paths}
+              for kind, key in (("hp", "target"), ("w4", "quantized_target"), ("qad", "qad_target"),
+                                ("pruned", "pruned_target")) if key in paths}
     for kind, precision, key in DRAFT_INPUTS:
         if key in paths:  # keyed by the rows' Row.drafter (a kind name) and Row.draft
             models[(kind, precision)] = KINDS[kind].load(paths[key], runtime)
     table = rows_for("qad_target" in paths, (BLOCK, "hp") in models, (MTP, "hp") in models)
+    if "pruned_target" in paths:
+        table = (*table, PRUNED_ROW)
     if (BLOCK, "w4") in models:  # row (p): its own copy of the W4 block drafter, with the token map
         models[(BLOCK, "w4", "pruned")] = _pruned_block(cfg, paths, runtime)
     context = min(models[("target", "hp")].config.max_position_embeddings,
@@ -155,6 +162,8 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
         target = models[("target", row.target)]
         if row.draft is None:
             runners[row.id] = ours_target_only(target, cfg.max_new_tokens, sampling)
+            if row.target == "pruned":
+                runners[row.id] = _respelled(runners[row.id], tokenizer, load_tokenizer(paths["pruned_target"]))
             continue
         engines[row.id] = _engine(cfg, runtime, row, models, tokenizer, draft_tokenizer)
         runners[row.id] = ours_speculative(engines[row.id], cfg.max_new_tokens, sampling)
@@ -214,6 +223,8 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     for res in results_rows:
         res.acceptance_whole_block = whole_block.get(res.id)
         res.by_source = by_source.get(res.id)
+        if res.id == PRUNED_ROW.id and res.ok:
+            res.lossy = _pruned_quality(paths, runtime)
     _add_speedups(results_rows)
     return BenchResults(
         config=cfg, environment=env, models=dict(paths),
@@ -269,6 +280,31 @@ def _pruned_block(cfg: BenchConfig, paths: dict, runtime: RuntimeConfig):
     return model
 
 
+def _respelled(run, tokenizer, own_tokenizer):
+    """Row (v)'s runner: each prompt's text spelled by the pruned target's own tokenizer (outside the timing). That
+    takes more tokens where the full spelling used a cut one, so its last len(prompt) tokens are kept: the same
+    prompt length as every other row (the lengths are in tokens), over nearly the same text."""
+
+    def respelled(prompt_ids: torch.Tensor):
+        text = tokenizer.decode(prompt_ids[0].tolist())
+        own = own_tokenizer.encode(text, add_special_tokens=False)[-prompt_ids.shape[1]:]
+        return run(torch.tensor([own], device=prompt_ids.device))
+
+    return respelled
+
+
+def _pruned_quality(paths: dict, runtime: RuntimeConfig) -> dict:
+    """Row (v)'s kl gate against the unpruned high-precision target, with the gate's default blocks and bounds."""
+    from specquant.gate.config import KL_GATE, GateConfig
+    from specquant.gate.kl import kl_gate
+
+    stats, rows = kl_gate(str(paths["pruned_target"]), str(paths["target"]), GateConfig(), dtype=runtime.dtype,
+                          w4_activations=runtime.w4_activations)
+    stats.pop("text", None)
+    return {"baseline": str(paths["target"]), **stats, "gate": KL_GATE,
+            "passed": all(r.passed for r in rows), "rows": [r.to_dict() for r in rows]}
+
+
 def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> dict[str, CategoryCosts]:
     """Per length category, forward times at the mean decode context (prompt + max_new_tokens / 2), all timed
     interleaved: each target's one-token step (between other probes, and alone: after its own step) and (k+1)-token
@@ -277,7 +313,7 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> di
     of block_draft_len + 1 tokens; with MTP rows, each MTP layer's chained forward and head (one per drafted
     token, against the W4 target's embeddings and head, as its rows draft)."""
     k1 = cfg.spec.draft_len + 1
-    targets = [t for t in ("hp", "w4", "qad") if ("target", t) in models]
+    targets = [t for t in ("hp", "w4", "qad") if ("target", t) in models]  # not the pruned one: nothing predicts it
     probes: dict[ForwardKey, Probe] = {}
     for t in targets:
         probes[ForwardKey("target", t)] = Probe(models[("target", t)])
@@ -360,8 +396,8 @@ def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped
             entry.acceptance = SpecMetrics.total(s.spec for ss in per_prompt.values() for s in ss)
             if row.drafter in PREDICTED and not row.pruned:
                 entry.prediction = predict_row(entry.acceptance, _costs_for(row, costs[cat], cfg))
-        elif row.draft is None:
-            t = costs[cat].times
+        elif row.draft is None and ForwardKey("target", row.target, alone=True) in costs[cat].times:
+            t = costs[cat].times  # (the pruned target is not probed: no step ratio for row v)
             entry.step_ratio = t[ForwardKey("target", "hp", alone=True)] / t[ForwardKey("target", row.target,
                                                                                         alone=True)]
         res.categories[cat] = entry
@@ -389,27 +425,30 @@ def _add_speedups(rows: list[RowResult]):
             b = base.categories[cat].timing
             e.speedup = b.latency_s / e.timing.latency_s
             e.decode_speedup = b.tpot_s / e.timing.tpot_s if e.timing.tpot_s > 0 else float("nan")
-            ref = by_id.get(own[r.target])
+            ref = by_id.get(own.get(r.target))  # a pruned target has no own row: its tokens are not compared
             if ref is not None and ref.ok and r.id != ref.id:
                 e.same_tokens_as = SameTokens(ref.id, e.tokens == ref.categories[cat].tokens)
 
 
 def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_draft=None, device="cpu", log=print,
               qad_target=None, block_draft=None, quantized_block_draft=None,
-              mtp_draft=None) -> tuple[BenchResults, list[Path]]:
+              mtp_draft=None, pruned_target=None) -> tuple[BenchResults, list[Path]]:
     """The whole bench as one call (`specquant bench` and `specquant demo` only parse and call this): check every
     input, claim the output directory, quantize what was not given, measure every row, write the report.
     block_draft: a block drafter (DFlashDraftModel) for rows (f)-(h); its W4 is GPTQ'd into out/cache when not
     given. mtp_draft: rows (m), (n), the MTP drafter: "mtp" (the target checkpoint's own mtp.* tensors), "init"
     (those, else an untrained MTP layer initialised from the target's last attention layer, as `distill draft
     --kind mtp` starts one) or a dense MTP drafter directory; its W4 is written into out/cache (prepare_mtp).
+    pruned_target: a vocabulary-pruned target (quantize --prune-vocab N) for row (v), lossy, with its kl gate.
     Returns (results, written files)."""
-    from specquant.bench.prepare import prepare_quantized, validate
+    from specquant.bench.prepare import check_pruned_target, prepare_quantized, validate
     from specquant.bench.report import write_report
     from specquant.util.files import claim_out_dir
 
     paths = validate(cfg, target, draft, quantized_target, quantized_draft, device, qad_target, block_draft,
                      quantized_block_draft)
+    if pruned_target is not None:
+        paths["pruned_target"] = check_pruned_target(paths, pruned_target)
     claim_out_dir(cfg.out, cfg.overwrite)
     quantized = prepare_quantized(cfg, paths, log)
     if mtp_draft is not None:

@@ -29,6 +29,9 @@ def add_parser(sub):
     p.add_argument("--quantized-block-draft", default=None,
                    help="its W4 checkpoint (default: GPTQ it on the rows' target features into --out/cache)")
     add_config_flags(p, BenchConfig)
+    p.add_argument("--pruned-target", default=None,
+                   help="a vocabulary-pruned target (specquant quantize --prune-vocab N) for row (v): LOSSY, so "
+                        "reported with its kl gate against --target, never as the same tokens")
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON summary line instead of the table")
     p.add_argument("--engine", choices=("specquant", "llama.cpp"), default="specquant",
@@ -60,7 +63,8 @@ def run(args) -> int:
     if args.engine == "llama.cpp":
         return run_llama_cpp(cfg, args, log)
     results, files = run_bench(cfg, args.target, args.draft, args.quantized_target, args.quantized_draft,
-                               args.device, log, args.qad_target, args.block_draft, args.quantized_block_draft)
+                               args.device, log, args.qad_target, args.block_draft, args.quantized_block_draft,
+                               pruned_target=args.pruned_target)
     if args.json:
         print_json(summary(results, files))
     else:

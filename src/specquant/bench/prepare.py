@@ -82,8 +82,31 @@ def check_inputs(target, draft, quantized_target=None, quantized_draft=None, qad
             raise SpecquantError(f"--{role.replace('_', '-')} {str(path)!r} has no quantization_config in its "
                                  "config.json; pass a compressed-tensors checkpoint or omit the flag to quantize")
         paths[role] = path
+    # every row is compared with the unpruned baseline on one tokenization ("same tokens as", speedups); a
+    # vocabulary-pruned target (specquant/pruned_vocab.py) has other tokens, so it runs only as its own lossy row
+    from specquant.pruned_vocab import refuse_pruned
+
+    for role in ("target", "quantized_target", "qad_target"):
+        if role in paths:
+            refuse_pruned(paths[role], f"--{role.replace('_', '-')} rows are compared with the unpruned target",
+                          "pass the unpruned checkpoint (and the pruned one as --pruned-target for its lossy row)")
     check_vocab(read_config(paths["target"]).vocab_size, read_config(paths["draft"]).vocab_size)
     return paths
+
+
+def check_pruned_target(paths: dict[str, Path], given) -> Path:
+    """Row (v)'s checkpoint: vocabulary-pruned (specquant/pruned_vocab.py) from the --target's vocabulary."""
+    from specquant.pruned_vocab import full_vocab_size
+
+    path = resolve(given)
+    full = full_vocab_size(read_hf_config(path))
+    if full is None:
+        raise SpecquantError(f"--pruned-target {str(path)!r} has no pruned_vocab map in its config.json; make one with "
+                             "specquant quantize --prune-vocab N")
+    if full != read_config(paths["target"]).vocab_size:
+        raise SpecquantError(f"--pruned-target {str(path)!r} was pruned from a {full}-token vocabulary, --target has "
+                             f"{read_config(paths['target']).vocab_size}; prune the bench's own target")
+    return path
 
 
 def check_block_inputs(paths: dict[str, Path], block_draft, quantized_block_draft=None):

@@ -144,6 +144,22 @@ def source_table(results: BenchResults) -> str:
             "acceptance passes).\n\n" + "\n".join(lines))
 
 
+def lossy_lines(results: BenchResults) -> str:
+    """The lossy rows (the vocabulary-pruned target) with their kl gate against the unpruned target."""
+    lines = []
+    for r in results.rows:
+        if r.ok and r.lossy is not None:
+            q = r.lossy
+            lines.append(f"- ({r.id}) {r.name}: LOSSY against `{q['baseline']}`: KL {q['kl']:.4f} nats/token over "
+                         f"the kept ids (renormalised), lost mass {q['lost_mass']:.4f} (the baseline's probability "
+                         f"on the cut ids), top-1 {q['top1_agree']:.3f}, ppl ratio {q['ppl_ratio']:.3f}; kl gate "
+                         f"{'PASS' if q['passed'] else 'FAIL'} ({q['tokens']} held-out tokens)")
+    if not lines:
+        return ""
+    return ("\n\n## Lossy rows\n\nNot compared token for token with any row: each prompt is the same text spelled "
+            "by the row's own tokenizer, cut to the same number of tokens (its last ones).\n\n" + "\n".join(lines))
+
+
 def step_costs(row: RowResult, cat: str) -> dict | None:
     """A speculative row's cost per verify step in units of its target's one-token step, from its prediction:
     draft (forwards x c per forward) + verify + the block drafter's accept, and per emitted token (step / MAL)."""
@@ -267,7 +283,7 @@ own output (row a for the high-precision target, b for the W4 one).
 
 Rate at position i = steps whose i-th draft token was accepted / steps (cumulative, so ≈ α^i).
 
-{position_table(results)}{whole_block_table(results)}{filler_table(results)}{source_table(results)}{drafter_verdict(results)}
+{position_table(results)}{whole_block_table(results)}{filler_table(results)}{source_table(results)}{lossy_lines(results)}{drafter_verdict(results)}
 
 ## Environment
 
@@ -375,6 +391,8 @@ def summary(results: BenchResults, files) -> dict:
                        speedups={c: e.speedup for c, e in r.categories.items()},
                        predicted_speedup_avg=r.predicted_speedup_avg,
                        mean_acceptance_length={s: a.mean_acceptance_length for s, a in (r.acceptance or {}).items()})
+            if r.lossy is not None:
+                row["lossy"] = {k: r.lossy[k] for k in ("kl", "lost_mass", "top1_agree", "ppl_ratio", "passed")}
             if r.filler:
                 row["mean_acceptance_length_filler"] = {s: a.mean_acceptance_length for s, a in r.filler.items()}
         else:

@@ -110,6 +110,8 @@ class RowResult:
     acceptance_whole_block: SpecMetrics | None = None
     filler: dict[str, SpecMetrics] | None = None  # per filler set (repeating text), apart from acceptance
     by_source: dict[str, dict[str, SpecMetrics]] | None = None  # a hybrid row: {pass: {source: its steps}}
+    # a lossy row (the vocabulary-pruned target): its kl gate stats against the unpruned target (gate/kl.py)
+    lossy: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -158,6 +160,8 @@ class RowResult:
             out["acceptance_whole_block"] = self.acceptance_whole_block.to_dict()
         if self.filler is not None:
             out["filler"] = {name: m.to_dict() for name, m in self.filler.items()}
+        if self.lossy is not None:
+            out["lossy"] = self.lossy
         if self.by_source is not None:
             out["by_source"] = {run: {src: m.to_dict() for src, m in srcs.items()}
                                 for run, srcs in self.by_source.items()}

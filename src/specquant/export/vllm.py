@@ -264,6 +264,13 @@ def check_pair(target_hf: dict, draft_hf: dict):
     if drafter_kind(draft_hf).standalone:
         t, d = ModelConfig.from_hf(target_hf), ModelConfig.from_hf(draft_hf)
         if t.vocab_size != d.vocab_size:
+            from specquant.pruned_vocab import CONFIG_KEY
+
+            if CONFIG_KEY in target_hf:  # no serving engine reads the map: the draft must be cut to the same ids
+                keep = target_hf[CONFIG_KEY].get("keep_below")
+                raise SpecquantError(f"the target's vocabulary is pruned to {t.vocab_size} ids (config.json "
+                                     f"{CONFIG_KEY}) and the draft has {d.vocab_size}; vLLM and llama.cpp verify ids, so prune "
+                                     f"the draft the same way (specquant quantize --model DRAFT --prune-vocab {keep})")
             raise SpecquantError(f"draft vocab_size {d.vocab_size} differs from the target's {t.vocab_size}; "
                                  "an LM drafter must share the target's tokenizer")
     elif drafter_kind(draft_hf).name == "block":

@@ -13,21 +13,37 @@ HELDOUT = Path(__file__).resolve().parent.parent / "data" / "heldout.txt"
 
 def kl_stats(model: str, baseline: str, cfg: GateConfig, text: str | None = None, dtype: str = "float32",
              w4_activations: str = "float") -> dict:
-    """KL(baseline || model) nats/token, perplexities and their ratio, top-1 agreement on held-out blocks."""
+    """KL(baseline || model) nats/token, perplexities and their ratio, top-1 agreement on held-out blocks.
+
+    A vocabulary-pruned model (specquant/pruned_vocab.py) against its unpruned baseline: the blocks are cut from
+    the text as the pruned model's own tokenizer spells it (the baseline reads the same tokens as full-vocabulary
+    ids), and the mass the baseline puts on the cut ids is reported apart (`lost_mass`, gated by max_lost_mass):
+    quant.quality.compare says how."""
     from specquant.loader import load_model
-    from specquant.model.checkpoint import load_tokenizer, read_config
+    from specquant.model.checkpoint import load_tokenizer, read_config, read_hf_config, resolve
+    from specquant.pruned_vocab import full_vocab_size, read_vocab_map
     from specquant.quant.quality import compare, heldout_tokens
 
     m_cfg, b_cfg = read_config(model), read_config(baseline)
-    if m_cfg.vocab_size != b_cfg.vocab_size:
+    m_hf = read_hf_config(resolve(model))
+    kept = read_vocab_map(m_hf)
+    if kept is not None and read_vocab_map(read_hf_config(resolve(baseline))) is not None:
+        raise SpecquantError(f"the kl gate's baseline {baseline} is vocabulary-pruned too; compare with the "
+                             "unpruned checkpoint")
+    if kept is not None and full_vocab_size(m_hf) != b_cfg.vocab_size:
+        raise SpecquantError(f"{model} was pruned from a {full_vocab_size(m_hf)}-token vocabulary, baseline "
+                             f"{baseline} has {b_cfg.vocab_size}; use the checkpoint it was pruned from")
+    if kept is None and m_cfg.vocab_size != b_cfg.vocab_size:
         raise SpecquantError(f"the kl gate compares next-token distributions: {model} has {m_cfg.vocab_size} tokens, "
                              f"baseline {baseline} has {b_cfg.vocab_size}; use a baseline with the same tokenizer")
     path = Path(text) if text else HELDOUT
     if not path.is_file():
         raise SpecquantError(f"held-out text {str(path)!r} does not exist; pass --kl-text FILE (plain text)")
-    tokens = heldout_tokens(load_tokenizer(baseline), path, cfg.kl_samples, cfg.kl_seq_len)
+    tokens = heldout_tokens(load_tokenizer(baseline if kept is None else model), path, cfg.kl_samples,
+                            cfg.kl_seq_len)
     reference = load_model(baseline, dtype, w4_activations=w4_activations)
-    stats = compare(reference, load_model(model, dtype, w4_activations=w4_activations), tokens, cfg.kl_batch_size)
+    stats = compare(reference, load_model(model, dtype, w4_activations=w4_activations), tokens, cfg.kl_batch_size,
+                    kept=kept)
     nll = stats.pop("nll_tokens")  # per token, model minus baseline
     stats["ppl_ratio"] = stats["ppl"] / stats["ppl_ref"]
     stats["nll_diff_stderr"] = float(nll.std() / nll.numel() ** 0.5)

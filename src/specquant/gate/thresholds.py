@@ -13,7 +13,7 @@ from specquant.gate.config import ALL_GATES, KL_GATE, LM_EVAL_GATES
 
 EXIT_PASS, EXIT_FAIL = 0, 1
 SCORE_RULES = {"min", "ratio", "metric"}
-KL_RULES = {"max_kl", "max_ppl_ratio", "min_top1"}
+KL_RULES = {"max_kl", "max_ppl_ratio", "min_top1", "max_lost_mass"}
 
 
 def load_thresholds(path: str | None, defaults: dict) -> dict:
@@ -83,12 +83,14 @@ def decide_score(gate: str, rule: dict, value: float, baseline: float | None) ->
 
 
 def decide_kl(rule: dict, stats: dict) -> list[GateResult]:
-    """One row per kl bound: KL(baseline || model), perplexity ratio model/baseline, top-1 agreement."""
+    """One row per kl bound: KL(baseline || model), perplexity ratio model/baseline, top-1 agreement, and for a
+    vocabulary-pruned model the baseline's mass on the cut ids (no row for a model that measured none)."""
     rows = []
     checks = {"max_kl": ("kl", lambda v, b: v <= b, "<="), "max_ppl_ratio": ("ppl_ratio", lambda v, b: v <= b, "<="),
-              "min_top1": ("top1_agree", lambda v, b: v >= b, ">=")}
+              "min_top1": ("top1_agree", lambda v, b: v >= b, ">="),
+              "max_lost_mass": ("lost_mass", lambda v, b: v <= b, "<=")}
     for key, (stat, ok, op) in checks.items():
-        if key in rule:
+        if key in rule and stat in stats:
             baseline = stats["ppl_ref"] if stat == "ppl_ratio" else None
             rows.append(GateResult(KL_GATE, stat, stats[stat], baseline, f"{op} {rule[key]}",
                                    bool(ok(stats[stat], rule[key]))))

@@ -79,16 +79,17 @@ def quantization_config(model: nn.Module, cfg: QuantConfig | None = None) -> dic
 
 
 def save_quantized(model: nn.Module, out, tokenizer_from=None, cfg: QuantConfig | None = None,
-                   overwrite: bool = False) -> Path:
+                   overwrite: bool = False, extra_config: dict | None = None) -> Path:
     """Write a compressed-tensors checkpoint atomically (a failure leaves no `out`).
 
     Its quantization_config is built from `cfg` when given, else it is the model's own (`model.quantization`,
-    set by quantize() or the loader), else it is read from the QuantLinear modules."""
+    set by quantize() or the loader), else it is read from the QuantLinear modules. extra_config: more config.json
+    keys (e.g. a pruned vocabulary's map)."""
     qc = quantization_config(model, cfg)  # also checks that there is something quantized to save
     if cfg is None and model.quantization:
         qc = model.quantization
-    return save_model(model, out, tokenizer_from=tokenizer_from, extra_config={"quantization_config": qc},
-                      overwrite=overwrite)
+    return save_model(model, out, tokenizer_from=tokenizer_from,
+                      extra_config={**(extra_config or {}), "quantization_config": qc}, overwrite=overwrite)
 
 
 # --- loading --------------------------------------------------------------------------------------------------

@@ -50,6 +50,10 @@ def _table(report: dict) -> str:
     if report["method"] == "rtn" and all(r.get("output_sqnr_db") is None for r in report["layers"]):
         lines.append("output errors not measured (RTN reads no text): --report-samples 1 runs one calibration "
                      "sequence for them")
+    if report.get("pruned_vocab"):
+        pv = report["pruned_vocab"]
+        lines.append(f"vocabulary pruned (LOSSY: gate it with specquant gate --tasks kl): {pv['kept']:,} of "
+                     f"{pv['vocab_size']:,} ids kept (ids < {pv['keep_below']:,} and the special tokens)")
     if report.get("kept_dense"):
         kinds = sorted({n.rsplit(".", 1)[-1] for n in report["kept_dense"]})
         lines.append(f"kept dense by the layer kind's recipe: {len(report['kept_dense'])} Linears "
@@ -81,6 +85,11 @@ def run(args) -> int:
     if dtype_name not in DTYPES:
         raise SpecquantError(f"checkpoint torch_dtype {dtype_name!r} is not supported; pass --dtype float32|bfloat16")
     dtype = DTYPES[dtype_name]
+    kept = None
+    if cfg.prune_vocab:  # every refusal of the pruning before the minutes of quantizing
+        from specquant.pruned_vocab import check_prunable
+
+        kept = check_prunable(src, hf, cfg.prune_vocab)
     # Calibrate in float32 (bf16 GEMMs are slow on many CPUs) but round scales to the output dtype first.
     model = load_dense(src, dtype=torch.float32)
     calibrates = cfg.method_name != "rtn" or cfg.report_samples > 0
@@ -89,9 +98,33 @@ def run(args) -> int:
     bytes_before = tensor_bytes(model) * dtype.itemsize // 4  # every tensor of the fp32 copy, at the output dtype
     report = quantize(model, cfg, tokenizer, scale_dtype=dtype, progress=not args.json)
     model.to(dtype)
+    if kept is not None:  # after quantizing: calibration reads the full tokenizer's ids (see _save_pruned)
+        from specquant.pruned_vocab import prune_model
+
+        prune_model(model, kept, cfg.prune_vocab)
     report["bytes_before"], report["bytes_after"] = bytes_before, tensor_bytes(model)
-    save_quantized(model, out, tokenizer_from=src, cfg=cfg, overwrite=args.overwrite)
+    if kept is None:
+        save_quantized(model, out, tokenizer_from=src, cfg=cfg, overwrite=args.overwrite)
+    else:
+        _save_pruned(model, out, src, cfg, kept, args.overwrite)
+        report["pruned_vocab"] = {"kept": int(kept.numel()), "keep_below": cfg.prune_vocab,
+                                  "vocab_size": model.vocab_map_entry["full_vocab_size"]}
     report["out"] = str(out)
     report["dtype"] = dtype_name
     print(json.dumps(report) if args.json else _table(report))
     return 0
+
+
+def _save_pruned(model, out, src, cfg: QuantConfig, kept, overwrite: bool):
+    """A model quantized first (calibration reads the full tokenizer's ids), then cut to the kept ids (the
+    transformer layers are the same either way; the head's rows are cut from whatever precision it was given),
+    saved with its cut tokenizer and the map."""
+    import tempfile
+
+    from specquant.pruned_vocab import CONFIG_KEY, write_pruned_tokenizer
+    from specquant.quant.checkpoint import save_quantized
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_pruned_tokenizer(src, Path(tmp), kept)
+        save_quantized(model, out, tokenizer_from=tmp, cfg=cfg, overwrite=overwrite,
+                       extra_config={CONFIG_KEY: model.vocab_map_entry})

@@ -119,6 +119,12 @@ class QuantConfig:
                                                               "one costs about 4 forwards of --seq-len tokens)"})
     seq_len: int = field(default=256, metadata={"help": "tokens per calibration sequence"})
     seed: int = field(default=0, metadata={"help": "seed for token subsampling"})
+    # Target-side vocabulary pruning (specquant/pruned_vocab.py): lossy, so opt-in and gated (specquant gate
+    # --tasks kl). 0 keeps the whole vocabulary.
+    prune_vocab: int = field(default=0, metadata={
+        "help": "keep only token ids < N plus the tokenizer's special tokens: embedding, lm_head and tokenizer "
+                "cut, the map in config.json (pruned_vocab); LOSSY: gate it with specquant gate --tasks kl "
+                "(0: keep every id)", "metavar": "N"})
 
     def __post_init__(self):
         if self.group_size is None:
@@ -145,6 +151,9 @@ class QuantConfig:
         if self.report_samples < 0:
             raise SpecquantError(f"report_samples={self.report_samples} must be >= 0 (0 skips the output-error report)")
         require_positive(self, ("calib_samples", "seq_len"))
+        if self.prune_vocab < 0:
+            raise SpecquantError(f"prune_vocab={self.prune_vocab} must be >= 0 (0 keeps the whole vocabulary; e.g. "
+                                 "--prune-vocab 131072)")
         self.method.validate()
         if not isinstance(self.method, RTNConfig) or self.calib:
             self.calib_path()

@@ -16,13 +16,22 @@ def logprobs(model, tokens: torch.Tensor, batch_size: int = 4) -> list[torch.Ten
 
 
 @torch.no_grad()
-def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4) -> dict:
+def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4, kept: torch.Tensor | None = None) -> dict:
     """KL(reference ‖ model) per position (nats, mean over samples·T), perplexity of both on next-token
     prediction, and the fraction of positions whose argmax agrees. `reference` is a model or logprobs(...) of
     one on the same tokens and batch_size. `nll_tokens` (a tensor, per predicted token, model minus reference)
     is there for paired significance tests. `kl_sem` is the standard error of `kl` with the samples (sequences)
     as the independent units: positions inside one sequence are correlated, so a per-position SEM would be too
-    small."""
+    small.
+
+    kept [N'] (a vocabulary-pruned model, specquant/pruned_vocab.py): model reads and predicts indices of kept
+    (tokens are such indices; the reference reads kept[tokens]). Its distribution is zero off the kept ids, so
+    KL(reference || model) over the full vocabulary is infinite; here the missing mass is split off and reported,
+    not hidden: `kl` is KL(reference renormalised over the kept ids || model), `lost_mass` the mean reference
+    probability on the cut ids (what the model cannot say at all), and top-1 / perplexity compare over the full
+    vocabulary (a reference argmax on a cut id is a disagreement)."""
+    if kept is not None:
+        return _compare_pruned(reference, model, tokens, batch_size, kept)
     if isinstance(reference, list):
         ref_batches = reference
     else:  # one batch at a time, so memory does not grow with the number of samples
@@ -47,6 +56,42 @@ def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4) -> dict
     return {
         "kl": kl_sum / n_pos,
         "kl_sem": float(kl_per_sample.std() / math.sqrt(n)) if n > 1 else math.nan,
+        "samples": n,
+        "ppl": math.exp(float(nll_model.mean())),
+        "ppl_ref": math.exp(float(nll_ref.mean())),
+        "top1_agree": agree / n_pos,
+        "nll_tokens": nll_model - nll_ref,
+    }
+
+
+def _compare_pruned(reference, model, tokens: torch.Tensor, batch_size: int, kept: torch.Tensor) -> dict:
+    """compare() for a vocabulary-pruned model; the same keys plus lost_mass."""
+    kept = kept.to(tokens.device)
+    kl_sum, lost_sum, agree, n_pos, kl_per_sample = 0.0, 0.0, 0, 0, []
+    nll_ref, nll_model = [], []
+    for i in range(0, len(tokens), batch_size):
+        batch = tokens[i : i + batch_size]  # [b, T] indices of kept
+        ref_logp = F.log_softmax(reference(kept[batch]).float(), dim=-1)  # [b, T, vocab]
+        logp = F.log_softmax(model(batch).float(), dim=-1)  # [b, T, N']
+        ref_kept = ref_logp[..., kept]  # [b, T, N']
+        kept_mass = ref_kept.logsumexp(-1)  # [b, T] log of the reference's mass on the kept ids
+        ref_renorm = ref_kept - kept_mass.unsqueeze(-1)
+        kl_rows = (ref_renorm.exp() * (ref_renorm - logp)).sum(-1)  # [b, T]
+        kl_sum += float(kl_rows.sum())
+        lost_sum += float((1 - kept_mass.exp()).clamp_min(0).sum())
+        kl_per_sample.append(kl_rows.double().mean(-1))
+        agree += int((ref_logp.argmax(-1) == kept[logp.argmax(-1)]).sum())
+        n_pos += batch.numel()
+        target = batch[:, 1:].unsqueeze(-1)
+        nll_ref.append(-ref_logp[:, :-1].gather(-1, kept[target]).flatten())
+        nll_model.append(-logp[:, :-1].gather(-1, target).flatten())
+    nll_ref, nll_model = torch.cat(nll_ref), torch.cat(nll_model)
+    kl_per_sample = torch.cat(kl_per_sample)
+    n = len(kl_per_sample)
+    return {
+        "kl": kl_sum / n_pos,
+        "kl_sem": float(kl_per_sample.std() / math.sqrt(n)) if n > 1 else math.nan,
+        "lost_mass": lost_sum / n_pos,
         "samples": n,
         "ppl": math.exp(float(nll_model.mean())),
         "ppl_ref": math.exp(float(nll_ref.mean())),
