@@ -80,7 +80,7 @@ def pair(tmp_path_factory):
         m = load_model(paths[role])
         quantize(m, QuantConfig(method="rtn"))
         paths[f"q{role}"] = save_quantized(m, root / f"q{role}", tokenizer_from=TOKENIZER)
-    from specquant.pruned_vocab import prune_checkpoint
+    from specquant.quant.prune_vocab import prune_checkpoint
 
     paths["pruned"] = prune_checkpoint(paths["target"], root / "pruned", 4096)  # row (v); an untied head
     return paths

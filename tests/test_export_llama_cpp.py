@@ -423,9 +423,9 @@ def test_llama_tokenize_gives_our_ids_with_qwens_pre_tokenizer(bin_dir, tmp_path
 
 
 def test_llama_cpp_reads_a_pruned_vocabulary_as_ours(bin_dir, tmp_path):
-    """A vocabulary-pruned target (specquant/pruned_vocab.py): llama.cpp's tokenizer gives the cut tokenizer's ids
+    """A vocabulary-pruned target (specquant/quant/prune_vocab.py): llama.cpp's tokenizer gives the cut tokenizer's ids
     (its token list is the cut embedding's rows) and its greedy continuation of the F32 export is ours."""
-    from specquant.pruned_vocab import prune_checkpoint
+    from specquant.quant.prune_vocab import prune_checkpoint
 
     ckpt = prune_checkpoint("tiny-target", tmp_path / "pruned", 4096)
     path = tmp_path / "pruned.gguf"
@@ -451,7 +451,7 @@ def test_llama_cpp_speculates_losslessly_with_a_pair_pruned_alike(bin_dir, tmp_p
     """The fix the export names for a pruned target's LM drafter (prune it with the same N) gives a pair llama.cpp
     accepts and decodes as the pruned target alone."""
     from specquant.bench.llama_cpp import _strip_prompt
-    from specquant.pruned_vocab import prune_checkpoint
+    from specquant.quant.prune_vocab import prune_checkpoint
 
     target = write_gguf(source_from_checkpoint(prune_checkpoint("tiny-target", tmp_path / "t", 4096)),
                         tmp_path / "t.gguf")["path"]

@@ -1,4 +1,4 @@
-"""Target-side vocabulary pruning (specquant/pruned_vocab.py, `specquant quantize --prune-vocab N`): the map, the
+"""Target-side vocabulary pruning (specquant/quant/prune_vocab.py, `specquant quantize --prune-vocab N`): the map, the
 cut model against the full model's kept logits, the cut tokenizer, drafters over the full vocabulary, the kl gate,
 the refusals, and the exports (vLLM layout, GGUF token list; llama.cpp itself in tests/test_export_llama_cpp.py)."""
 
@@ -13,7 +13,7 @@ from specquant.cli import main
 from specquant.errors import SpecquantError
 from specquant.loader import load_model
 from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer, read_hf_config
-from specquant.pruned_vocab import (ATTRIBUTE, CONFIG_KEY, kept_ids, prune_checkpoint, prune_tokenizer,
+from specquant.quant.prune_vocab import (ATTRIBUTE, CONFIG_KEY, kept_ids, prune_checkpoint, prune_tokenizer,
                                     read_vocab_map, vocab_map_of)
 
 HELDOUT = BUNDLED_DIR.parent / "data" / "heldout.txt"

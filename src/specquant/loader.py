@@ -12,12 +12,11 @@ import os
 
 import torch
 
-from specquant.model.checkpoint import load_dense, load_tensors, parse_dtype, read_hf_config, resolve, split_tensors
-from specquant.model.config import ModelConfig
+from specquant.model.checkpoint import load_dense, parse_dtype, read_hf_config, resolve
 from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
-from specquant.quant.checkpoint import load_quantized_into
-from specquant.quant.linear import set_w4_activations
+from specquant.quant.checkpoint import load_quantized_model
+from specquant.quant.prune_vocab import ATTRIBUTE, read_vocab_map
 
 
 def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
@@ -36,18 +35,9 @@ def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.
     if not quantization:
         model = load_dense(path, dtype, device)
     else:
-        with torch.device("meta"):
-            model = Transformer(ModelConfig.from_hf(hf))
-        tensors, kept = split_tensors(load_tensors(path))
-        load_quantized_into(model, tensors, quantization, dtype, device)
-        model.quantization = quantization
-        model.extra_tensors = kept
-        model.init_non_persistent(device)
-        set_w4_activations(model, w4_activations)
-    from specquant.pruned_vocab import ATTRIBUTE, read_vocab_map
-
+        model = load_quantized_model(path, hf, dtype, device, w4_activations)
     token_ids = read_vocab_map(hf)
-    if token_ids is not None:  # a pruned vocabulary (pruned_vocab.py): the full-vocabulary id of each index
+    if token_ids is not None:  # a pruned vocabulary (quant/prune_vocab.py): the full-vocabulary id of each index
         setattr(model, ATTRIBUTE, token_ids.to(device))
     if fuse:
         fuse_projections(model)

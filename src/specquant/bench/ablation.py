@@ -83,7 +83,7 @@ LEVER_BLOCK_ROWS = (
     Row("u", "W4 target + hybrid: suffix, else W4 block draft", "w4", "w4", drafter=HYBRID),
     Row("p", "W4 target + W4 block draft, pruned head", "w4", "w4", drafter=BLOCK, pruned=True),
 )
-# The target with a pruned vocabulary (quantize --prune-vocab N, specquant/pruned_vocab.py), alone: LOSSY, so it is
+# The target with a pruned vocabulary (quantize --prune-vocab N, specquant/quant/prune_vocab.py), alone: LOSSY, so it is
 # never compared token for token with the unpruned target; the report gives its kl gate stats instead. Its prompts
 # are the same texts spelled by its own (cut) tokenizer.
 PRUNED_ROW = Row("v", "pruned-vocabulary target (lossy)", "pruned", None)

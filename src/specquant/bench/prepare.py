@@ -83,8 +83,8 @@ def check_inputs(target, draft, quantized_target=None, quantized_draft=None, qad
                                  "config.json; pass a compressed-tensors checkpoint or omit the flag to quantize")
         paths[role] = path
     # every row is compared with the unpruned baseline on one tokenization ("same tokens as", speedups); a
-    # vocabulary-pruned target (specquant/pruned_vocab.py) has other tokens, so it runs only as its own lossy row
-    from specquant.pruned_vocab import refuse_pruned
+    # vocabulary-pruned target (specquant/quant/prune_vocab.py) has other tokens, so it runs only as its own lossy row
+    from specquant.quant.prune_vocab import refuse_pruned
 
     for role in ("target", "quantized_target", "qad_target"):
         if role in paths:
@@ -95,8 +95,8 @@ def check_inputs(target, draft, quantized_target=None, quantized_draft=None, qad
 
 
 def check_pruned_target(paths: dict[str, Path], given) -> Path:
-    """Row (v)'s checkpoint: vocabulary-pruned (specquant/pruned_vocab.py) from the --target's vocabulary."""
-    from specquant.pruned_vocab import full_vocab_size
+    """Row (v)'s checkpoint: vocabulary-pruned (specquant/quant/prune_vocab.py) from the --target's vocabulary."""
+    from specquant.quant.prune_vocab import full_vocab_size
 
     path = resolve(given)
     full = full_vocab_size(read_hf_config(path))

@@ -264,7 +264,7 @@ def check_pair(target_hf: dict, draft_hf: dict):
     if drafter_kind(draft_hf).standalone:
         t, d = ModelConfig.from_hf(target_hf), ModelConfig.from_hf(draft_hf)
         if t.vocab_size != d.vocab_size:
-            from specquant.pruned_vocab import CONFIG_KEY
+            from specquant.quant.prune_vocab import CONFIG_KEY
 
             if CONFIG_KEY in target_hf:  # no serving engine reads the map: the draft must be cut to the same ids
                 keep = target_hf[CONFIG_KEY].get("keep_below")

@@ -33,7 +33,7 @@ def _kl_defaults() -> dict:
     # sound 4-bit model meets with room (the seed accepted a PTQ start at KL 0.037 on its 4B target; the bundled
     # AWQ g32 target measures KL 0.0002, ppl ratio 1.001, top-1 0.985: docs/GATES.md) and a broken one does not
     # (the bundled draft against the target: KL > 1).
-    # max_lost_mass (vocabulary-pruned models only, specquant/pruned_vocab.py): the baseline's probability on the
+    # max_lost_mass (vocabulary-pruned models only, specquant/quant/prune_vocab.py): the baseline's probability on the
     # cut ids, which the pruned model can never emit; 0.01 lets through a cut of ids a model almost never
     # predicts, as the 2nd leaderboard entry's 131,101 of 248,320 were meant to be, not one of text it writes.
     return {"max_kl": 0.05, "max_ppl_ratio": 1.05, "min_top1": 0.90, "max_lost_mass": 0.01}

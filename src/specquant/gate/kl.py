@@ -15,13 +15,13 @@ def kl_stats(model: str, baseline: str, cfg: GateConfig, text: str | None = None
              w4_activations: str = "float") -> dict:
     """KL(baseline || model) nats/token, perplexities and their ratio, top-1 agreement on held-out blocks.
 
-    A vocabulary-pruned model (specquant/pruned_vocab.py) against its unpruned baseline: the blocks are cut from
+    A vocabulary-pruned model (specquant/quant/prune_vocab.py) against its unpruned baseline: the blocks are cut from
     the text as the pruned model's own tokenizer spells it (the baseline reads the same tokens as full-vocabulary
     ids), and the mass the baseline puts on the cut ids is reported apart (`lost_mass`, gated by max_lost_mass):
     quant.quality.compare says how."""
     from specquant.loader import load_model
     from specquant.model.checkpoint import load_tokenizer, read_config, read_hf_config, resolve
-    from specquant.pruned_vocab import full_vocab_size, read_vocab_map
+    from specquant.quant.prune_vocab import full_vocab_size, read_vocab_map
     from specquant.quant.quality import compare, heldout_tokens
 
     m_cfg, b_cfg = read_config(model), read_config(baseline)

@@ -206,3 +206,21 @@ def load_quantized_into(model: nn.Module, tensors: dict[str, torch.Tensor], qc: 
         set_lm_head(model, "bf16")
     return model
 
+
+def load_quantized_model(path: Path, hf: dict, dtype, device, w4_activations: str = "float"):
+    """A compressed-tensors decoder checkpoint as a Transformer: the half of specquant.loader.load_model that quant/
+    owns, as model/checkpoint.load_dense is the dense half."""
+    from specquant.model.checkpoint import load_tensors, split_tensors
+    from specquant.model.config import ModelConfig
+    from specquant.model.decoder import Transformer
+    from specquant.quant.linear import set_w4_activations
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_hf(hf))
+    tensors, kept = split_tensors(load_tensors(path))
+    load_quantized_into(model, tensors, hf["quantization_config"], dtype, device)
+    model.quantization = hf["quantization_config"]
+    model.extra_tensors = kept
+    model.init_non_persistent(device)
+    set_w4_activations(model, w4_activations)
+    return model

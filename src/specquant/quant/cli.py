@@ -87,7 +87,7 @@ def run(args) -> int:
     dtype = DTYPES[dtype_name]
     kept = None
     if cfg.prune_vocab:  # every refusal of the pruning before the minutes of quantizing
-        from specquant.pruned_vocab import check_prunable
+        from specquant.quant.prune_vocab import check_prunable
 
         kept = check_prunable(src, hf, cfg.prune_vocab)
     # Calibrate in float32 (bf16 GEMMs are slow on many CPUs) but round scales to the output dtype first.
@@ -99,7 +99,7 @@ def run(args) -> int:
     report = quantize(model, cfg, tokenizer, scale_dtype=dtype, progress=not args.json)
     model.to(dtype)
     if kept is not None:  # after quantizing: calibration reads the full tokenizer's ids (see _save_pruned)
-        from specquant.pruned_vocab import prune_model
+        from specquant.quant.prune_vocab import prune_model
 
         prune_model(model, kept, cfg.prune_vocab)
     report["bytes_before"], report["bytes_after"] = bytes_before, tensor_bytes(model)
@@ -121,7 +121,7 @@ def _save_pruned(model, out, src, cfg: QuantConfig, kept, overwrite: bool):
     saved with its cut tokenizer and the map."""
     import tempfile
 
-    from specquant.pruned_vocab import CONFIG_KEY, write_pruned_tokenizer
+    from specquant.quant.prune_vocab import CONFIG_KEY, write_pruned_tokenizer
     from specquant.quant.checkpoint import save_quantized
 
     with tempfile.TemporaryDirectory() as tmp:

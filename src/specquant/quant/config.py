@@ -119,7 +119,7 @@ class QuantConfig:
                                                               "one costs about 4 forwards of --seq-len tokens)"})
     seq_len: int = field(default=256, metadata={"help": "tokens per calibration sequence"})
     seed: int = field(default=0, metadata={"help": "seed for token subsampling"})
-    # Target-side vocabulary pruning (specquant/pruned_vocab.py): lossy, so opt-in and gated (specquant gate
+    # Target-side vocabulary pruning (specquant/quant/prune_vocab.py): lossy, so opt-in and gated (specquant gate
     # --tasks kl). 0 keeps the whole vocabulary.
     prune_vocab: int = field(default=0, metadata={
         "help": "keep only token ids < N plus the tokenizer's special tokens: embedding, lm_head and tokenizer "

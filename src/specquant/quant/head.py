@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specquant.errors import SpecquantError
+from specquant.model.modules import Linear
 from specquant.quant.grid import quantize_weight
 from specquant.quant.linear import QuantLinear
 
@@ -87,3 +88,27 @@ def set_lm_head(model: nn.Module, precision: str, scale_dtype: torch.dtype | Non
     model.lm_head = head_module(weight, precision, scale_dtype or model.model.embed_tokens.weight.dtype)
     model.config.tie_word_embeddings = False
     return model.lm_head
+
+
+def cut_rows(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
+    """A module of head's kind computing head(x)[..., token_ids] (its own copy of those rows): a pruned draft head
+    (spec_decode/drafters/pruned_head.py) or a pruned target vocabulary (quant/prune_vocab.py)."""
+    if isinstance(head, CastLinear):  # a BF16 head (QuantConfig.lm_head="bf16")
+        return CastLinear(head.weight.detach()[token_ids].clone())
+    if isinstance(head, QuantLinear):
+        zero = head.zero_point()
+        rows = QuantLinear.from_codes(head.codes()[token_ids], head.weight_scale[token_ids],
+                                      None if zero is None else zero[token_ids], head.bits,
+                                      None if head.bias is None else head.bias.detach()[token_ids])
+        rows.backend, rows.activations = head.backend, head.activations
+        return rows
+    if isinstance(head, nn.Linear):
+        w = head.weight.detach()
+        rows = Linear(head.in_features, token_ids.numel(), bias=head.bias is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            rows.weight.copy_(w[token_ids])
+            if head.bias is not None:
+                rows.bias.copy_(head.bias.detach()[token_ids])
+        return rows.requires_grad_(False)
+    raise SpecquantError(f"a {type(head).__name__} head cannot be pruned; a pruned head needs a Linear, "
+                         "CastLinear or QuantLinear head (quant/head.py's precisions)")

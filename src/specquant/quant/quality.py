@@ -24,7 +24,7 @@ def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4, kept: t
     as the independent units: positions inside one sequence are correlated, so a per-position SEM would be too
     small.
 
-    kept [N'] (a vocabulary-pruned model, specquant/pruned_vocab.py): model reads and predicts indices of kept
+    kept [N'] (a vocabulary-pruned model, specquant/quant/prune_vocab.py): model reads and predicts indices of kept
     (tokens are such indices; the reference reads kept[tokens]). Its distribution is zero off the kept ids, so
     KL(reference || model) over the full vocabulary is infinite; here the missing mass is split off and reported,
     not hidden: `kl` is KL(reference renormalised over the kept ids || model), `lost_mass` the mean reference

@@ -114,14 +114,14 @@ def _load(name_or_dir, runtime) -> BlockDraftModel:
 
 
 def _build(model: BlockDraftModel, target, spec: SpecConfig, **engine_options) -> BlockDrafter:
-    from specquant.pruned_vocab import retarget_block_draft, vocab_map_of
+    from specquant.quant.prune_vocab import retarget_block_draft, vocab_map_of
 
     target_map = vocab_map_of(target)
     if target_map is not None and model.config.vocab_size != target.config.vocab_size:
         if token_map_of(model) is not None:  # its map is over the full vocabulary, the target's head is not
             raise SpecquantError("a block drafter with a pruned head (draft_vocab) cannot draft for a "
                                  "vocabulary-pruned target; use the drafter checkpoint without draft_vocab")
-        model = retarget_block_draft(model, target_map)  # a vocabulary-pruned target (specquant/pruned_vocab.py)
+        model = retarget_block_draft(model, target_map)  # a vocabulary-pruned target (specquant/quant/prune_vocab.py)
     return BlockDrafter(model, target, spec)  # its one forward runs eagerly: no compile / graphs / aot options
 
 

@@ -134,11 +134,11 @@ def _load(name_or_dir, runtime):
 
 def _build(model: Transformer, target: Transformer, spec: SpecConfig, compile: bool = False, graphs: bool = False,
            aot: str = "off", target_tokenizer=None, draft_tokenizer=None, **engine_options) -> LMDrafter:
-    from specquant.pruned_vocab import prune_draft_vocab, vocab_map_of
+    from specquant.quant.prune_vocab import prune_draft_vocab, vocab_map_of
 
     target_map = vocab_map_of(target)
     if target_map is not None and model.config.vocab_size != target.config.vocab_size:
-        # a vocabulary-pruned target (specquant/pruned_vocab.py) and a draft over the full vocabulary: the draft
+        # a vocabulary-pruned target (specquant/quant/prune_vocab.py) and a draft over the full vocabulary: the draft
         # is cut to the target's rows; a pruned draft head's map is over the full vocabulary, so not with it
         if token_map_of(model) is not None:
             raise SpecquantError("a draft with a pruned head (draft_vocab) cannot draft for a vocabulary-pruned "

@@ -29,6 +29,8 @@ from torch import nn
 
 from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from specquant.errors import SpecquantError
+from specquant.quant.head import cut_rows
+from specquant.quant.prune_vocab import check_token_ids, most_frequent
 
 CONFIG_KEY = "draft_vocab"
 ATTRIBUTE = "draft_vocab"  # a loaded draft model's kept ids (a [N] tensor), when its checkpoint has a map
@@ -45,7 +47,7 @@ class PrunedHead(nn.Module):
         device = next(iter([*head.parameters(), *head.buffers()])).device
         self.register_buffer("token_ids", check_token_ids(token_ids, vocab).to(device), persistent=False)
         self.vocab_size = vocab
-        self.rows = _rows(head, self.token_ids)
+        self.rows = cut_rows(head, self.token_ids)
 
     @property
     def num_kept(self) -> int:
@@ -80,65 +82,7 @@ def reference_logits(head: nn.Module, token_ids: torch.Tensor, x: torch.Tensor) 
     return head(x)[..., token_ids]
 
 
-def _rows(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
-    """A module of head's kind computing head(x)[..., token_ids] (its own copy of those rows)."""
-    from specquant.model.modules import Linear
-    from specquant.quant.head import CastLinear
-    from specquant.quant.linear import QuantLinear
-
-    if isinstance(head, CastLinear):  # a BF16 head (QuantConfig.lm_head="bf16")
-        return CastLinear(head.weight.detach()[token_ids].clone())
-    if isinstance(head, QuantLinear):
-        zero = head.zero_point()
-        rows = QuantLinear.from_codes(head.codes()[token_ids], head.weight_scale[token_ids],
-                                      None if zero is None else zero[token_ids], head.bits,
-                                      None if head.bias is None else head.bias.detach()[token_ids])
-        rows.backend, rows.activations = head.backend, head.activations
-        return rows
-    if isinstance(head, nn.Linear):
-        w = head.weight.detach()
-        rows = Linear(head.in_features, token_ids.numel(), bias=head.bias is not None, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            rows.weight.copy_(w[token_ids])
-            if head.bias is not None:
-                rows.bias.copy_(head.bias.detach()[token_ids])
-        return rows.requires_grad_(False)
-    raise SpecquantError(f"a {type(head).__name__} head cannot be pruned; a pruned draft head needs a Linear, "
-                         "CastLinear or QuantLinear head (quant/head.py's precisions)")
-
-
-def check_token_ids(token_ids, vocab_size: int) -> torch.Tensor:
-    """token_ids as an ascending, duplicate-free int64 tensor of ids < vocab_size, or a SpecquantError."""
-    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-    if ids.numel() == 0:
-        raise SpecquantError("a pruned draft head keeps no token ids; keep at least one (e.g. --keep 4096)")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise SpecquantError(f"pruned draft head ids run {int(ids.min())}..{int(ids.max())}, outside the vocabulary "
-                             f"0..{vocab_size - 1}; rebuild the map for this model (specquant distill prune-head)")
-    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise SpecquantError("pruned draft head ids must be ascending and unique; rebuild the map "
-                             "(specquant distill prune-head)")
-    return ids
-
-
 # --- the map: counting, config.json ----------------------------------------------------------------------------
-
-
-def most_frequent(counts: torch.Tensor, n: int, always: tuple[int, ...] = ()) -> torch.Tensor:
-    """The n ids to keep [n] ascending: `always` (e.g. EOS and other special tokens) first, then by count (ties:
-    the lower id), from counts [vocab]."""
-    vocab = counts.numel()
-    if not 1 <= n <= vocab:
-        raise SpecquantError(f"keep {n} token ids is out of range; use 1..{vocab} (the vocabulary size)")
-    always = sorted({int(t) for t in always if 0 <= int(t) < vocab})
-    if len(always) > n:
-        raise SpecquantError(f"keep {n} is fewer than the {len(always)} special tokens that are always kept; use a "
-                             "larger --keep")
-    score = counts.to(torch.float64).clone()
-    score[always] = float("inf")
-    # stable sort on -score: among equal counts the lower id comes first
-    order = torch.sort(-score, stable=True).indices
-    return torch.sort(order[:n]).values
 
 
 def count_tokens(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:

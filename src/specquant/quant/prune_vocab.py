@@ -19,7 +19,8 @@ full vocabulary matters: the kl gate against the unpruned baseline (gate/kl.py),
 vocabulary (its embedding and head cut to the same rows: `prune_draft_vocab`), and the checks that refuse to
 compare a pruned target's tokens with the unpruned one's (`refuse_pruned`).
 
-The selection (`kept_ids`) and the row cutting (`_rows`) are the drafter side's (pruned_head.py), reused.
+The row cutting (quant/head.py's `cut_rows`) and the id checks below are shared with the drafter side
+(spec_decode/drafters/pruned_head.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.spec_decode.drafters.pruned_head import _rows, check_token_ids, most_frequent
+from specquant.quant.head import cut_rows
+from specquant.util.dtypes import parse_dtype
 
 CONFIG_KEY = "pruned_vocab"
 ATTRIBUTE = "vocab_map"  # a loaded pruned target's token_ids [N'] (specquant.loader sets it)
@@ -41,6 +43,37 @@ ID_FIELDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_toke
 
 # --- which ids: ids < N plus the specials ------------------------------------------------------------------------
 
+
+
+def check_token_ids(token_ids, vocab_size: int) -> torch.Tensor:
+    """token_ids as an ascending, duplicate-free int64 tensor of ids < vocab_size, or a SpecquantError."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    if ids.numel() == 0:
+        raise SpecquantError("a pruned draft head keeps no token ids; keep at least one (e.g. --keep 4096)")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise SpecquantError(f"pruned draft head ids run {int(ids.min())}..{int(ids.max())}, outside the vocabulary "
+                             f"0..{vocab_size - 1}; rebuild the map for this model (specquant distill prune-head)")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise SpecquantError("pruned draft head ids must be ascending and unique; rebuild the map "
+                             "(specquant distill prune-head)")
+    return ids
+
+
+def most_frequent(counts: torch.Tensor, n: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The n ids to keep [n] ascending: `always` (e.g. EOS and other special tokens) first, then by count (ties:
+    the lower id), from counts [vocab]."""
+    vocab = counts.numel()
+    if not 1 <= n <= vocab:
+        raise SpecquantError(f"keep {n} token ids is out of range; use 1..{vocab} (the vocabulary size)")
+    always = sorted({int(t) for t in always if 0 <= int(t) < vocab})
+    if len(always) > n:
+        raise SpecquantError(f"keep {n} is fewer than the {len(always)} special tokens that are always kept; use a "
+                             "larger --keep")
+    score = counts.to(torch.float64).clone()
+    score[always] = float("inf")
+    # stable sort on -score: among equal counts the lower id comes first
+    order = torch.sort(-score, stable=True).indices
+    return torch.sort(order[:n]).values
 
 def special_ids(tokenizer_dir: Path, hf: dict) -> list[int]:
     """Every added token of tokenizer.json (special or not) and the token ids config.json names."""
@@ -86,7 +119,7 @@ def prune_model(model, token_ids: torch.Tensor, keep_below: int | None = None):
         head.weight = new_embed.weight
         model.lm_head = head
     else:
-        model.lm_head = _rows(model.lm_head, ids)
+        model.lm_head = cut_rows(model.lm_head, ids)
     full = cfg.vocab_size
     cfg.vocab_size = ids.numel()
     for key in ("eos_token_id", "bos_token_id"):
@@ -130,10 +163,9 @@ def prune_checkpoint(src, out, keep_below: int, overwrite: bool = False) -> Path
     ids = check_prunable(src, hf, keep_below)
     dtype = hf.get("torch_dtype") or "float32"
     if hf.get("quantization_config"):
-        from specquant.loader import load_model
-        from specquant.quant.checkpoint import save_quantized
+        from specquant.quant.checkpoint import load_quantized_model, save_quantized
 
-        model, save = load_model(src, dtype), save_quantized
+        model, save = load_quantized_model(src, hf, parse_dtype(dtype), "cpu"), save_quantized
     else:
         model, save = load_dense(src, dtype=dtype), save_model
     prune_model(model, ids, keep_below)
