@@ -152,8 +152,11 @@ def state_after(state0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: t
     keys = k[:, :j].float()
     if keys.shape[2] != heads:
         keys = keys.repeat_interleave(heads // keys.shape[2], dim=2)
-    update = torch.einsum("bjhk,bjhv->bhkv", keys, weighted)
-    return cum[:, -1].exp()[..., None, None] * state0 + update
+    b, _, dk, dv = state0.shape
+    # e^{G_j} S_0 + K^T W as one baddbmm on the decayed state: one pass fewer over it than a matmul and an add
+    decayed = (cum[:, -1].exp()[..., None, None] * state0).reshape(b * heads, dk, dv)
+    return torch.baddbmm(decayed, keys.permute(0, 2, 3, 1).reshape(b * heads, dk, j),
+                         weighted.transpose(1, 2).reshape(b * heads, j, dv)).view(b, heads, dk, dv)
 
 
 @functools.lru_cache(maxsize=1)
