@@ -27,6 +27,13 @@ position-static and can be traced (torch.compile, AOTInductor) or captured (CUDA
 itself when called with a start_pos alone, and a compiled / packaged / captured step's caller runs it eagerly
 before the step (`Transformer.begin_step`), as it runs `rollback` eagerly after.
 
+Fast and reference forms (GatedDeltaNet.fast, default True): the fast forward keeps fp32 from the causal conv
+(fp32 multiply-adds, not oneDNN's depthwise conv) through the rule to the gated norm and rounds once, to x's dtype,
+at the norm's output; the reference (fast=False) rounds where transformers does (the conv and the rule's output in
+x's dtype) and runs gated_delta.recurrent_rule for one token instead of step_rule. Why: a bf16 model otherwise pays
+casts and bf16 elementwise ops (CPUs have no bf16 elementwise arithmetic: each op converts to fp32 and back) on
+every small tensor of a decode step, and the state and the rule are fp32 anyway. Tests compare the two forms in fp32 and bf16.
+
 Memory of the rollback record per token and layer at the Qwen3.5-4B shape: 24.1 KiB of fp32 factors (see
 gated_delta.py) plus conv_dim = 8192 pre-conv inputs in the activation dtype (16 KiB bf16, 32 KiB fp32).
 """

@@ -1,5 +1,9 @@
 """The gated delta rule (Gated DeltaNet's recurrence), in plain PyTorch: one token at a time and chunked.
 
+Forms: recurrent_rule (the plain reference, one token at a time), step_rule (the same recurrence with fewer passes
+over the state: what a decode step runs), chunk_rule (prefill and verify). Tests compare each with the reference
+and with transformers' own torch forms.
+
 Per value head h and token t, with the state S [K, V] in fp32 (Yang et al., "Gated Delta Networks", 2024):
     S' = e^{g_t} S                        decay (g_t <= 0)
     delta_t = beta_t (v_t - S'^T k_t)     the part of v_t the decayed state does not predict yet
