@@ -53,11 +53,19 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, T, h, D] -> [batch, T, heads, D], head i read from i // (heads // h): repeat_interleave's layout, as
+    one copy of an expanded view (repeat_interleave builds an index tensor and gathers: more ops for a decode
+    step's few rows)."""
+    b, t, h, d = x.shape
+    if h == heads:
+        return x
+    return x[:, :, :, None].expand(b, t, h, heads // h, d).reshape(b, t, heads, d)
+
+
 def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[batch, T, h, D] -> [batch, heads, T, D] fp32, key heads repeated for grouped value heads."""
-    if x.shape[2] != heads:
-        x = x.repeat_interleave(heads // x.shape[2], dim=2)
-    return x.transpose(1, 2).float()
+    return _repeat_heads(x, heads).transpose(1, 2).float()
 
 
 def recurrent_rule(q, k, v, g, beta, state, scale: float):
@@ -153,9 +161,7 @@ def state_after(state0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: t
     heads = delta.shape[2]
     cum = g[:, :j].float().cumsum(1)  # [batch, j, heads]
     weighted = delta[:, :j].float() * (cum[:, -1:] - cum).exp()[..., None]  # e^{G_j - G_i} delta_i
-    keys = k[:, :j].float()
-    if keys.shape[2] != heads:
-        keys = keys.repeat_interleave(heads // keys.shape[2], dim=2)
+    keys = _repeat_heads(k[:, :j].float(), heads)
     b, _, dk, dv = state0.shape
     # e^{G_j} S_0 + K^T W as one baddbmm on the decayed state: one pass fewer over it than a matmul and an add
     decayed = (cum[:, -1].exp()[..., None, None] * state0).reshape(b * heads, dk, dv)
