@@ -295,11 +295,12 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(y.reshape(b, t, self.value_heads * self.value_dim))
 
     def _conv_taps(self, hist: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise conv in fp32 as kernel multiply-adds: hist [b, conv_dim, k-1+t] -> [b, conv_dim, t].
+        """The causal depthwise conv in fp32 (at least) as kernel multiply-adds: hist [b, conv_dim, k-1+t] -> [b, conv_dim, t].
         Why not F.conv1d: oneDNN's depthwise conv costs several times its arithmetic at decode sizes (one output
         per channel), and a bf16 one rounds its output; the reference path runs it (fast=False)."""
         t = hist.shape[-1] - self.kernel + 1
-        h, w = hist.float(), self.conv1d.weight.float()[:, 0]  # w [conv_dim, kernel]
+        dtype = torch.promote_types(hist.dtype, torch.float32)  # fp32, or float64 for a double model (AWQ checks)
+        h, w = hist.to(dtype), self.conv1d.weight.to(dtype)[:, 0]  # w [conv_dim, kernel]
         out = h[..., :t] * w[:, :1]
         for j in range(1, self.kernel):
             out = out.addcmul_(h[..., j : j + t], w[:, j : j + 1])
