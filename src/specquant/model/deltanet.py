@@ -32,7 +32,8 @@ Fast and reference forms (GatedDeltaNet.fast, default True): the fast forward ke
 at the norm's output; the reference (fast=False) rounds where transformers does (the conv and the rule's output in
 x's dtype) and runs gated_delta.recurrent_rule for one token instead of step_rule. Why: a bf16 model otherwise pays
 casts and bf16 elementwise ops (CPUs have no bf16 elementwise arithmetic: each op converts to fp32 and back) on
-every small tensor of a decode step, and the state and the rule are fp32 anyway. Tests compare the two forms in fp32 and bf16.
+every small tensor of a decode step, and the state and the rule are fp32 anyway. Tests compare the two forms in
+fp32 and bf16.
 
 Memory of the rollback record per token and layer at the Qwen3.5-4B shape: 24.1 KiB of fp32 factors (see
 gated_delta.py) plus conv_dim = 8192 pre-conv inputs in the activation dtype (16 KiB bf16, 32 KiB fp32).
@@ -295,7 +296,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(y.reshape(b, t, self.value_heads * self.value_dim))
 
     def _conv_taps(self, hist: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise conv in fp32 (at least) as kernel multiply-adds: hist [b, conv_dim, k-1+t] -> [b, conv_dim, t].
+        """The causal depthwise conv in fp32 (at least) as kernel multiply-adds:
+        hist [b, conv_dim, k-1+t] -> [b, conv_dim, t].
         Why not F.conv1d: oneDNN's depthwise conv costs several times its arithmetic at decode sizes (one output
         per channel), and a bf16 one rounds its output; the reference path runs it (fast=False)."""
         t = hist.shape[-1] - self.kernel + 1
