@@ -144,7 +144,8 @@ def chunk_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DEFAULT_
         outs.append(cum.exp()[..., None] * read[:, :, :n] + ((qc @ kc.transpose(-1, -2)) * decay) @ delta)
         last = cum[..., -1:]  # [batch, heads, 1]
         decayed_keys = (kc * (last - cum).exp()[..., None]).transpose(-1, -2)  # [batch, heads, K, C]
-        s = torch.baddbmm((last.exp()[..., None] * s).reshape(b * heads, dk, dv), decayed_keys.reshape(b * heads, dk, n),
+        decayed_state = (last.exp()[..., None] * s).reshape(b * heads, dk, dv)
+        s = torch.baddbmm(decayed_state, decayed_keys.reshape(b * heads, dk, n),
                           delta.reshape(b * heads, n, dv)).view(b, heads, dk, dv)
         deltas.append(delta)
     return torch.cat(outs, 2).transpose(1, 2), s, torch.cat(deltas, 2).transpose(1, 2)
