@@ -79,6 +79,7 @@ def test_norms_match_transformers(dtype):
     theirs_g.weight.data.normal_(1, 0.5)
     copy_into(ours_g, theirs_g)
     torch.testing.assert_close(ours_g(x, gate), theirs_g(x, gate), **tol)
+    torch.testing.assert_close(ours_g.fp32(x, gate, dtype), theirs_g(x, gate), **tol)  # DeltaNet's fast form
     assert torch.equal(ZeroCentredRMSNorm(4).weight, torch.zeros(4)) and torch.equal(GatedRMSNorm(4).weight,
                                                                                       torch.ones(4))
 
@@ -107,6 +108,25 @@ def test_rule_forms_match_transformers(heads):
     ref_chunk, _ = hf_qwen35.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, initial_state=s0,
                                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(GD.chunk_rule(qn, kn, v, g, beta, s0, scale, 16)[0], ref_chunk, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("heads", [(2, 4), (3, 3)])
+@pytest.mark.parametrize("t", [1, 5])
+def test_step_rule_matches_the_recurrent_reference(heads, t):
+    """The decode step's form (fewer passes over the state) against recurrent_rule, the plain reference, from a
+    non-zero state; gated_delta_rule takes it for one token unless fast=False."""
+    q, k, v, g, beta, s0 = rule_inputs(t=t, hk=heads[0], hv=heads[1])
+    qn, kn = GD.l2_normalize(q), GD.l2_normalize(k)
+    ref = GD.recurrent_rule(qn, kn, v, g, beta, s0, 0.3)
+    got = GD.step_rule(qn, kn, v, g, beta, s0, 0.3)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
+    s_before = s0.clone()
+    one = [x[:, :1] for x in (qn, kn, v, g, beta)]
+    for fast, form in ((True, GD.step_rule), (False, GD.recurrent_rule)):
+        assert all(torch.equal(a, b) for a, b in zip(GD.gated_delta_rule(*one, s0, 0.3, fast=fast),
+                                                     form(*one, s0, 0.3)))
+    assert torch.equal(s0, s_before)  # the state passed in is not modified (a cache keeps it as its anchor)
 
 
 def test_state_after_every_position_equals_the_recurrence():
@@ -249,6 +269,41 @@ def test_deltanet_rollback_equals_a_run_that_saw_only_j_tokens(k, static):
             torch.testing.assert_close(state_j, ours.cache.state, atol=ATOL, rtol=ATOL)
             torch.testing.assert_close(conv_j, ours.cache.conv, atol=ATOL, rtol=ATOL)  # GEMMs of other row counts
             torch.testing.assert_close(got, ours(tail, None, None, prompt + j), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True])
+def test_deltanet_fast_path_matches_the_reference(dtype, static):
+    """fast (fp32 from the conv to the gated norm, the tap conv, step_rule) against fast=False (transformers'
+    casts, F.conv1d, recurrent_rule): a prefill, decode steps, verify blocks with rollbacks; outputs, states and
+    conv states. fp32: float rounding; bf16: a few bf16 ulps of the output's scale (the reference rounds the conv
+    and the rule's output to bf16 where the fast path keeps fp32)."""
+    model, fast, _, _ = mixer_pair("gva", "linear_attention")
+    plain = copy_into(GatedDeltaNet(ours_config(model.config)), fast)
+    fast, plain = fast.to(dtype), plain.to(dtype)
+    plain.fast = False
+    x = torch.randn(2, 40, 40).to(dtype)
+    schedule = [(0, 9), (9, 1), (10, 1), (11, 4, 12), (12, 1), (13, 8, 16), (16, 16, 21), (21, 1)]  # (start, T, back)
+
+    def close(a, b):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
+        else:
+            assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+
+    with torch.no_grad():
+        for m in (fast, plain):
+            m.cache = m.make_cache(2, 64, dtype, "cpu", None, static, max_block=16)
+        for start, t, *back in schedule:
+            outs = [m(x[:, start : start + t], None, None, start) for m in (fast, plain)]
+            close(*outs)
+            if back:
+                fast.cache.rollback(back[0])
+                plain.cache.rollback(back[0])
+            close(fast.cache.state, plain.cache.state)
+            close(fast.cache.conv, plain.cache.conv)
+        fast.cache = plain.cache = None  # cache-free forwards (prefill, training) too
+        close(fast(x, None, None, 0), plain(x, None, None, 0))
 
 
 def test_deltanet_rollback_twice_into_one_block_and_implicit_rollback():

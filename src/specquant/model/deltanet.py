@@ -27,6 +27,14 @@ position-static and can be traced (torch.compile, AOTInductor) or captured (CUDA
 itself when called with a start_pos alone, and a compiled / packaged / captured step's caller runs it eagerly
 before the step (`Transformer.begin_step`), as it runs `rollback` eagerly after.
 
+Fast and reference forms (GatedDeltaNet.fast, default True): the fast forward keeps fp32 from the causal conv
+(fp32 multiply-adds, not oneDNN's depthwise conv) through the rule to the gated norm and rounds once, to x's dtype,
+at the norm's output; the reference (fast=False) rounds where transformers does (the conv and the rule's output in
+x's dtype) and runs gated_delta.recurrent_rule for one token instead of step_rule. Why: a bf16 model otherwise pays
+casts and bf16 elementwise ops (CPUs have no bf16 elementwise arithmetic: each op converts to fp32 and back) on
+every small tensor of a decode step, and the state and the rule are fp32 anyway. Tests compare the two forms in
+fp32 and bf16.
+
 Memory of the rollback record per token and layer at the Qwen3.5-4B shape: 24.1 KiB of fp32 factors (see
 gated_delta.py) plus conv_dim = 8192 pre-conv inputs in the activation dtype (16 KiB bf16, 32 KiB fp32).
 """
@@ -243,6 +251,9 @@ class GatedDeltaNet(nn.Module):
         self.cache: DeltaNetCache | None = None
         self.chunk_size = DEFAULT_CHUNK
         self.allow_fla = True  # False: the plain forms even where flash-linear-attention is usable
+        # False: the reference forms (transformers' casts, F.conv1d, gated_delta.recurrent_rule for one token);
+        # True: the fast ones (fp32 from the conv to the gated norm, fewer passes over the state); tests compare them
+        self.fast = True
 
     def make_cache(self, batch: int, capacity: int, dtype, device, window: int | None = None, static: bool = False,
                    max_block: int | None = DEFAULT_MAX_BLOCK) -> DeltaNetCache:
@@ -261,20 +272,38 @@ class GatedDeltaNet(nn.Module):
             prev_conv = torch.zeros(b, self.conv_dim, self.kernel - 1, dtype=x.dtype, device=x.device)
             state = zero_state(b, self.key_dim, self.value_heads, self.value_dim, x.device)
         hist = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x).transpose(1, 2)], -1)  # [b, conv_dim, k-1+t]
-        w = self.conv1d.weight
-        mixed = F.silu(F.conv1d(hist.to(w.dtype), w, groups=self.conv_dim)).to(x.dtype).transpose(1, 2)
         kt = self.key_heads * self.key_dim
-        q = l2_normalize(mixed[..., :kt].reshape(b, t, self.key_heads, self.key_dim))
-        k = l2_normalize(mixed[..., kt : 2 * kt].reshape(b, t, self.key_heads, self.key_dim))
+        if self.fast:  # fp32 from the conv to the norm: one rounding back to x's dtype, at the end
+            mixed = F.silu(self._conv_taps(hist)).transpose(1, 2)  # [b, t, conv_dim] fp32
+            qk = l2_normalize(mixed[..., : 2 * kt].reshape(b, t, 2 * self.key_heads, self.key_dim))
+            q, k = qk[:, :, : self.key_heads], qk[:, :, self.key_heads :]
+        else:  # the reference: transformers' casts (conv and SiLU in x's dtype)
+            w = self.conv1d.weight
+            mixed = F.silu(F.conv1d(hist.to(w.dtype), w, groups=self.conv_dim)).to(x.dtype).transpose(1, 2)
+            q = l2_normalize(mixed[..., :kt].reshape(b, t, self.key_heads, self.key_dim))
+            k = l2_normalize(mixed[..., kt : 2 * kt].reshape(b, t, self.key_heads, self.key_dim))
         v = mixed[..., 2 * kt :].reshape(b, t, self.value_heads, self.value_dim)
         beta = self.in_proj_b(x).sigmoid().float()  # sigmoid in x's dtype, as transformers does
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         need_delta = cache is not None and t <= cache.max_block  # one-token steps too: an LM drafter rolls back
         # over several of them
         out, new_state, delta = gated_delta_rule(q, k, v, g, beta, state, self.key_dim ** -0.5, self.chunk_size,
-                                                 need_delta=need_delta, allow_fla=self.allow_fla)
+                                                 need_delta=need_delta, allow_fla=self.allow_fla, fast=self.fast)
         if cache is not None:
             cache.write(hist, new_state, *((k, delta, g) if need_delta else (None, None, None)))
         z = self.in_proj_z(x).view(b, t, self.value_heads, self.value_dim)
-        y = self.norm(out.to(x.dtype), z)
+        y = self.norm.fp32(out, z, x.dtype) if self.fast else self.norm(out.to(x.dtype), z)
         return self.out_proj(y.reshape(b, t, self.value_heads * self.value_dim))
+
+    def _conv_taps(self, hist: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise conv in fp32 (at least) as kernel multiply-adds:
+        hist [b, conv_dim, k-1+t] -> [b, conv_dim, t].
+        Why not F.conv1d: oneDNN's depthwise conv costs several times its arithmetic at decode sizes (one output
+        per channel), and a bf16 one rounds its output; the reference path runs it (fast=False)."""
+        t = hist.shape[-1] - self.kernel + 1
+        dtype = torch.promote_types(hist.dtype, torch.float32)  # fp32, or float64 for a double model (AWQ checks)
+        h, w = hist.to(dtype), self.conv1d.weight.to(dtype)[:, 0]  # w [conv_dim, kernel]
+        out = h[..., :t] * w[:, :1]
+        for j in range(1, self.kernel):
+            out = out.addcmul_(h[..., j : j + t], w[:, j : j + 1])
+        return out

@@ -1,5 +1,9 @@
 """The gated delta rule (Gated DeltaNet's recurrence), in plain PyTorch: one token at a time and chunked.
 
+Forms: recurrent_rule (the plain reference, one token at a time), step_rule (the same recurrence with fewer passes
+over the state: what a decode step runs), chunk_rule (prefill and verify). Tests compare each with the reference
+and with transformers' own torch forms.
+
 Per value head h and token t, with the state S [K, V] in fp32 (Yang et al., "Gated Delta Networks", 2024):
     S' = e^{g_t} S                        decay (g_t <= 0)
     delta_t = beta_t (v_t - S'^T k_t)     the part of v_t the decayed state does not predict yet
@@ -49,11 +53,19 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, T, h, D] -> [batch, T, heads, D], head i read from i // (heads // h): repeat_interleave's layout, as
+    one copy of an expanded view (repeat_interleave builds an index tensor and gathers: more ops for a decode
+    step's few rows)."""
+    b, t, h, d = x.shape
+    if h == heads:
+        return x
+    return x[:, :, :, None].expand(b, t, h, heads // h, d).reshape(b, t, heads, d)
+
+
 def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[batch, T, h, D] -> [batch, heads, T, D] fp32, key heads repeated for grouped value heads."""
-    if x.shape[2] != heads:
-        x = x.repeat_interleave(heads // x.shape[2], dim=2)
-    return x.transpose(1, 2).float()
+    return _repeat_heads(x, heads).transpose(1, 2).float()
 
 
 def recurrent_rule(q, k, v, g, beta, state, scale: float):
@@ -76,13 +88,41 @@ def recurrent_rule(q, k, v, g, beta, state, scale: float):
     return torch.stack(outs, 1), s, torch.stack(deltas, 1)
 
 
+def step_rule(q, k, v, g, beta, state, scale: float):
+    """recurrent_rule (its reference) with fewer passes over the state, for decode steps: the state is read once
+    per token for both S^T q and S^T k (one [2, K] x [K, V] matmul per head, on the state before the decay), and
+    decayed and corrected in place, with the output taken from those reads:
+        S^T k after the decay = e^g (S^T k),   o = S_new^T q = e^g (S^T q) + (q.k) delta.
+    Why: at the 4B shape the state (2 MiB fp32 per layer) outgrows L2, and the reference's per-op form passes over
+    it about twelve times per token, this one five. Same arguments and returns as recurrent_rule.
+    """
+    heads = v.shape[2]
+    q, k, v = _heads_first(q, heads) * scale, _heads_first(k, heads), v.transpose(1, 2).float()
+    decay, beta = g.transpose(1, 2).float().exp(), beta.transpose(1, 2).float()  # [batch, heads, T]
+    qk = torch.stack([q, k], 3)  # [batch, heads, T, 2, K]
+    qdotk = (q * k).sum(-1)  # [batch, heads, T]
+    s = state.float()
+    outs, deltas = [], []
+    for t in range(q.shape[2]):
+        d = decay[:, :, t, None]  # [batch, heads, 1]
+        read = qk[:, :, t] @ s  # [batch, heads, 2, V]: S^T q, S^T k
+        delta = beta[:, :, t, None] * (v[:, :, t] - d * read[:, :, 1])
+        outs.append(d * read[:, :, 0] + qdotk[:, :, t, None] * delta)
+        s = (s * d[..., None]).addcmul_(k[:, :, t, :, None], delta[:, :, None, :])  # a new tensor: state kept
+        deltas.append(delta)
+    return torch.stack(outs, 1), s, torch.stack(deltas, 1)
+
+
 def chunk_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DEFAULT_CHUNK):
     """Chunked (WY / UT transform): per chunk of C tokens, the C deltas solve one unit lower-triangular system
     (I + A) delta = beta v - diag(beta e^G) K S_prev,  A_ij = beta_i e^{G_i - G_j} k_i.k_j (j < i),
     then outputs and the next state are matmuls. Chunks run in sequence; the last one may be shorter (no padding).
-    Same arguments and returns as recurrent_rule.
+    The state is read once per chunk (S_prev^T q and S_prev^T w in one matmul) and updated by one baddbmm, so a
+    verify passes over it a few times, not once per matmul. Same arguments and returns as recurrent_rule.
     """
     heads = v.shape[2]
+    b, _, _, dv = v.shape
+    dk = q.shape[-1]
     q, k, v = _heads_first(q, heads), _heads_first(k, heads), v.transpose(1, 2).float()
     g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()
     s = state.float()
@@ -96,12 +136,17 @@ def chunk_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DEFAULT_
         # e^{G_i - G_j} for j <= i; the upper triangle is masked before exp (its exponents are positive)
         decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
         a = (bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
-        u = torch.linalg.solve_triangular(a, bc[..., None] * vc, upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(a, (bc * cum.exp())[..., None] * kc, upper=False, unitriangular=True)
-        delta = u - w @ s  # [batch, heads, C, V]
-        outs.append(cum.exp()[..., None] * (qc @ s) + ((qc @ kc.transpose(-1, -2)) * decay) @ delta)
+        # u = (I + A)^-1 beta v and w = (I + A)^-1 diag(beta e^G) K: one solve of both right-hand sides
+        uw = torch.linalg.solve_triangular(a, torch.cat([bc[..., None] * vc, (bc * cum.exp())[..., None] * kc], -1),
+                                           upper=False, unitriangular=True)
+        read = torch.cat([qc, uw[..., dv:]], 2) @ s  # [batch, heads, 2C, V]: Q S_prev, W S_prev
+        delta = uw[..., :dv] - read[:, :, n:]  # [batch, heads, C, V]
+        outs.append(cum.exp()[..., None] * read[:, :, :n] + ((qc @ kc.transpose(-1, -2)) * decay) @ delta)
         last = cum[..., -1:]  # [batch, heads, 1]
-        s = last.exp()[..., None] * s + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ delta
+        decayed_keys = (kc * (last - cum).exp()[..., None]).transpose(-1, -2)  # [batch, heads, K, C]
+        decayed_state = (last.exp()[..., None] * s).reshape(b * heads, dk, dv)
+        s = torch.baddbmm(decayed_state, decayed_keys.reshape(b * heads, dk, n),
+                          delta.reshape(b * heads, n, dv)).view(b, heads, dk, dv)
         deltas.append(delta)
     return torch.cat(outs, 2).transpose(1, 2), s, torch.cat(deltas, 2).transpose(1, 2)
 
@@ -117,11 +162,12 @@ def state_after(state0: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: t
     heads = delta.shape[2]
     cum = g[:, :j].float().cumsum(1)  # [batch, j, heads]
     weighted = delta[:, :j].float() * (cum[:, -1:] - cum).exp()[..., None]  # e^{G_j - G_i} delta_i
-    keys = k[:, :j].float()
-    if keys.shape[2] != heads:
-        keys = keys.repeat_interleave(heads // keys.shape[2], dim=2)
-    update = torch.einsum("bjhk,bjhv->bhkv", keys, weighted)
-    return cum[:, -1].exp()[..., None, None] * state0 + update
+    keys = _repeat_heads(k[:, :j].float(), heads)
+    b, _, dk, dv = state0.shape
+    # e^{G_j} S_0 + K^T W as one baddbmm on the decayed state: one pass fewer over it than a matmul and an add
+    decayed = (cum[:, -1].exp()[..., None, None] * state0).reshape(b * heads, dk, dv)
+    return torch.baddbmm(decayed, keys.permute(0, 2, 3, 1).reshape(b * heads, dk, j),
+                         weighted.transpose(1, 2).reshape(b * heads, j, dv)).view(b, heads, dk, dv)
 
 
 @functools.lru_cache(maxsize=1)
@@ -154,13 +200,14 @@ def _fla_rule(q, k, v, g, beta, state, scale: float):
 
 
 def gated_delta_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DEFAULT_CHUNK,
-                     need_delta: bool = True, allow_fla: bool = True):
+                     need_delta: bool = True, allow_fla: bool = True, fast: bool = True):
     """The rule with the form that fits: fla's kernels when usable and no delta is needed, else one token ->
-    recurrent_rule, a block -> chunk_rule (so a verify of k+1 tokens is a few matmuls, not a token loop)."""
+    step_rule (fast=False: recurrent_rule, its reference), a block -> chunk_rule (so a verify of k+1 tokens is a
+    few matmuls, not a token loop)."""
     if allow_fla and not need_delta and fla_available(q.device):
         return _fla_rule(q, k, v, g, beta, state, scale)
     if q.shape[1] == 1:
-        return recurrent_rule(q, k, v, g, beta, state, scale)
+        return (step_rule if fast else recurrent_rule)(q, k, v, g, beta, state, scale)
     return chunk_rule(q, k, v, g, beta, state, scale, chunk_size)
 
 

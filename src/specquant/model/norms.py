@@ -4,8 +4,8 @@
   zeros). Qwen3.5 uses it for input_layernorm, post_attention_layernorm, the final norm and full attention's
   q_norm / k_norm. Loading its weight into the decoder's RMSNorm (x * w) would silently scale by w instead of 1 + w.
 - GatedRMSNorm: DeltaNet's per-head output norm, weight * rms_norm(x) * SiLU(gate), weight initialised to ones,
-  no +1. The product with the weight is taken in the input dtype and the gate in fp32, as transformers does, so
-  bf16 runs round as theirs do.
+  no +1. forward takes the product with the weight in the input dtype and the gate in fp32, as transformers does,
+  so bf16 runs round as theirs do; fp32() is the same in fp32 with one rounding at the end (DeltaNet's fast path).
 """
 
 from __future__ import annotations
@@ -36,3 +36,9 @@ class GatedRMSNorm(nn.Module):
         """x, gate [..., dim] -> [..., dim] in x's dtype."""
         y = self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
         return (y * F.silu(gate.float())).to(x.dtype)
+
+    def fp32(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """forward in fp32 throughout, rounded once to dtype (x may be the rule's fp32 output): a bf16 model's
+        fast path (model/deltanet.py), which skips the casts forward makes to round where transformers does."""
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return (y * F.silu(gate.float())).to(dtype)
