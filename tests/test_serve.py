@@ -119,7 +119,7 @@ def test_completion_stream_and_chat_equal_generate(client, capsys):
     assert client.models.list().data[0].id == MODEL
 
 
-def test_a_served_request_runs_generates_steps(served):
+def test_a_served_request_runs_generates_steps():
     """The worker runs a request exactly as `specquant generate` does on the same engine: the same target and
     draft forwards (token counts in order, so the same verify shapes and draft length), with autograd off and
     torch's thread count, only in the engine's own thread (issue 26: served latency as generate's). Grad mode is
@@ -128,7 +128,7 @@ def test_a_served_request_runs_generates_steps(served):
 
     import torch
 
-    url, engine = served
+    app, engine = make_app()  # its own engine: generate's request here must not reach the shared server's counters
     calls = []
 
     def recording(fn, who):
@@ -140,15 +140,13 @@ def test_a_served_request_runs_generates_steps(served):
 
     engine.target_step.step = recording(engine.target_step.step, "target")
     engine.drafter._forward = recording(engine.drafter._forward, "draft")
-    try:
-        ids = load_tokenizer(MODEL).encode(PROMPT, add_special_tokens=False)
-        direct = engine.generate(torch.tensor([ids]), 24, stop_on_eos=True)
-        generate_calls, calls[:] = list(calls), []
+    ids = load_tokenizer(MODEL).encode(PROMPT, add_special_tokens=False)
+    direct = engine.generate(torch.tensor([ids]), 24, stop_on_eos=True)
+    generate_calls, calls[:] = list(calls), []
+    with serving(app) as url:
         status, _, reply = post(url, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 24,
                                                          "temperature": 0})
-        served_calls = list(calls)
-    finally:
-        del engine.target_step.step, engine.drafter._forward  # back to the class's methods
+    served_calls = list(calls)
     assert status == 200 and reply["usage"]["completion_tokens"] == len(direct.token_ids[0])
     assert sum(who == "target" for who, *_ in generate_calls) == direct.stats["target_forwards"]
     assert direct.stats["num_drafts"] > 0  # it did speculate
