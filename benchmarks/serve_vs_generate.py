@@ -10,7 +10,8 @@ same factor when the context is shorter). Per category: --warmup requests of eac
 interleaved (the path that goes first alternates), so a busy machine slows both alike. Reported: each path's
 median wall time and process CPU time (the CPU time is the steadier ratio on a shared machine; it includes the
 server's event loop and the HTTP client, which run in this process too), served / generate for both, the mean
-acceptance length each side saw, and whether the served text equals generate's (exit status 1 when not).
+acceptance length each side saw, and whether the served text equals generate's (exit status 1 when not); the JSON
+adds each path's median minor page faults per request.
 
 Usage: python benchmarks/serve_vs_generate.py [--categories short,medium] [--reps 5] [--warmup 1]
        [--new-tokens N] [--tiny] [serve's flags, e.g. --draft runs/w4-draft --threads 2]
@@ -21,6 +22,7 @@ The last stdout line is one JSON object: {"benchmark": "serve_vs_generate", "row
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -38,11 +40,13 @@ from specquant.util.flags import print_json
 TIMEOUT_S = 600.0
 
 
-def timed(fn) -> tuple[float, float, object]:
-    """(wall s, process CPU s, result) of fn()."""
+def timed(fn) -> tuple[float, float, int, object]:
+    """(wall s, process CPU s, minor page faults, result) of fn()."""
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
-    return time.perf_counter() - t0, time.process_time() - c0, out
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0, out
 
 
 def mal_of(before, after) -> float | None:
@@ -68,14 +72,16 @@ def compare(engine, tokenizer, client: Client, prompt: str, new: int, reps: int,
         served()
     walls = {"generate": [], "served": []}
     cpus = {"generate": [], "served": []}
+    faults = {"generate": [], "served": []}
     texts, counts, gen_drafts, gen_accepted = set(), set(), 0, 0
     before = client.spec_counters()
     for rep in range(reps):
         order = (("generate", direct), ("served", served))
         for name, fn in order if rep % 2 == 0 else order[::-1]:
-            wall, cpu, out = timed(fn)
+            wall, cpu, fault, out = timed(fn)
             walls[name].append(wall)
             cpus[name].append(cpu)
+            faults[name].append(fault)
             if name == "generate":
                 tokens = out.token_ids[0]
                 texts.add(("generate", tokenizer.decode(tokens, skip_special_tokens=True)))
@@ -94,6 +100,9 @@ def compare(engine, tokenizer, client: Client, prompt: str, new: int, reps: int,
             "ratio": med["served"] / med["generate"],
             "generate_cpu_ms": cpu["generate"] * 1e3, "served_cpu_ms": cpu["served"] * 1e3,
             "cpu_ratio": cpu["served"] / cpu["generate"],
+            # the engine runs in the main thread for generate, in the worker thread (its own malloc arena) served
+            "generate_minor_faults": statistics.median(faults["generate"]),
+            "served_minor_faults": statistics.median(faults["served"]),
             "generate_mal": 1.0 + gen_accepted / gen_drafts if gen_drafts else None, "served_mal": served_mal,
             "same_text": same}
 
