@@ -100,7 +100,8 @@ def compare(engine, tokenizer, client: Client, prompt: str, new: int, reps: int,
             "ratio": med["served"] / med["generate"],
             "generate_cpu_ms": cpu["generate"] * 1e3, "served_cpu_ms": cpu["served"] * 1e3,
             "cpu_ratio": cpu["served"] / cpu["generate"],
-            # the engine runs in the main thread for generate, in the worker thread (its own malloc arena) served
+            # malloc returning and re-faulting the pages of a long context's temporaries shows here; it varies
+            # with the heap's history, in the worker thread and the main thread alike
             "generate_minor_faults": statistics.median(faults["generate"]),
             "served_minor_faults": statistics.median(faults["served"]),
             "generate_mal": 1.0 + gen_accepted / gen_drafts if gen_drafts else None, "served_mal": served_mal,
