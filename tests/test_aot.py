@@ -109,6 +109,43 @@ def test_cached_mode_without_a_package_runs_the_eager_reference(tmp_path, monkey
     assert not (tmp_path / "compile" / "aot").exists()  # "cached" never builds
 
 
+def test_later_requests_reuse_the_package_lookup(tmp_path, monkeypatch):
+    """A Stepper settles and keys its model once per cache layout and thread count, not on every request (a
+    server's requests repeat the layout): the paths are the uncached reference's, a new capacity bucket or thread
+    count works them out again, and the tokens stay the eager ones."""
+    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
+    model = _model(0, rms_norm_eps=1e-5)  # no package of its layout anywhere: "cached" decodes eagerly
+    calls = {"settle": 0, "key": 0}
+    settle, key = aot.settle, aot.package_key
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(aot, "settle", counted("settle", settle))
+    monkeypatch.setattr(aot, "package_key", counted("key", key))
+    stepper = Stepper(model, aot="cached")
+    eager = generate(_model(0, rms_norm_eps=1e-5), PROMPT, 8, stop_on_eos=False).token_ids
+    for _ in range(3):
+        assert generate(stepper, PROMPT, 8, stop_on_eos=False).token_ids == eager
+    assert calls == {"settle": 1, "key": 1}
+    [paths] = stepper.aot_keys.values()
+    layout = model.cache_layout(1, aot.capacity_for(PROMPT.shape[1] + 8, 1024), static=True)
+    assert paths == aot.package_paths(model, ((1, True),), 1, layout)  # the reference, worked out again
+    calls.update(settle=0, key=0)
+    generate(stepper, PROMPT, aot.MIN_CAPACITY, stop_on_eos=False)  # needs the next capacity bucket
+    assert calls == {"settle": 1, "key": 1} and len(stepper.aot_keys) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # packages are per thread count (inductor bakes it in)
+        generate(stepper, PROMPT, 8, stop_on_eos=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == {"settle": 2, "key": 2} and len(stepper.aot_keys) == 3
+
+
 def test_speculative_engine_with_packaged_steps_matches_eager(cache_dir):
     """The engine's target verify step and the LM draft's one-token step as packages, with rejections and rollbacks
     between them: the same tokens and acceptance as the eager engine. The draft has the fixture model's layout

@@ -119,6 +119,44 @@ def test_completion_stream_and_chat_equal_generate(client, capsys):
     assert client.models.list().data[0].id == MODEL
 
 
+def test_a_served_request_runs_generates_steps():
+    """The worker runs a request exactly as `specquant generate` does on the same engine: the same target and
+    draft forwards (token counts in order, so the same verify shapes and draft length), with autograd off and
+    torch's thread count, only in the engine's own thread (issue 26: served latency as generate's). Grad mode is
+    per thread, so a worker that does not switch it off records every forward for backward."""
+    import threading
+
+    import torch
+
+    app, engine = make_app()  # its own engine: generate's request here must not reach the shared server's counters
+    calls = []
+
+    def recording(fn, who):
+        def wrapper(tokens, *args, **kwargs):
+            calls.append((who, tokens.shape[1], torch.is_grad_enabled(), torch.get_num_threads(),
+                          threading.current_thread().name))
+            return fn(tokens, *args, **kwargs)
+        return wrapper
+
+    engine.target_step.step = recording(engine.target_step.step, "target")
+    engine.drafter._forward = recording(engine.drafter._forward, "draft")
+    ids = load_tokenizer(MODEL).encode(PROMPT, add_special_tokens=False)
+    direct = engine.generate(torch.tensor([ids]), 24, stop_on_eos=True)
+    generate_calls, calls[:] = list(calls), []
+    with serving(app) as url:
+        status, _, reply = post(url, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 24,
+                                                         "temperature": 0})
+    served_calls = list(calls)
+    assert status == 200 and reply["usage"]["completion_tokens"] == len(direct.token_ids[0])
+    assert sum(who == "target" for who, *_ in generate_calls) == direct.stats["target_forwards"]
+    assert direct.stats["num_drafts"] > 0  # it did speculate
+    shape = lambda rows: [(who, t) for who, t, *_ in rows]  # noqa: E731
+    assert shape(served_calls) == shape(generate_calls)
+    threads = torch.get_num_threads()
+    assert {(grad, n) for _, _, grad, n, _ in generate_calls + served_calls} == {(False, threads)}
+    assert {name for *_, name in served_calls} == {"specquant-engine"}  # the worker's thread (serve/worker.py)
+
+
 def test_stop_strings_cut_the_text(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     stop = full[len(full) // 2: len(full) // 2 + 3]
@@ -440,3 +478,20 @@ def test_serve_latency_benchmark_runs_our_server(tmp_path, capsys):
     assert row["mean_acceptance_length"] is None  # target only: no drafts, no MAL
     assert not (tmp_path / "w4-draft").exists()  # only the rows that need it quantize the draft
     assert bench.main(["--rows", "vllm"]) == 2
+
+
+def test_serve_vs_generate_benchmark_at_a_tiny_setting(capsys):
+    """benchmarks/serve_vs_generate.py: the same request through serve's app and generate's path on one engine,
+    the same text both ways, the same drafts (MAL) both ways, and the ratio the issue's goal is stated in."""
+    from conftest import load_benchmark
+
+    bench = load_benchmark("serve_vs_generate.py")
+    assert bench.main(["--tiny", "--draft-len", "2"]) == 0  # --draft-len: one of serve's flags, passed on
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    row = result["rows"]["short"]
+    assert out[1].split()[0] == "short" and result["draft"] == "tiny-draft"
+    assert row["same_text"] and row["new_tokens"] == [8] and abs(row["prompt_tokens"] - 64) <= 2
+    assert row["generate_mal"] == row["served_mal"] and 1.0 <= row["served_mal"] <= 3.0
+    assert row["ratio"] > 0 and row["cpu_ratio"] > 0
+    assert bench.main(["--categories", "huge"]) == 2

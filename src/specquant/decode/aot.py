@@ -234,17 +234,36 @@ def settle(model: Transformer, batch: int) -> None:
         model(torch.zeros(batch, 1, dtype=torch.long, device=device), 0, True)
 
 
+def package_paths(model: Transformer, shapes: tuple[tuple[int, bool], ...], batch: int,
+                  layout: dict) -> dict[tuple[int, bool], Path]:
+    """The package file of each (T, last_only) step for caches of `layout` (Transformer.cache_layout), the model
+    settled first so that its key is the one any process computes."""
+    settle(model, batch)
+    return {shape: package_path(package_key(model, *shape, layout)) for shape in shapes}
+
+
 def prepare(model: Transformer, shapes: tuple[tuple[int, bool], ...], batch: int, max_seq_len: int, cache_kw: dict,
-            build: bool, loaded: dict[str, AotStep]) -> dict[tuple[int, bool], AotStep]:
+            build: bool, loaded: dict[str, AotStep],
+            keys: dict | None = None) -> dict[tuple[int, bool], AotStep]:
     """Packaged steps for one request, by (T, last_only), with the model's static cache set up for them; {} when
     a package is missing (and build is False) or cannot be loaded, and the caller decodes eagerly.
 
-    loaded: the caller's packages already loaded in this process, by file name (filled here)."""
-    settle(model, batch)
+    loaded: the caller's packages already loaded in this process, by file name (filled here). keys: the caller's
+    package paths already worked out for this model in this process, by cache layout and thread count (filled
+    here), or None to work them out every time. A server asks for the same layouts request after request, and
+    settling and keying (an eager forward, hashing every tensor's name and the model's source files) cost it a
+    few percent of a short request each time for the same answer; `package_paths` is the uncached reference."""
     capacity = capacity_for(max_seq_len, model.config.max_position_embeddings)
     # keyed on the buffers setup_cache will make, so equal layouts asked for differently share a package
     layout = model.cache_layout(batch, capacity, static=True, **cache_kw)
-    paths = {shape: package_path(package_key(model, *shape, layout)) for shape in shapes}
+    memo = (json.dumps(layout, sort_keys=True, default=str), torch.get_num_threads(), tuple(shapes))
+    paths = None if keys is None else keys.get(memo)
+    if paths is None:
+        # a layout's first request settles and keys as without a memo: the model's lazily prepared state, made
+        # by the first settle, never changes after, so neither does the key
+        paths = package_paths(model, shapes, batch, layout)
+        if keys is not None:
+            keys[memo] = paths
     if not build and not all(p.exists() for p in paths.values()):
         return {}
     model.setup_cache(batch, capacity, static=True, **cache_kw)

@@ -55,6 +55,7 @@ class Stepper:
         self.compiled = None
         self.aot, self.aot_shapes = aot, tuple(aot_shapes)
         self.aot_loaded = {}  # package file name -> decode.aot.AotStep, loaded once per process
+        self.aot_keys = {}  # request cache layout -> package paths, worked out once per process (decode.aot.prepare)
         self.aot_steps = {}  # (T, last_only) -> the AotStep this request uses (empty: eager)
         if compile:
             _raise_recompile_limit()
@@ -67,7 +68,8 @@ class Stepper:
             from specquant.decode import aot
 
             self.aot_steps = aot.prepare(self.model, self.aot_shapes, batch, max_seq_len, kw,
-                                         build=self.aot == "build", loaded=self.aot_loaded)
+                                         build=self.aot == "build", loaded=self.aot_loaded,
+                                         keys=self.aot_keys)
         if not self.aot_steps:  # no packages: the eager reference (or torch.compile's static cache)
             self.model.setup_cache(batch, max_seq_len, static=self.compile, **kw)
 
