@@ -81,9 +81,11 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
     hybrid (HYBRID's keys; None: skipped) the hybrid section's results.json content ("hybrid")."""
     from specquant.bench.ablation import run_bench
     from specquant.bench.report import summary_table, write_demo_report
+    from specquant.bench.stages import StageTimes
 
     cfg = dataclasses.replace(demo_config(out, quick), **overrides)
     t0 = time.perf_counter()
+    times = StageTimes()  # the demo's parts; each bench logs and reports its own stages
     steps = 4 if hybrid else 3
     log(f"[1/{steps}] quantize {target} with {cfg.target_method.upper()} and {draft} with {cfg.draft_method.upper()}, "
         f"QAD the W4 target on teacher-written text ({cfg.qad_steps} steps), then bench rows (a)-(e), "
@@ -93,12 +95,14 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
             f"k = {cfg.block_draft_len}")
     for name, what in NOT_RUN.items():
         log(f"      {name}: not run by the demo ({what})")
-    results, files = run_bench(cfg, target, draft, log=log, block_draft=block_draft)
+    with times("Qwen3 pair: bench"):
+        results, files = run_bench(cfg, target, draft, log=log, block_draft=block_draft)
     log(f"[2/{steps}] quality gate: the W4 target against the fp32 target (specquant gate's kl gate)")
     from specquant.gate.kl import demo_gate
 
     w4 = results.quantized["quantized_target"]
-    gate = demo_gate(w4["path"] if isinstance(w4, dict) else w4, target, quick, log)
+    with times("quality gate"):
+        gate = demo_gate(w4["path"] if isinstance(w4, dict) else w4, target, quick, log)
     served = None
     if serve:  # optional: needs the serve extra, and its time is outside the demo's budget
         from specquant.serve.config import LatencyConfig
@@ -106,21 +110,22 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
 
         path = lambda p: p["path"] if isinstance(p, dict) else p  # noqa: E731
         log("      serve: the W4 pair on loopback, timed with specquant latency's protocol (short category)")
-        served = serve_and_time(path(w4), path(results.quantized["quantized_draft"]),
-                                LatencyConfig(categories=["short"], runs=3 if quick else 10, warmup=1), log)
+        with times("serve and time the W4 pair"):
+            served = serve_and_time(path(w4), path(results.quantized["quantized_draft"]),
+                                    LatencyConfig(categories=["short"], runs=3 if quick else 10, warmup=1), log)
     sections, hybrid_results = [("Qwen3 pair", f"{target} + {draft}", files, "")], None
     if hybrid:
         hcfg = hybrid_config(out, quick, overrides, hybrid_overrides)
         log(f"[3/{steps}] the hybrid pair: {hybrid['target']} (W4 by {hcfg.target_method.upper()}, QAD "
             f"{hcfg.qad_steps} steps), LM draft {hybrid['draft']}, block drafter {hybrid['block_draft']}, MTP drafter "
             f"({hybrid['mtp']}) dense and W4 -> {hcfg.out}; the quality gate runs on the Qwen3 pair only")
-        t1 = time.perf_counter()
-        hybrid_results, hybrid_files = run_bench(hcfg, hybrid["target"], hybrid["draft"], log=log,
-                                                 block_draft=hybrid["block_draft"], mtp_draft=hybrid["mtp"])
-        log(f"      the hybrid section took {time.perf_counter() - t1:.0f} s")
+        with times("hybrid pair: bench"):
+            hybrid_results, hybrid_files = run_bench(hcfg, hybrid["target"], hybrid["draft"], log=log,
+                                                     block_draft=hybrid["block_draft"], mtp_draft=hybrid["mtp"])
+        log(f"      the hybrid section took {times.stages[-1][1]:.0f} s")
         sections.append(("Qwen3.5 hybrid pair", f"{hybrid['target']} + {hybrid['block_draft']} + its MTP layer",
                          hybrid_files, HYBRID_DIR))
-    report = write_demo_report(Path(cfg.out), sections)
+    report = write_demo_report(Path(cfg.out), sections, times)
     log(f"[{steps}/{steps}] done in {time.perf_counter() - t0:.0f} s\n")
     log(summary_table(results))
     if hybrid_results is not None:

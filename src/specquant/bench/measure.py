@@ -151,8 +151,9 @@ def hf_assisted(hf_target, hf_draft, max_new_tokens: int, draft_len: int, sampli
 
 def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, repetitions: int, warmup: int,
                 device: torch.device, on_error: Callable[[str, Exception], bool] | None = None,
-                desc: str = "latency") -> dict[str, dict[str, list[Sample]]]:
+                desc: str = "latency", seconds: dict[str, float] | None = None) -> dict[str, dict[str, list[Sample]]]:
     """{runner name: {prompt id: samples}} from `repetitions` rounds, the first `warmup` of them untimed.
+    seconds: where given, each runner's wall time in this call (warm-up rounds included) is added to seconds[name].
 
     Interleaved: each round runs every runner on a prompt before the next prompt, so load from other processes
     hits all runners alike and ratios between them are taken side by side. on_error(name, exception) -> True drops
@@ -168,6 +169,7 @@ def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, r
             for p in prompts:
                 ids = torch.tensor([p.ids], device=device)
                 for name in list(runners):
+                    t0 = time.perf_counter()
                     try:
                         s = runners[name](ids)
                     except Exception as e:
@@ -177,6 +179,8 @@ def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, r
                         continue
                     finally:
                         bar.update(1)
+                        if seconds is not None:
+                            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
                     if rep >= warmup:
                         samples[name][p.id].append(s)
     return samples

@@ -54,7 +54,8 @@ def qad_target(teacher: Path, student: Path, cache: Path, recipe: QADRecipe, log
                      overwrite=not resume and run.exists(), progress=False)
     info = {"method": f"QAD, {result['steps']} steps", "seconds": time.perf_counter() - t0, "steps": result["steps"], "best_step": result["best"]["step"],
             "start_kl": result["start_eval"]["kl"], "best_kl": result["best_eval"]["kl"],
-            "seconds_per_step": result["seconds_per_step"], "regen_tokens": made["new_tokens"]}
+            "seconds_per_step": result["seconds_per_step"], "regen_tokens": made["new_tokens"],
+            "regen_seconds": made["seconds"]}
     log(f"      QAD: {info['steps']} steps, held-out KL to the teacher {info['start_kl']:.5f} -> "
         f"{info['best_kl']:.5f} (best step {info['best_step']}, {info['seconds']:.0f} s)")
     done.write_text(json.dumps(info) + "\n")
