@@ -183,9 +183,12 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
         del runners[rid]
         return True
 
-    with times(f"latency runs: {len(runners)} rows x {len(length_prompts)} prompts x {cfg.warmup + cfg.runs} rounds"):
+    warm = "" if cfg.warmup_all_prompts or not cfg.warmup else f" ({cfg.warmup} warm-up on the first prompt)"
+    with times(f"latency runs: {len(runners)} rows x {len(length_prompts)} prompts x {cfg.runs} timed rounds{warm}"):
         samples = interleaved(runners, length_prompts, cfg.warmup + cfg.runs, cfg.warmup, device, transformers_failed,
-                              seconds=row_seconds)
+                              seconds=row_seconds,
+                              rounds={HF_ROW.id: cfg.warmup + cfg.hf_runs} if cfg.hf_runs is not None else None,
+                              warmup_prompts=None if cfg.warmup_all_prompts else 1)
 
     spec_runners = {r.id: runners[r.id] for r in rows if r.draft is not None and r.impl == "specquant"}
     by_source = {}  # a hybrid row's steps per source, per pass (content sets, filler sets)

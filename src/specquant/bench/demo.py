@@ -17,11 +17,11 @@ from specquant.bench.config import BenchConfig
 PRESETS = {
     "full": dict(prompts_per_length=2, prompts_per_set=2, cost_reps=10,
                  curve_fractions=(1 / 16, 1 / 4, 1 / 2, 3 / 4), quant_overrides={"calib_samples": 32},
-                 qad_steps=60, qad_prompts=64, qad_new_tokens=64),
+                 qad_steps=60, qad_prompts=64, qad_new_tokens=64, hf_runs=1, warmup_all_prompts=False),
     "quick": dict(max_new_tokens=32, runs=1, prompts_per_length=1, prompts_per_set=1, cost_reps=5,
-                  curve_fractions=(1 / 16, 1 / 4, 1 / 2),
+                  lengths={"short": 32, "medium": 128, "long": 512}, curve_fractions=(1 / 16, 1 / 4, 1 / 2),
                   quant_overrides={"calib_samples": 8, "seq_len": 128, "awq": {"grid": 5, "clip": False}},
-                  qad_steps=6, qad_prompts=8, qad_new_tokens=32),
+                  qad_steps=6, qad_prompts=8, qad_new_tokens=32, warmup_all_prompts=False),
 }
 # Steps of the full pipeline that the demo does not run (too slow for its budget), with the command that does.
 NOT_RUN = {
@@ -119,9 +119,11 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
         log(f"[3/{steps}] the hybrid pair: {hybrid['target']} (W4 by {hcfg.target_method.upper()}, QAD "
             f"{hcfg.qad_steps} steps), LM draft {hybrid['draft']}, block drafter {hybrid['block_draft']}, MTP drafter "
             f"({hybrid['mtp']}) dense and W4 -> {hcfg.out}; the quality gate runs on the Qwen3 pair only")
+        shared = _shared_draft(cfg, hcfg, draft, hybrid["draft"], results.quantized["quantized_draft"], log)
         with times("hybrid pair: bench"):
             hybrid_results, hybrid_files = run_bench(hcfg, hybrid["target"], hybrid["draft"], log=log,
-                                                     block_draft=hybrid["block_draft"], mtp_draft=hybrid["mtp"])
+                                                     block_draft=hybrid["block_draft"], mtp_draft=hybrid["mtp"],
+                                                     quantized_draft=shared)
         log(f"      the hybrid section took {times.stages[-1][1]:.0f} s")
         sections.append(("Qwen3.5 hybrid pair", f"{hybrid['target']} + {hybrid['block_draft']} + its MTP layer",
                          hybrid_files, HYBRID_DIR))
@@ -135,6 +137,22 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
         + ", ".join(f.name for f in files if f.suffix == ".png"))
     return {**results.to_json(), "quality_gate": gate, **({"served": served} if serve else {}),
             **({"hybrid": hybrid_results.to_json()} if hybrid_results is not None else {})}
+
+
+def _shared_draft(cfg: BenchConfig, hcfg: BenchConfig, draft, hybrid_draft, quantized, log) -> Path | None:
+    """The Qwen3 section's W4 LM draft for the hybrid section, when both sections draft with the same checkpoint
+    quantized the same way (the bundled pairs share tiny-draft): GPTQ is deterministic, so quantizing it again
+    would write the same file. None: the hybrid section quantizes its own."""
+    from specquant.model.checkpoint import resolve
+
+    same = (resolve(draft).resolve() == resolve(hybrid_draft).resolve() and cfg.draft_method == hcfg.draft_method
+            and cfg.quant_overrides_for("draft") == hcfg.quant_overrides_for("draft"))
+    if not same:
+        return None
+    path = Path(quantized["path"] if isinstance(quantized, dict) else quantized)
+    log(f"      W4 draft for the hybrid section: {path} (the same checkpoint and {cfg.draft_method.upper()} "
+        "settings as the Qwen3 section's)")
+    return path
 
 
 def run(args) -> int:

@@ -228,6 +228,12 @@ def time_table(results: BenchResults) -> str:
             f"passes):\n\n| row | seconds | share |\n|---|---|---|\n{per_row}")
 
 
+def _hf_runs(cfg) -> str:
+    """Row (hf)'s own timed-run count, when it differs from every other row's (BenchConfig.hf_runs)."""
+    return "" if cfg.hf_runs is None or cfg.hf_runs == cfg.runs or not cfg.hf_compare else \
+        f" (row hf: {cfg.hf_runs})"
+
+
 def _w4_activations(results: BenchResults) -> str:
     """What the W4 rows' 4-bit layers ran on, when it is not float throughout (W4A8: docs/SHAPES.md)."""
     act = results.w4_activations
@@ -246,7 +252,7 @@ def markdown(results: BenchResults) -> str:
 
 Target `{results.models['target']}`, draft `{results.models['draft']}`; {cfg.runtime.dtype} activations{_w4_activations(results)};
 {'greedy' if cfg.sampling.temperature == 0 else f"temperature {cfg.sampling.temperature}"}; {cfg.max_new_tokens} new tokens
-per prompt with EOS ignored; {cfg.warmup} warm-up + {cfg.runs} timed runs per prompt and row, interleaved;
+per prompt with EOS ignored; {cfg.warmup} warm-up{'' if cfg.warmup_all_prompts else ' (on the first length prompt only)'} + {cfg.runs} timed runs per prompt and row{_hf_runs(cfg)}, interleaved;
 k = {cfg.spec.draft_len} draft tokens per step (block drafter rows: k = {cfg.block_draft_len}, one drafter
 forward per step); draft window {cfg.spec.draft_window} (rows e, h). Rows s, u, p: the suffix drafter (its own
 k = {cfg.suffix.max_draft_len}), the hybrid (suffix, else the W4 block drafter) and the W4 block drafter with a
