@@ -82,6 +82,7 @@ class BenchConfig:
     qad_steps: int = field(default=60, metadata={"help": "QAD steps for row (q) when --qad-target is not given"})
     qad_prompts: int = field(default=64, metadata={"help": "regen prompts for row (q)'s training text"})
     qad_new_tokens: int = field(default=64, metadata={"help": "tokens the teacher writes per regen prompt"})
+    qad_eval_samples: int = 8  # held-out sequences of row (q)'s KL at the start and the end (QADConfig.eval_samples)
     # Rows (f)-(h), the block drafter (run_bench's block_draft): k per step. A block drafter pays one forward per
     # step whatever k (up to block_size - 1), so k is bounded by its acceptance and by the verify forward, which
     # grows with k on a CPU. 3: the best predicted MAL / (drafter forward + verify) over k = 1..4 for tiny-block-draft
@@ -106,7 +107,8 @@ class BenchConfig:
 
     def validate(self) -> "BenchConfig":
         for name in ("max_new_tokens", "runs", "prompts_per_length", "prompts_per_set", "content_max_tokens",
-                     "cost_reps", "qad_steps", "qad_prompts", "qad_new_tokens", "block_draft_len"):
+                     "cost_reps", "qad_steps", "qad_prompts", "qad_new_tokens", "qad_eval_samples",
+                     "block_draft_len"):
             if getattr(self, name) < 1:
                 raise SpecquantError(f"{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
         if self.hf_runs is not None and self.hf_runs < 1:
@@ -158,7 +160,7 @@ class BenchConfig:
         # training again than a mid-run checkpoint costs every run
         return QADRecipe(regen=RegenConfig(limit=self.qad_prompts, max_new_tokens=self.qad_new_tokens),
                          train=TrainConfig(steps=self.qad_steps, eval_every=0, save_every=self.qad_steps),
-                         qad=QADConfig(eval_samples=8))
+                         qad=QADConfig(eval_samples=self.qad_eval_samples))
 
     def quant_overrides_for(self, role: str) -> dict:
         """QuantConfig overrides for producing the W4 'target' or 'draft'."""

@@ -21,7 +21,7 @@ PRESETS = {
     "quick": dict(max_new_tokens=32, runs=1, prompts_per_length=1, prompts_per_set=1, cost_reps=5,
                   lengths={"short": 32, "medium": 128, "long": 512}, curve_fractions=(1 / 16, 1 / 4, 1 / 2),
                   quant_overrides={"calib_samples": 8, "seq_len": 128, "awq": {"grid": 5, "clip": False}},
-                  qad_steps=6, qad_prompts=8, qad_new_tokens=32, warmup_all_prompts=False),
+                  qad_steps=6, qad_prompts=8, qad_new_tokens=32, qad_eval_samples=4, warmup_all_prompts=False),
 }
 # Steps of the full pipeline that the demo does not run (too slow for its budget), with the command that does.
 NOT_RUN = {
