@@ -130,7 +130,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
     quantized_target / quantized_draft checkpoints. times: each measuring pass's wall time is recorded there."""
     env = environment(device)  # before the run: the load average it records is the one the run started under
     times = times if times is not None else StageTimes()
-    t_load = time.perf_counter()
+    t_load, cpu_load = time.perf_counter(), time.process_time()
     runtime, sampling = dataclasses.replace(cfg.runtime, device=str(device)), cfg.sampling
     tokenizer = load_tokenizer(paths["target"])
     draft_tokenizer = load_tokenizer(paths["draft"]) if (paths["draft"] / "tokenizer.json").exists() else None
@@ -173,7 +173,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
     else:
         skipped[HF_ROW.id] = "disabled (hf_compare false)"
     rows = [*table, HF_ROW]
-    times.add("load models, build the rows' engines", time.perf_counter() - t_load)
+    times.add("load models, build the rows' engines", time.perf_counter() - t_load, time.process_time() - cpu_load)
 
     def transformers_failed(rid: str, e: Exception) -> bool:
         if rid != HF_ROW.id:
@@ -208,7 +208,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
 
     # the rows whose drafter fixes its longest draft (a block drafter: block_size - 1) again at that length:
     # acceptance at every block position
-    whole, t_whole = {}, time.perf_counter()
+    whole, t_whole, cpu_whole = {}, time.perf_counter(), time.process_time()
     for r in rows:
         if r.draft is not None and r.impl == "specquant":
             drafter = _engine(cfg, runtime, r, models, tokenizer, draft_tokenizer).drafter
@@ -218,7 +218,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
                                                cfg.max_new_tokens, sampling)
     passed = interleaved(whole, content_prompts, 1, 0, device, desc="acceptance, whole block", seconds=row_seconds)
     times.add(f"acceptance, whole block: {len(whole)} rows x {len(content_prompts)} prompts",
-              time.perf_counter() - t_whole)
+              time.perf_counter() - t_whole, time.process_time() - cpu_whole)
     whole_block = {rid: SpecMetrics.total(ss[0].spec for ss in per_prompt.values()) for rid, per_prompt in passed.items()}
 
     with times(f"forward costs: {len(lengths)} contexts x {cfg.cost_reps} reps"):

@@ -148,15 +148,16 @@ def prepare_quantized(cfg: BenchConfig, paths: dict[str, Path], log=print, times
         from specquant.train.recipe import qad_target
 
         log(f"W4 + QAD target: regen + distill target ({cfg.qad_steps} steps) -> {cache}")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         paths["qad_target"], info["qad_target"] = qad_target(paths["target"], paths["quantized_target"], cache,
                                                               cfg.qad_recipe(), log)
-        seconds, regen = time.perf_counter() - t0, info["qad_target"].get("regen_seconds")
-        if info["qad_target"]["produced"] and regen is not None:
-            times.add(f"regen: {cfg.qad_prompts} prompts x {cfg.qad_new_tokens} tokens", regen)
-            times.add(f"QAD: {cfg.qad_steps} steps", seconds - regen)
+        seconds, cpu, q = time.perf_counter() - t0, time.process_time() - cpu0, info["qad_target"]
+        if q["produced"] and "regen_cpu_seconds" in q:
+            times.add(f"regen: {cfg.qad_prompts} prompts x {cfg.qad_new_tokens} tokens", q["regen_seconds"],
+                      q["regen_cpu_seconds"])
+            times.add(f"QAD: {cfg.qad_steps} steps", seconds - q["regen_seconds"], cpu - q["regen_cpu_seconds"])
         else:
-            times.add("W4 + QAD target (reused)", seconds)
+            times.add("W4 + QAD target (reused)", seconds, cpu)
     elif "qad_target" in paths:
         info["qad_target"] = str(paths["qad_target"])
     if "block_draft" in paths and "quantized_block_draft" not in paths:

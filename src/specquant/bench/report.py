@@ -222,9 +222,10 @@ def time_table(results: BenchResults) -> str:
     rows = [r for r in results.rows if r.seconds is not None]
     decoding = sum(r.seconds for r in rows) or 1.0
     per_row = "\n".join(f"| ({r.id}) {r.name} | {r.seconds:.1f} | {r.seconds / decoding:.0%} |" for r in rows)
-    return (f"\n\n## Wall time\n\n{results.stages.total_s:.0f} s in these stages (the report and plots after "
-            f"them), on a machine with a 1-minute load average of {results.environment.get('load_avg_1m')} at the "
-            f"start:\n\n{results.stages.table()}\n\nPer row, its decoding (warm-up and timed runs, acceptance "
+    return (f"\n\n## Wall time\n\n{results.stages.total_s:.0f} s ({results.stages.total_cpu_s:.0f} CPU s) in "
+            f"these stages (the report and plots after them), on a machine with a 1-minute load average of "
+            f"{results.environment.get('load_avg_1m')} at the start; CPU seconds are this process's, every thread's, "
+            f"which other jobs' load stretches less than wall time:\n\n{results.stages.table()}\n\nPer row, its decoding (warm-up and timed runs, acceptance "
             f"passes):\n\n| row | seconds | share |\n|---|---|---|\n{per_row}")
 
 
