@@ -453,6 +453,61 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, hybrid_pair, tm
     assert [line.split(":")[0] for line in verdicts.strip().splitlines()] == ["- Qwen3 pair", "- Qwen3.5 hybrid pair"]
     assert all("wins in this run" in line for line in verdicts.strip().splitlines())
     assert report.count("### Which drafter wins") == 2 and f"`{HYBRID_DIR}/speedup.png`" in report
+    # wall time: the demo's parts in its report, each bench's stages and rows in its results.json and section
+    assert "## Wall time" in report and "| Qwen3 pair: bench |" in report and "| hybrid pair: bench |" in report
+    assert report.count("### Wall time") == 2
+    for res in (results, results["hybrid"]):
+        stages = [e["stage"] for e in res["stages"]]
+        for first in ("W4 target: AWQ", "W4 draft: GPTQ", "regen:", "QAD:", "W4 block drafter: GPTQ",
+                      "latency runs:", "acceptance, content:", "forward costs:"):
+            assert any(name.startswith(first) for name in stages), (first, stages)
+        for r in res["rows"]:
+            if r["status"] != "ok":
+                continue
+            timed = sum(s["latency_s"] for e in r["categories"].values() for ss in e["samples"].values() for s in ss)
+            assert r["seconds"] >= timed > 0  # its timed runs, plus its warm-up and acceptance passes
+
+
+def test_interleaved_rounds_limit_one_runner_and_time_each():
+    """rounds={name: n}: that runner runs in the first n rounds only (warm-up included); seconds adds up each
+    runner's calls."""
+    from specquant.bench.measure import interleaved, sample_from
+    from specquant.bench.prompts import Prompt
+
+    calls = {"a": 0, "hf": 0}
+
+    def runner(name):
+        def run(ids):
+            calls[name] += 1
+            return sample_from(0.01, 0.001, 2, [1, 2])
+        return run
+
+    prompts = [Prompt(f"p{i}", "short", "length", [1, 2, 3]) for i in range(3)]
+    seconds = {}
+    out = interleaved({"a": runner("a"), "hf": runner("hf")}, prompts, 4, 1, torch.device("cpu"), seconds=seconds,
+                      rounds={"hf": 2})
+    assert calls == {"a": 4 * 3, "hf": 2 * 3}
+    assert all(len(ss) == 3 for ss in out["a"].values()) and all(len(ss) == 1 for ss in out["hf"].values())
+    assert set(seconds) == {"a", "hf"} and seconds["a"] > 0 and seconds["hf"] > 0
+    # warmup_prompts=1: the warm-up round runs the first prompt only; the timed rounds run every prompt
+    calls.update(a=0, hf=0)
+    out = interleaved({"a": runner("a"), "hf": runner("hf")}, prompts, 3, 1, torch.device("cpu"), warmup_prompts=1,
+                      rounds={"hf": 2})
+    assert calls == {"a": 1 + 2 * 3, "hf": 1 + 3}
+    assert all(len(ss) == 2 for ss in out["a"].values()) and all(len(ss) == 1 for ss in out["hf"].values())
+
+
+def test_demo_shares_the_w4_draft_only_when_checkpoint_and_settings_match(pair, tmp_path):
+    from specquant.bench.demo import _shared_draft, demo_config, hybrid_config
+
+    cfg, hcfg = demo_config(str(tmp_path), True), hybrid_config(str(tmp_path), True, {})
+    w4 = {"path": str(tmp_path / "cache" / "draft"), "method": "gptq", "produced": True}
+    d = str(pair["draft"])
+    assert _shared_draft(cfg, hcfg, d, d, w4, print) == tmp_path / "cache" / "draft"
+    assert _shared_draft(cfg, hcfg, d, str(pair["target"]), w4, print) is None  # another checkpoint
+    other = dataclasses.replace(hcfg, quant_overrides={**hcfg.quant_overrides, "calib_samples": 3})
+    assert _shared_draft(cfg, other, d, d, w4, print) is None  # other GPTQ settings
+    assert _shared_draft(cfg, dataclasses.replace(hcfg, draft_method="rtn"), d, d, w4, print) is None
 
 
 # --- bad input ------------------------------------------------------------------------------------------------

@@ -64,6 +64,19 @@ def test_step0_student_is_the_loaded_checkpoint(pair):
             assert torch.equal(m.fake_quant_weight(), m.weight.detach())  # on the grid at step 0
 
 
+def test_evaluate_keeps_the_teachers_logprobs_and_matches_the_uncached_path(dense_pair, monkeypatch):
+    """The teacher is frozen: its held-out log-probabilities are computed once, and every evaluation equals the
+    one that runs the teacher again (TEACHER_CACHE_BYTES = 0: the reference path)."""
+    import specquant.train.qad as qad
+
+    task, _ = _task(dense_pair)
+    first, again = task.evaluate(), task.evaluate()
+    assert task._teacher_logprobs is not None and first == again
+    monkeypatch.setattr(qad, "TEACHER_CACHE_BYTES", 0)
+    uncached, _ = _task(dense_pair)
+    assert uncached.evaluate() == first and uncached._teacher_logprobs is None
+
+
 def test_training_moves_codes_and_export_equals_fake_quant_exactly(pair, tmp_path):
     """After training, the written codes dequantize to exactly the training forward's weights (zero difference);
     every exported scale is the student checkpoint's, bit for bit; our loader and transformers both load the

@@ -14,6 +14,7 @@ runs); acceptance per length category from the timed runs themselves, which is w
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, Forw
 from specquant.bench.predict import StepCosts, predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
 from specquant.bench.results import BenchResults, CategoryCosts, CategoryResult, RowResult, SameTokens
+from specquant.bench.stages import StageTimes
 from specquant.loader import load_model
 from specquant.quant.linear import resolve_w4_activations
 from specquant.model.checkpoint import load_tokenizer
@@ -126,10 +128,13 @@ def _bar(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="call", disable=None, leave=False)
 
 
-def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device) -> BenchResults:
+def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
+                 times: StageTimes | None = None) -> BenchResults:
     """Measure every row; returns the results that report.py writes. paths: check_inputs' output plus the
-    quantized_target / quantized_draft checkpoints."""
+    quantized_target / quantized_draft checkpoints. times: each measuring pass's wall time is recorded there."""
     env = environment(device)  # before the run: the load average it records is the one the run started under
+    times = times if times is not None else StageTimes()
+    t_load, cpu_load = time.perf_counter(), time.process_time()
     runtime, sampling = dataclasses.replace(cfg.runtime, device=str(device)), cfg.sampling
     tokenizer = load_tokenizer(paths["target"])
     draft_tokenizer = load_tokenizer(paths["draft"]) if (paths["draft"] / "tokenizer.json").exists() else None
@@ -157,7 +162,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     content_prompts = [p for p in prompts if p.kind == "content"]
     filler_prompts = [p for p in prompts if p.kind == "filler"]
 
-    runners, skipped, engines = {}, {}, {}
+    runners, skipped, engines, row_seconds = {}, {}, {}, {}
     for row in table:
         target = models[("target", row.target)]
         if row.draft is None:
@@ -177,6 +182,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
     else:
         skipped[HF_ROW.id] = "disabled (hf_compare false)"
     rows = [*table, HF_ROW]
+    times.add("load models, build the rows' engines", time.perf_counter() - t_load, time.process_time() - cpu_load)
 
     def transformers_failed(rid: str, e: Exception) -> bool:
         if rid != HF_ROW.id:
@@ -186,7 +192,12 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
         del runners[rid]
         return True
 
-    samples = interleaved(runners, length_prompts, cfg.warmup + cfg.runs, cfg.warmup, device, transformers_failed)
+    warm = "" if cfg.warmup_all_prompts or not cfg.warmup else f" ({cfg.warmup} warm-up on the first prompt)"
+    with times(f"latency runs: {len(runners)} rows x {len(length_prompts)} prompts x {cfg.runs} timed rounds{warm}"):
+        samples = interleaved(runners, length_prompts, cfg.warmup + cfg.runs, cfg.warmup, device, transformers_failed,
+                              seconds=row_seconds,
+                              rounds={HF_ROW.id: cfg.warmup + cfg.hf_runs} if cfg.hf_runs is not None else None,
+                              warmup_prompts=None if cfg.warmup_all_prompts else 1)
 
     spec_runners = {r.id: runners[r.id] for r in rows if r.draft is not None and r.impl == "specquant"}
     by_source = {}  # a hybrid row's steps per source, per pass (content sets, filler sets)
@@ -195,7 +206,10 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
         for rid, engine in engines.items():
             if hasattr(engine.drafter, "take_totals"):
                 engine.drafter.take_totals()  # what the timed runs drafted is not this pass's
-        for rid, per_prompt in interleaved(spec_runners, pass_prompts, 1, 0, device, desc=f"acceptance, {name}").items():
+        with times(f"acceptance, {name}: {len(spec_runners)} rows x {len(pass_prompts)} prompts"):
+            passed = interleaved(spec_runners, pass_prompts, 1, 0, device, desc=f"acceptance, {name}",
+                                 seconds=row_seconds)
+        for rid, per_prompt in passed.items():
             acceptance_samples.setdefault(rid, {}).update({pid: ss[0].spec for pid, ss in per_prompt.items()})
         for rid, engine in engines.items():
             if hasattr(engine.drafter, "take_totals") and pass_prompts:
@@ -203,7 +217,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
 
     # the rows whose drafter fixes its longest draft (a block drafter: block_size - 1) again at that length:
     # acceptance at every block position
-    whole = {}
+    whole, t_whole, cpu_whole = {}, time.perf_counter(), time.process_time()
     for r in rows:
         if r.draft is not None and r.impl == "specquant":
             drafter = _engine(cfg, runtime, r, models, tokenizer, draft_tokenizer).drafter
@@ -211,12 +225,15 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
             if longest and not getattr(drafter, "own_draft_len", None):  # suffix, hybrid: their k is already theirs
                 whole[r.id] = ours_speculative(_engine(cfg, runtime, r, models, tokenizer, draft_tokenizer, longest),
                                                cfg.max_new_tokens, sampling)
-    whole_block = {rid: SpecMetrics.total(ss[0].spec for ss in per_prompt.values())
-                   for rid, per_prompt in interleaved(whole, content_prompts, 1, 0, device,
-                                                      desc="acceptance, whole block").items()}
+    passed = interleaved(whole, content_prompts, 1, 0, device, desc="acceptance, whole block", seconds=row_seconds)
+    times.add(f"acceptance, whole block: {len(whole)} rows x {len(content_prompts)} prompts",
+              time.perf_counter() - t_whole, time.process_time() - cpu_whole)
+    whole_block = {rid: SpecMetrics.total(ss[0].spec for ss in per_prompt.values()) for rid, per_prompt in passed.items()}
 
-    costs = measure_costs(cfg, models, lengths)
-    curve = drafter_curve(cfg, models[(LM, "w4")], context)
+    with times(f"forward costs: {len(lengths)} contexts x {cfg.cost_reps} reps"):
+        costs = measure_costs(cfg, models, lengths)
+    with times(f"drafter latency curve: {len(cfg.curve_fractions)} contexts"):
+        curve = drafter_curve(cfg, models[(LM, "w4")], context)
 
     results_rows = [_row_result(r, cfg, samples, acceptance_samples, skipped, prompts, lengths, costs)
                     for r in rows]
@@ -225,6 +242,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device)
         res.by_source = by_source.get(res.id)
         if res.id == PRUNED_ROW.id and res.ok:
             res.lossy = _pruned_quality(paths, runtime)
+        res.seconds = row_seconds.get(res.id)
     _add_speedups(results_rows)
     return BenchResults(
         config=cfg, environment=env, models=dict(paths),
@@ -450,15 +468,20 @@ def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_
     if pruned_target is not None:
         paths["pruned_target"] = check_pruned_target(paths, pruned_target)
     claim_out_dir(cfg.out, cfg.overwrite)
-    quantized = prepare_quantized(cfg, paths, log)
+    times = StageTimes(log)
+    quantized = prepare_quantized(cfg, paths, log, times)
     if mtp_draft is not None:
-        quantized.update(prepare_mtp(paths, mtp_draft, Path(cfg.out) / "cache", cfg.sampling.seed, log))
+        with times("MTP drafter and its W4"):
+            quantized.update(prepare_mtp(paths, mtp_draft, Path(cfg.out) / "cache", cfg.sampling.seed, log))
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     torch.manual_seed(cfg.sampling.seed)
-    results = run_ablation(cfg, paths, torch.device(device))
-    results.quantized = quantized
-    return results, write_report(results, Path(cfg.out))
+    results = run_ablation(cfg, paths, torch.device(device), times)
+    results.quantized, results.stages = quantized, times
+    t0 = time.perf_counter()
+    files = write_report(results, Path(cfg.out))
+    log(f"      [{time.perf_counter() - t0:6.1f} s] report and plots (not in the report's table: it was written then)")
+    return results, files
 
 
 MTP_SOURCES = ("mtp", "init")  # run_bench's mtp_draft besides a directory

@@ -41,6 +41,11 @@ class BenchConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per request (EOS ignored)"})
     runs: int = field(default=3, metadata={"help": "timed runs per prompt and row (median reported)"})
     warmup: int = field(default=1, metadata={"help": "untimed runs first"})
+    # False: the warm-up rounds run each row on the first length prompt only (the shortest category's). A row's
+    # first call pays its one-time costs (lazy imports, the native kernels' first call, first touch of its weights);
+    # on CPU nothing is compiled per prompt length, so warming every prompt costs a whole round for little. The
+    # demo's presets use False; `specquant bench` keeps warming every prompt.
+    warmup_all_prompts: bool = True
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     spec: SpecConfig = field(default_factory=_bench_spec)
     # Prompt lengths in target tokens per length category: 64 / 2048 / 8192 scaled to a 2048-token context. For a
@@ -60,6 +65,9 @@ class BenchConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig, metadata={"fields": BENCH_RUNTIME})
     hf_compare: bool = field(default=True, metadata={
         "help": "the transformers generate(assistant_model=...) comparison row"})
+    # timed runs of that row (None: `runs`, as every row). It is a reference point, not a ratio the report
+    # derives anything from, and transformers' generate is the slowest row per token: the demo times it once
+    hf_runs: int | None = None
     # Quantizers for missing quantized inputs; overrides are QuantConfig fields (e.g. a smaller calibration set).
     target_method: str = "awq"
     draft_method: str = "gptq"
@@ -74,6 +82,7 @@ class BenchConfig:
     qad_steps: int = field(default=60, metadata={"help": "QAD steps for row (q) when --qad-target is not given"})
     qad_prompts: int = field(default=64, metadata={"help": "regen prompts for row (q)'s training text"})
     qad_new_tokens: int = field(default=64, metadata={"help": "tokens the teacher writes per regen prompt"})
+    qad_eval_samples: int = 8  # held-out sequences of row (q)'s KL at the start and the end (QADConfig.eval_samples)
     # Rows (f)-(h), the block drafter (run_bench's block_draft): k per step. A block drafter pays one forward per
     # step whatever k (up to block_size - 1), so k is bounded by its acceptance and by the verify forward, which
     # grows with k on a CPU. 3: the best predicted MAL / (drafter forward + verify) over k = 1..4 for tiny-block-draft
@@ -98,9 +107,12 @@ class BenchConfig:
 
     def validate(self) -> "BenchConfig":
         for name in ("max_new_tokens", "runs", "prompts_per_length", "prompts_per_set", "content_max_tokens",
-                     "cost_reps", "qad_steps", "qad_prompts", "qad_new_tokens", "block_draft_len"):
+                     "cost_reps", "qad_steps", "qad_prompts", "qad_new_tokens", "qad_eval_samples",
+                     "block_draft_len"):
             if getattr(self, name) < 1:
                 raise SpecquantError(f"{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
+        if self.hf_runs is not None and self.hf_runs < 1:
+            raise SpecquantError(f"hf-runs {self.hf_runs} must be at least 1 (or None: as --runs)")
         if self.warmup < 0:
             raise SpecquantError(f"warmup {self.warmup} must be 0 or more")
         self.sampling.validate()
@@ -143,10 +155,12 @@ class BenchConfig:
         from specquant.train.config import QADConfig, RegenConfig, TrainConfig
         from specquant.train.recipe import QADRecipe
 
+        # one checkpoint, at the last step (the trainer always writes that one): each holds the latent weights and
+        # both Adam moments (145 MB for the bundled target), and an interrupted run of this size loses less by
+        # training again than a mid-run checkpoint costs every run
         return QADRecipe(regen=RegenConfig(limit=self.qad_prompts, max_new_tokens=self.qad_new_tokens),
-                         train=TrainConfig(steps=self.qad_steps, eval_every=0,
-                                           save_every=max(1, self.qad_steps // 2)),
-                         qad=QADConfig(eval_samples=8))
+                         train=TrainConfig(steps=self.qad_steps, eval_every=0, save_every=self.qad_steps),
+                         qad=QADConfig(eval_samples=self.qad_eval_samples))
 
     def quant_overrides_for(self, role: str) -> dict:
         """QuantConfig overrides for producing the W4 'target' or 'draft'."""

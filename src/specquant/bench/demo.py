@@ -14,14 +14,19 @@ from pathlib import Path
 from specquant.bench.config import BenchConfig
 
 # What the demo changes from BenchConfig's defaults to fit its time budget (everything else: BenchConfig).
+# The full preset's AWQ: 16 calibration sequences and a 10-point alpha grid (a subset of the 20-point one, so never
+# worse than RTN on its loss) gave the bundled target the same held-out KL to fp32 as 32 and 20, within its
+# standard error, in under half the time (docs/BENCH.md, "specquant demo"); the W4 draft keeps GPTQ's 32 sequences.
 PRESETS = {
     "full": dict(prompts_per_length=2, prompts_per_set=2, cost_reps=10,
-                 curve_fractions=(1 / 16, 1 / 4, 1 / 2, 3 / 4), quant_overrides={"calib_samples": 32},
-                 qad_steps=60, qad_prompts=64, qad_new_tokens=64),
+                 curve_fractions=(1 / 16, 1 / 4, 1 / 2, 3 / 4),
+                 quant_overrides={"calib_samples": 16, "awq": {"grid": 10}},
+                 draft_quant_overrides={**BenchConfig().draft_quant_overrides, "calib_samples": 32},
+                 qad_steps=60, qad_prompts=64, qad_new_tokens=64, hf_runs=1, warmup_all_prompts=False),
     "quick": dict(max_new_tokens=32, runs=1, prompts_per_length=1, prompts_per_set=1, cost_reps=5,
-                  curve_fractions=(1 / 16, 1 / 4, 1 / 2),
+                  lengths={"short": 32, "medium": 128, "long": 512}, curve_fractions=(1 / 16, 1 / 4, 1 / 2),
                   quant_overrides={"calib_samples": 8, "seq_len": 128, "awq": {"grid": 5, "clip": False}},
-                  qad_steps=6, qad_prompts=8, qad_new_tokens=32),
+                  qad_steps=6, qad_prompts=8, qad_new_tokens=32, qad_eval_samples=4, warmup_all_prompts=False),
 }
 # Steps of the full pipeline that the demo does not run (too slow for its budget), with the command that does.
 NOT_RUN = {
@@ -81,9 +86,11 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
     hybrid (HYBRID's keys; None: skipped) the hybrid section's results.json content ("hybrid")."""
     from specquant.bench.ablation import run_bench
     from specquant.bench.report import summary_table, write_demo_report
+    from specquant.bench.stages import StageTimes
 
     cfg = dataclasses.replace(demo_config(out, quick), **overrides)
     t0 = time.perf_counter()
+    times = StageTimes()  # the demo's parts; each bench logs and reports its own stages
     steps = 4 if hybrid else 3
     log(f"[1/{steps}] quantize {target} with {cfg.target_method.upper()} and {draft} with {cfg.draft_method.upper()}, "
         f"QAD the W4 target on teacher-written text ({cfg.qad_steps} steps), then bench rows (a)-(e), "
@@ -93,12 +100,14 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
             f"k = {cfg.block_draft_len}")
     for name, what in NOT_RUN.items():
         log(f"      {name}: not run by the demo ({what})")
-    results, files = run_bench(cfg, target, draft, log=log, block_draft=block_draft)
+    with times("Qwen3 pair: bench"):
+        results, files = run_bench(cfg, target, draft, log=log, block_draft=block_draft)
     log(f"[2/{steps}] quality gate: the W4 target against the fp32 target (specquant gate's kl gate)")
     from specquant.gate.kl import demo_gate
 
     w4 = results.quantized["quantized_target"]
-    gate = demo_gate(w4["path"] if isinstance(w4, dict) else w4, target, quick, log)
+    with times("quality gate"):
+        gate = demo_gate(w4["path"] if isinstance(w4, dict) else w4, target, quick, log)
     served = None
     if serve:  # optional: needs the serve extra, and its time is outside the demo's budget
         from specquant.serve.config import LatencyConfig
@@ -106,21 +115,24 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
 
         path = lambda p: p["path"] if isinstance(p, dict) else p  # noqa: E731
         log("      serve: the W4 pair on loopback, timed with specquant latency's protocol (short category)")
-        served = serve_and_time(path(w4), path(results.quantized["quantized_draft"]),
-                                LatencyConfig(categories=["short"], runs=3 if quick else 10, warmup=1), log)
+        with times("serve and time the W4 pair"):
+            served = serve_and_time(path(w4), path(results.quantized["quantized_draft"]),
+                                    LatencyConfig(categories=["short"], runs=3 if quick else 10, warmup=1), log)
     sections, hybrid_results = [("Qwen3 pair", f"{target} + {draft}", files, "")], None
     if hybrid:
         hcfg = hybrid_config(out, quick, overrides, hybrid_overrides)
         log(f"[3/{steps}] the hybrid pair: {hybrid['target']} (W4 by {hcfg.target_method.upper()}, QAD "
             f"{hcfg.qad_steps} steps), LM draft {hybrid['draft']}, block drafter {hybrid['block_draft']}, MTP drafter "
             f"({hybrid['mtp']}) dense and W4 -> {hcfg.out}; the quality gate runs on the Qwen3 pair only")
-        t1 = time.perf_counter()
-        hybrid_results, hybrid_files = run_bench(hcfg, hybrid["target"], hybrid["draft"], log=log,
-                                                 block_draft=hybrid["block_draft"], mtp_draft=hybrid["mtp"])
-        log(f"      the hybrid section took {time.perf_counter() - t1:.0f} s")
+        shared = _shared_draft(cfg, hcfg, draft, hybrid["draft"], results.quantized["quantized_draft"], log)
+        with times("hybrid pair: bench"):
+            hybrid_results, hybrid_files = run_bench(hcfg, hybrid["target"], hybrid["draft"], log=log,
+                                                     block_draft=hybrid["block_draft"], mtp_draft=hybrid["mtp"],
+                                                     quantized_draft=shared)
+        log(f"      the hybrid section took {times.stages[-1].seconds:.0f} s")
         sections.append(("Qwen3.5 hybrid pair", f"{hybrid['target']} + {hybrid['block_draft']} + its MTP layer",
                          hybrid_files, HYBRID_DIR))
-    report = write_demo_report(Path(cfg.out), sections)
+    report = write_demo_report(Path(cfg.out), sections, times)
     log(f"[{steps}/{steps}] done in {time.perf_counter() - t0:.0f} s\n")
     log(summary_table(results))
     if hybrid_results is not None:
@@ -130,6 +142,22 @@ def run_demo(out: str = DEFAULT_OUT, quick: bool = False, target: str = "tiny-ta
         + ", ".join(f.name for f in files if f.suffix == ".png"))
     return {**results.to_json(), "quality_gate": gate, **({"served": served} if serve else {}),
             **({"hybrid": hybrid_results.to_json()} if hybrid_results is not None else {})}
+
+
+def _shared_draft(cfg: BenchConfig, hcfg: BenchConfig, draft, hybrid_draft, quantized, log) -> Path | None:
+    """The Qwen3 section's W4 LM draft for the hybrid section, when both sections draft with the same checkpoint
+    quantized the same way (the bundled pairs share tiny-draft): GPTQ is deterministic, so quantizing it again
+    would write the same file. None: the hybrid section quantizes its own."""
+    from specquant.model.checkpoint import resolve
+
+    same = (resolve(draft).resolve() == resolve(hybrid_draft).resolve() and cfg.draft_method == hcfg.draft_method
+            and cfg.quant_overrides_for("draft") == hcfg.quant_overrides_for("draft"))
+    if not same:
+        return None
+    path = Path(quantized["path"] if isinstance(quantized, dict) else quantized)
+    log(f"      W4 draft for the hybrid section: {path} (the same checkpoint and {cfg.draft_method.upper()} "
+        "settings as the Qwen3 section's)")
+    return path
 
 
 def run(args) -> int:

@@ -151,8 +151,13 @@ def hf_assisted(hf_target, hf_draft, max_new_tokens: int, draft_len: int, sampli
 
 def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, repetitions: int, warmup: int,
                 device: torch.device, on_error: Callable[[str, Exception], bool] | None = None,
-                desc: str = "latency") -> dict[str, dict[str, list[Sample]]]:
+                desc: str = "latency", seconds: dict[str, float] | None = None,
+                rounds: dict[str, int] | None = None,
+                warmup_prompts: int | None = None) -> dict[str, dict[str, list[Sample]]]:
     """{runner name: {prompt id: samples}} from `repetitions` rounds, the first `warmup` of them untimed.
+    seconds: where given, each runner's wall time in this call (warm-up rounds included) is added to seconds[name].
+    rounds: a runner named there takes part in its first rounds[name] rounds only (warm-up included).
+    warmup_prompts: the warm-up rounds run only the first N prompts (None: every prompt).
 
     Interleaved: each round runs every runner on a prompt before the next prompt, so load from other processes
     hits all runners alike and ratios between them are taken side by side. on_error(name, exception) -> True drops
@@ -160,14 +165,19 @@ def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, r
     """
     from tqdm import tqdm
 
-    runners = dict(runners)
+    runners, rounds = dict(runners), rounds or {}
     samples = {name: {p.id: [] for p in prompts} for name in runners}
-    with tqdm(total=repetitions * len(prompts) * len(runners), desc=desc, unit="call", disable=None,
-              leave=False) as bar:
+    def prompts_of(rep: int):
+        return prompts[:warmup_prompts] if rep < warmup and warmup_prompts is not None else prompts
+
+    calls = sum(len(prompts_of(rep)) for name in runners for rep in range(min(rounds.get(name, repetitions),
+                                                                               repetitions)))
+    with tqdm(total=calls, desc=desc, unit="call", disable=None, leave=False) as bar:
         for rep in range(repetitions):
-            for p in prompts:
+            for p in prompts_of(rep):
                 ids = torch.tensor([p.ids], device=device)
-                for name in list(runners):
+                for name in [n for n in runners if rep < rounds.get(n, repetitions)]:
+                    t0 = time.perf_counter()
                     try:
                         s = runners[name](ids)
                     except Exception as e:
@@ -177,6 +187,8 @@ def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, r
                         continue
                     finally:
                         bar.update(1)
+                        if seconds is not None:
+                            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
                     if rep >= warmup:
                         samples[name][p.id].append(s)
     return samples

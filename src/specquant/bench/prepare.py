@@ -14,6 +14,7 @@ import torch
 
 from specquant.bench.config import BenchConfig
 from specquant.bench.prompts import read_jsonl
+from specquant.bench.stages import StageTimes
 from specquant.errors import SpecquantError
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer, read_config, read_hf_config, resolve
@@ -150,30 +151,43 @@ def validate(cfg: BenchConfig, target, draft, quantized_target=None, quantized_d
     return paths
 
 
-def prepare_quantized(cfg: BenchConfig, paths: dict[str, Path], log=print) -> dict:
-    """Fill paths["quantized_target"/"quantized_draft"], quantizing into out/cache what was not given."""
+def prepare_quantized(cfg: BenchConfig, paths: dict[str, Path], log=print, times: StageTimes | None = None) -> dict:
+    """Fill paths["quantized_target"/"quantized_draft"], quantizing into out/cache what was not given; times:
+    where given, each step's wall time is recorded there."""
     info = {}
+    times = times if times is not None else StageTimes()
     cache = Path(cfg.out) / "cache"
     for role, method in (("target", cfg.target_method), ("draft", cfg.draft_method)):
         key = f"quantized_{role}"
         if key in paths:
             info[key] = str(paths[key])
             continue
-        paths[key], info[key] = quantized_checkpoint(paths[role], role, method, cfg.quant_overrides_for(role), cache)
+        with times(f"W4 {role}: {method.upper()}"):
+            paths[key], info[key] = quantized_checkpoint(paths[role], role, method, cfg.quant_overrides_for(role),
+                                                         cache)
         how = f"quantized in {info[key]['seconds']:.1f} s" if info[key]["produced"] else "reused: same source, config"
         log(f"W4 {role}: {method.upper()} -> {cache / role} ({how})")
     if cfg.qad and "qad_target" not in paths:
         from specquant.train.recipe import qad_target
 
         log(f"W4 + QAD target: regen + distill target ({cfg.qad_steps} steps) -> {cache}")
+        t0, cpu0 = time.perf_counter(), time.process_time()
         paths["qad_target"], info["qad_target"] = qad_target(paths["target"], paths["quantized_target"], cache,
                                                               cfg.qad_recipe(), log)
+        seconds, cpu, q = time.perf_counter() - t0, time.process_time() - cpu0, info["qad_target"]
+        if q["produced"] and "regen_cpu_seconds" in q:
+            times.add(f"regen: {cfg.qad_prompts} prompts x {cfg.qad_new_tokens} tokens", q["regen_seconds"],
+                      q["regen_cpu_seconds"])
+            times.add(f"QAD: {cfg.qad_steps} steps", seconds - q["regen_seconds"], cpu - q["regen_cpu_seconds"])
+        else:
+            times.add("W4 + QAD target (reused)", seconds, cpu)
     elif "qad_target" in paths:
         info["qad_target"] = str(paths["qad_target"])
     if "block_draft" in paths and "quantized_block_draft" not in paths:
         calib_target = paths.get("qad_target", paths["quantized_target"])  # the target the block rows run against
-        paths["quantized_block_draft"], info["quantized_block_draft"] = quantized_block_drafter(
-            paths["block_draft"], calib_target, cfg.block_draft_quant, cache)
+        with times("W4 block drafter: GPTQ"):
+            paths["quantized_block_draft"], info["quantized_block_draft"] = quantized_block_drafter(
+                paths["block_draft"], calib_target, cfg.block_draft_quant, cache)
         how = (f"quantized in {info['quantized_block_draft']['seconds']:.1f} s"
                if info["quantized_block_draft"]["produced"] else "reused: same source, target, config")
         log(f"W4 block drafter: GPTQ on the features of {calib_target} -> {cache / 'block_draft'} ({how})")

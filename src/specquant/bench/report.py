@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from specquant.bench.results import BenchResults, RowResult
+from specquant.bench.stages import StageTimes
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.spec_decode.drafters import kind_named
 from specquant.util.files import atomic_write
@@ -229,6 +230,27 @@ def drafter_verdict(results: BenchResults) -> str:
               f"({loser.id}) {loser.timing_avg.tokens_per_s:.1f} tok/s.{why}")
 
 
+def time_table(results: BenchResults) -> str:
+    """Where the run's wall time went: per stage (run_bench's StageTimes), then per row (its decoding in the
+    latency runs and acceptance passes); "" when the results carry no stage times."""
+    if results.stages is None:
+        return ""
+    rows = [r for r in results.rows if r.seconds is not None]
+    decoding = sum(r.seconds for r in rows) or 1.0
+    per_row = "\n".join(f"| ({r.id}) {r.name} | {r.seconds:.1f} | {r.seconds / decoding:.0%} |" for r in rows)
+    return (f"\n\n## Wall time\n\n{results.stages.total_s:.0f} s ({results.stages.total_cpu_s:.0f} CPU s) in "
+            f"these stages (the report and plots after them), on a machine with a 1-minute load average of "
+            f"{results.environment.get('load_avg_1m')} at the start; CPU seconds are this process's, every thread's, "
+            f"which other jobs' load stretches less than wall time:\n\n{results.stages.table()}\n\nPer row, its decoding (warm-up and timed runs, acceptance "
+            f"passes):\n\n| row | seconds | share |\n|---|---|---|\n{per_row}")
+
+
+def _hf_runs(cfg) -> str:
+    """Row (hf)'s own timed-run count, when it differs from every other row's (BenchConfig.hf_runs)."""
+    return "" if cfg.hf_runs is None or cfg.hf_runs == cfg.runs or not cfg.hf_compare else \
+        f" (row hf: {cfg.hf_runs})"
+
+
 def _w4_activations(results: BenchResults) -> str:
     """What the W4 rows' 4-bit layers ran on, when it is not float throughout (W4A8: docs/SHAPES.md)."""
     act = results.w4_activations
@@ -247,7 +269,7 @@ def markdown(results: BenchResults) -> str:
 
 Target `{results.models['target']}`, draft `{results.models['draft']}`; {cfg.runtime.dtype} activations{_w4_activations(results)};
 {'greedy' if cfg.sampling.temperature == 0 else f"temperature {cfg.sampling.temperature}"}; {cfg.max_new_tokens} new tokens
-per prompt with EOS ignored; {cfg.warmup} warm-up + {cfg.runs} timed runs per prompt and row, interleaved;
+per prompt with EOS ignored; {cfg.warmup} warm-up{'' if cfg.warmup_all_prompts else ' (on the first length prompt only)'} + {cfg.runs} timed runs per prompt and row{_hf_runs(cfg)}, interleaved;
 k = {cfg.spec.draft_len} draft tokens per step (block drafter rows: k = {cfg.block_draft_len}, one drafter
 forward per step); draft window {cfg.spec.draft_window} (rows e, h). Rows s, u, p: the suffix drafter (its own
 k = {cfg.suffix.max_draft_len}), the hybrid (suffix, else the W4 block drafter) and the W4 block drafter with a
@@ -283,7 +305,7 @@ own output (row a for the high-precision target, b for the W4 one).
 
 Rate at position i = steps whose i-th draft token was accepted / steps (cumulative, so ≈ α^i).
 
-{position_table(results)}{whole_block_table(results)}{filler_table(results)}{source_table(results)}{lossy_lines(results)}{drafter_verdict(results)}
+{position_table(results)}{whole_block_table(results)}{filler_table(results)}{source_table(results)}{lossy_lines(results)}{drafter_verdict(results)}{time_table(results)}
 
 ## Environment
 
@@ -404,10 +426,10 @@ def summary(results: BenchResults, files) -> dict:
 VERDICT = "## Which drafter wins"
 
 
-def demo_markdown(sections: list[tuple[str, str, str, str]]) -> str:
+def demo_markdown(sections: list[tuple[str, str, str, str]], times: StageTimes | None = None) -> str:
     """`specquant demo`'s one report: per architecture (title, its models, its bench report.md text, the folder of
     its files relative to the demo's --out), the bench report with its headings one level down, and first each
-    section's drafter verdict (drafter_verdict's conclusion)."""
+    section's drafter verdict (drafter_verdict's conclusion), then the demo's wall time per part (times)."""
     verdicts, bodies = [], []
     for title, models, text, folder in sections:
         part = text.split(VERDICT, 1)[1] if VERDICT in text else ""
@@ -423,12 +445,17 @@ def demo_markdown(sections: list[tuple[str, str, str, str]]) -> str:
             for name in FILES:
                 body = body.replace(f"`{name}`", f"`{folder}/{name}`")
         bodies.append(f"## {title}: {models}\n{body}")
+    timing = ("" if times is None else
+              f"## Wall time\n\n{times.total_s:.0f} s before this report was written (each section's \"Wall time\" "
+              f"splits its bench into stages and rows):\n\n{times.table()}\n\n")
     return ("# specquant demo\n\nOne bench per architecture, each on its own prompts and its own W4 / QAD "
             "checkpoints; the rows, metrics and predictions are the bench's (docs/BENCH.md).\n\n"
-            "## Which drafter wins, per architecture\n\n" + "\n".join(verdicts) + "\n\n" + "\n\n".join(bodies))
+            "## Which drafter wins, per architecture\n\n" + "\n".join(verdicts) + "\n\n" + timing
+            + "\n\n".join(bodies))
 
 
-def write_demo_report(out: Path, sections: list[tuple[str, str, list[Path], str]]) -> Path | None:
+def write_demo_report(out: Path, sections: list[tuple[str, str, list[Path], str]],
+                      times: StageTimes | None = None) -> Path | None:
     """out/report.md from the sections' bench reports (each `section`'s written files, report.md among them);
     None (nothing written) when a section wrote no report."""
     texts = []
@@ -438,5 +465,5 @@ def write_demo_report(out: Path, sections: list[tuple[str, str, list[Path], str]
             return None
         texts.append((title, models, report.read_text(), folder))
     path = Path(out) / "report.md"
-    atomic_write(path, demo_markdown(texts).encode())
+    atomic_write(path, demo_markdown(texts, times).encode())
     return path

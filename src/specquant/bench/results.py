@@ -19,6 +19,7 @@ from specquant.bench.config import BenchConfig
 from specquant.bench.measure import ForwardKey, Sample, Timing
 from specquant.bench.predict import Prediction
 from specquant.bench.prompts import Prompt
+from specquant.bench.stages import StageTimes
 from specquant.spec_decode.metrics import SpecMetrics
 
 
@@ -112,6 +113,8 @@ class RowResult:
     by_source: dict[str, dict[str, SpecMetrics]] | None = None  # a hybrid row: {pass: {source: its steps}}
     # a lossy row (the vocabulary-pruned target): its kl gate stats against the unpruned target (gate/kl.py)
     lossy: dict | None = None
+    # wall time of the row's decoding in this bench: warm-up and timed runs, its acceptance passes
+    seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -150,6 +153,8 @@ class RowResult:
         out = {"id": self.id, "name": self.name, "impl": self.impl, "target": self.target, "draft": self.draft,
                "drafter": self.drafter, "draft_window": self.draft_window, "draft_len": self.draft_len,
                "status": self.status}
+        if self.seconds is not None:
+            out["seconds"] = round(self.seconds, 2)
         if not self.ok:
             return {**out, "reason": self.reason}
         out["categories"] = {cat: e.to_json() for cat, e in self.categories.items()}
@@ -189,6 +194,7 @@ class BenchResults:
     costs: dict[str, CategoryCosts]
     draft_latency: dict
     quantized: dict | None = None
+    stages: StageTimes | None = None  # run_bench's wall time per stage (prepare, each measuring pass)
 
     def ok_rows(self) -> list[RowResult]:
         return [r for r in self.rows if r.ok]
@@ -205,4 +211,6 @@ class BenchResults:
                "costs": {cat: c.to_json() for cat, c in self.costs.items()}, "draft_latency": self.draft_latency}
         if self.quantized is not None:
             out["quantized"] = self.quantized
+        if self.stages is not None:
+            out["stages"] = self.stages.to_json()
         return out

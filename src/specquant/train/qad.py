@@ -32,7 +32,7 @@ from specquant.model.norms import GatedRMSNorm, ZeroCentredRMSNorm
 from specquant.quant.grid import dequantize, fake_quant, quantize_codes
 from specquant.quant.linear import QuantLinear
 from specquant.quant.pack import pack_codes
-from specquant.quant.quality import compare
+from specquant.quant.quality import compare, logprobs
 from specquant.train.config import QADConfig
 from specquant.util.dtypes import DTYPES
 
@@ -228,6 +228,12 @@ def exported_weight(m: FakeQuantLinear, latent: torch.Tensor) -> torch.Tensor:
     return dequantize(m.codes(latent), m.scale, m.zero)
 
 
+# The teacher is frozen and the held-out tokens fixed, so its log-probabilities are the same at every evaluation:
+# computed once and kept when they fit this many bytes (the bundled target's 8 x 256 positions: 64 MiB), else
+# computed again each time (a large vocabulary over many samples would not fit)
+TEACHER_CACHE_BYTES = 512 << 20
+
+
 class QADTask:
     """The trainer's task for `specquant distill target` (see train/trainer.py for the protocol)."""
 
@@ -240,11 +246,18 @@ class QADTask:
         self.student_dir, self.student_hf, self.run_meta = student_dir, student_hf, run_meta
         self.module = KLStudent(student, teacher, cfg.kl_chunk)
         self.fsdp_units = list(student.model.layers)
+        self._teacher_logprobs = None  # logprobs(teacher, eval_tokens), on the first evaluate (TEACHER_CACHE_BYTES)
 
     def evaluate(self) -> dict:
         """KL to the teacher, perplexity, top-1 agreement on held-out text (specquant.quant.quality.compare)."""
         device = next(self.teacher.parameters()).device
-        r = compare(self.teacher, lambda batch: self.module(batch, logits_only=True), self.eval_tokens.to(device))
+        tokens = self.eval_tokens.to(device)
+        reference = self.teacher
+        if tokens.numel() * self.teacher.config.vocab_size * 4 <= TEACHER_CACHE_BYTES:
+            if self._teacher_logprobs is None:
+                self._teacher_logprobs = logprobs(self.teacher, tokens)
+            reference = self._teacher_logprobs
+        r = compare(reference, lambda batch: self.module(batch, logits_only=True), tokens)
         return {k: r[k] for k in ("kl", "kl_sem", "ppl", "ppl_ref", "top1_agree", "samples")}
 
     def check_start(self, metrics: dict) -> None:

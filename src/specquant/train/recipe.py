@@ -45,16 +45,19 @@ def qad_target(teacher: Path, student: Path, cache: Path, recipe: QADRecipe, log
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     data = root / "regen.jsonl"
+    t_regen, cpu_regen = time.perf_counter(), time.process_time()
     made = regen(str(teacher), "bundled", data, recipe.regen, progress=False)
     log(f"      regen: {made['written'] + made['skipped']} prompts x {recipe.regen.max_new_tokens} tokens from the "
         f"teacher ({made['seconds']:.0f} s)")
+    regen_s, regen_cpu_s = time.perf_counter() - t_regen, time.process_time() - cpu_regen
     run = root / "run"
     resume = (run / "checkpoints").exists()
     result = run_qad(str(teacher), str(student), run, recipe.train, recipe.qad, data=str(data), resume=resume,
                      overwrite=not resume and run.exists(), progress=False)
     info = {"method": f"QAD, {result['steps']} steps", "seconds": time.perf_counter() - t0, "steps": result["steps"], "best_step": result["best"]["step"],
             "start_kl": result["start_eval"]["kl"], "best_kl": result["best_eval"]["kl"],
-            "seconds_per_step": result["seconds_per_step"], "regen_tokens": made["new_tokens"]}
+            "seconds_per_step": result["seconds_per_step"], "regen_tokens": made["new_tokens"],
+            "regen_seconds": regen_s, "regen_cpu_seconds": regen_cpu_s}
     log(f"      QAD: {info['steps']} steps, held-out KL to the teacher {info['start_kl']:.5f} -> "
         f"{info['best_kl']:.5f} (best step {info['best_step']}, {info['seconds']:.0f} s)")
     done.write_text(json.dumps(info) + "\n")
