@@ -18,8 +18,9 @@ from specquant.quant.linear import QuantLinear
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafters.block import BlockDrafter
 from specquant.spec_decode.drafters.lm import LMDrafter
-from specquant.spec_decode.drafters.pruned_head import (ATTRIBUTE, PrunedHead, check_token_ids, most_frequent,
-                                                         prune_lm_head, read_token_map, reference_logits)
+from specquant.quant.prune_vocab import check_token_ids, most_frequent
+from specquant.spec_decode.drafters.pruned_head import (ATTRIBUTE, PrunedHead, prune_lm_head, read_token_map,
+                                                         reference_logits)
 from specquant.spec_decode.engine import SpecEngine, generate
 from specquant.spec_decode.verify import verify
 

@@ -29,8 +29,6 @@ from torch import nn
 
 from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from specquant.errors import SpecquantError
-from specquant.quant.head import cut_rows
-from specquant.quant.prune_vocab import check_token_ids, most_frequent
 
 CONFIG_KEY = "draft_vocab"
 ATTRIBUTE = "draft_vocab"  # a loaded draft model's kept ids (a [N] tensor), when its checkpoint has a map
@@ -45,6 +43,11 @@ class PrunedHead(nn.Module):
         super().__init__()
         vocab = head.out_features
         device = next(iter([*head.parameters(), *head.buffers()])).device
+        # imported here, not at the top: quant/ loads the native kernels and torch.compile's machinery, which a
+        # plain decode (and a fresh process running an AOT package, tests/test_aot.py) never needs
+        from specquant.quant.head import cut_rows
+        from specquant.quant.prune_vocab import check_token_ids
+
         self.register_buffer("token_ids", check_token_ids(token_ids, vocab).to(device), persistent=False)
         self.vocab_size = vocab
         self.rows = cut_rows(head, self.token_ids)
@@ -98,6 +101,8 @@ def read_token_map(hf: dict, vocab_size: int) -> torch.Tensor | None:
     if not isinstance(entry, dict) or not isinstance(entry.get("token_ids"), list):
         raise SpecquantError(f'config.json "{CONFIG_KEY}" must be an object with a "token_ids" list; rebuild it '
                              "(specquant distill prune-head)")
+    from specquant.quant.prune_vocab import check_token_ids  # lazily: see PrunedHead
+
     return check_token_ids(entry["token_ids"], vocab_size)
 
 
@@ -150,6 +155,8 @@ def build_token_map(draft, keep: int, data=None, tokenizer_from=None) -> tuple[t
     counts = count_tokens(stream, vocab)
     eos = hf.get("eos_token_id")
     always = (*([] if eos is None else [eos] if isinstance(eos, int) else eos), *tokenizer.all_special_ids)
+    from specquant.quant.prune_vocab import most_frequent  # lazily: see PrunedHead
+
     ids = most_frequent(counts, keep, always)
     total = int(counts.sum())
     return ids, {"vocab_size": vocab, "kept": int(ids.numel()), "tokens_counted": total, "data": str(path),
