@@ -37,11 +37,13 @@ class Figure:
 
 
 FIGURES = (
-    Figure("demo", ("(h)",), "avg",
-           "demo speedup over the fp32 target, best row: (h) W4 + QAD target, W4 block drafter, window 128"),
-    Figure("demo", ("(e)",), "avg", "demo speedup: (e) W4 + QAD target, W4 LM draft, window 128"),
+    Figure("demo", ("(s)",), "avg", "demo speedup over the fp32 target, best row: (s) W4 + QAD target, suffix drafter"),
+    Figure("demo", ("(d)",), "avg", "demo speedup: (d) W4 + QAD target, W4 LM draft (best model drafter)"),
     Figure("demo", ("(b)",), "avg", "demo speedup: (b) W4 target alone"),
     Figure("demo", ("(hf)",), "avg", "demo speedup: transformers' assisted generation, fp32 pair"),
+    Figure("demo-hybrid", ("(q)",), "avg", "hybrid demo speedup: (q) W4 + QAD tiny-hybrid alone"),
+    Figure("demo-hybrid", ("(s)",), "avg", "hybrid demo speedup: (s) W4 + QAD tiny-hybrid, suffix drafter"),
+    Figure("demo-hybrid", ("(n)",), "avg", "hybrid demo speedup: (n) W4 + QAD tiny-hybrid, its W4 MTP layer"),
     Figure("shapes-2t", ("Qwen3-0.6B",), "ours W4A8 / Q4_0", "Qwen3-0.6B shape, W4A8 decode tok/s / llama.cpp Q4_0"),
     Figure("shapes-2t", ("Qwen3-0.6B",), "ours W4 (float act.) / Q4_0",
            "Qwen3-0.6B shape, W4 (float activations) decode tok/s / llama.cpp Q4_0"),
