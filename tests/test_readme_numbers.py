@@ -33,17 +33,17 @@ def test_every_record_states_its_commit_and_command_in_the_prose_above_it():
 
 
 def test_a_changed_figure_or_commit_changes_the_table_or_fails_the_check():
-    fig = next(f for f in readme_numbers.FIGURES if f.record == "demo" and f.row == ("(h)",))
+    fig = next(f for f in readme_numbers.FIGURES if f.record == "demo" and f.row == ("(s)",))
     before = readme_numbers.table(BENCH)
     value = readme_numbers.cell(readme_numbers.parse_records(BENCH), fig)
-    row = next(line for line in BENCH.splitlines() if line.startswith("| (h) ") and value in line)
+    row = next(line for line in BENCH.splitlines() if line.startswith("| (s) ") and value in line)
     edited = BENCH.replace(row, row.replace(value, "9.99x", 1))
     after = readme_numbers.table(edited)
     assert after != before and "| 9.99x |" in after
     # a paragraph re-measured at another commit, with the marker left behind, is caught
-    restated = BENCH.replace("commit 604936e", "commit 0000000", 1)
+    restated = BENCH.replace("commit 96a3e7d", "commit 0000000", 1)
     problems = readme_numbers.check_records(readme_numbers.parse_records(restated))
-    assert any("604936e" in p for p in problems)
+    assert any("96a3e7d" in p for p in problems)
 
 
 def test_a_missing_row_or_record_is_an_error_naming_it():
