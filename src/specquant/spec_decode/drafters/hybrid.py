@@ -37,15 +37,15 @@ PREFIX = "suffix+"  # `--draft suffix+DRAFT`
 
 @dataclass
 class HybridConfig:
-    # 8: a guess until the bench's hybrid rows sweep it (docs/BENCH.md). Below it the suffix draft is a short
-    # match's continuation, which on real text the trained drafter beats; above it the text is repeating.
-    min_match: int = field(default=8, metadata={
+    # 4: swept over 1, 2, 4, 8 on the bundled pair (docs/BENCH.md, "The hybrid drafter's threshold"): 4 drafted the
+    # most tokens per target forward and ran fastest; at 8 the suffix draft sat out steps it would have won
+    min_match: int = field(default=4, metadata={
         "help": "hybrid drafter: draft from the suffix match when at least this many tokens of the sequence's end "
                 "matched earlier text, else with the model drafter", "flag": "--hybrid-min-match"})
 
     def validate(self) -> "HybridConfig":
         if self.min_match < 1:
-            raise SpecquantError(f"hybrid min_match {self.min_match} must be at least 1 (e.g. 8)")
+            raise SpecquantError(f"hybrid min_match {self.min_match} must be at least 1 (e.g. 4)")
         return self
 
 
