@@ -166,7 +166,7 @@ def test_an_unknown_switch_value_is_one_line(monkeypatch):
         monkeypatch.setenv("SPECQUANT_NATIVE", value)
         reset()
         with pytest.raises(SpecquantError, match=rf"SPECQUANT_NATIVE='{value}' is not understood; use off .*"
-                                                 r"list of variants to keep \(avx2, avx512_bf16, .*portable\)"):
+                                                 r"list of variants to keep \(.*avx2, .*avx512_bf16, .*portable.*\)"):
             FAMILY.choose()
     reset()
 

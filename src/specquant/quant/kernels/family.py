@@ -2,8 +2,8 @@
 
 A family's variants all export the same C functions and read the same packed layout, so QuantLinear prepares a
 layer once per family whichever variant runs it; `auto` (the only policy) takes the first variant this CPU supports
-that builds and loads, and logs the choice; SPECQUANT_NATIVE=<variant,...> narrows the walk to the named variants. What is shared by both W4 families lives here too: tiles of 16 outputs,
-the packed scales, and the ctypes call.
+that builds and loads, and logs the choice; SPECQUANT_NATIVE=<variant,...> narrows the walk to the named variants.
+What is shared by both W4 families lives here too: tiles of 16 outputs, the packed scales, and the ctypes call.
 """
 
 from __future__ import annotations
