@@ -50,18 +50,7 @@ def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4, kept: t
         target = batch[:, 1:].unsqueeze(-1)
         nll_ref.append(-ref_logp[:, :-1].gather(-1, target).flatten())
         nll_model.append(-logp[:, :-1].gather(-1, target).flatten())
-    nll_ref, nll_model = torch.cat(nll_ref), torch.cat(nll_model)
-    kl_per_sample = torch.cat(kl_per_sample)
-    n = len(kl_per_sample)
-    return {
-        "kl": kl_sum / n_pos,
-        "kl_sem": float(kl_per_sample.std() / math.sqrt(n)) if n > 1 else math.nan,
-        "samples": n,
-        "ppl": math.exp(float(nll_model.mean())),
-        "ppl_ref": math.exp(float(nll_ref.mean())),
-        "top1_agree": agree / n_pos,
-        "nll_tokens": nll_model - nll_ref,
-    }
+    return _summary(kl_sum, kl_per_sample, agree, n_pos, nll_ref, nll_model)
 
 
 def _compare_pruned(reference, model, tokens: torch.Tensor, batch_size: int, kept: torch.Tensor) -> dict:
@@ -85,13 +74,19 @@ def _compare_pruned(reference, model, tokens: torch.Tensor, batch_size: int, kep
         target = batch[:, 1:].unsqueeze(-1)
         nll_ref.append(-ref_logp[:, :-1].gather(-1, kept[target]).flatten())
         nll_model.append(-logp[:, :-1].gather(-1, target).flatten())
+    return _summary(kl_sum, kl_per_sample, agree, n_pos, nll_ref, nll_model, lost_mass=lost_sum / n_pos)
+
+
+def _summary(kl_sum: float, kl_per_sample: list, agree: int, n_pos: int, nll_ref: list, nll_model: list,
+             **extra) -> dict:
+    """compare()'s result from the per-batch sums and rows (extra: the pruned model's lost_mass, after kl_sem)."""
     nll_ref, nll_model = torch.cat(nll_ref), torch.cat(nll_model)
     kl_per_sample = torch.cat(kl_per_sample)
     n = len(kl_per_sample)
     return {
         "kl": kl_sum / n_pos,
         "kl_sem": float(kl_per_sample.std() / math.sqrt(n)) if n > 1 else math.nan,
-        "lost_mass": lost_sum / n_pos,
+        **extra,
         "samples": n,
         "ppl": math.exp(float(nll_model.mean())),
         "ppl_ref": math.exp(float(nll_ref.mean())),
