@@ -192,8 +192,8 @@ def check_prunable(src: Path, hf: dict, keep_below: int) -> torch.Tensor:
 
 def read_vocab_map(hf: dict) -> torch.Tensor | None:
     """The kept ids [N'] of a pruned checkpoint's config.json dict (full-vocabulary ids), or None."""
-    text = hf.get("text_config") or {}  # vLLM's Qwen3.5 layout keeps the text model's keys there
-    entry = hf.get(CONFIG_KEY, text.get(CONFIG_KEY))
+    text = hf.get("text_config") or {}
+    entry = _map_entry(hf)
     if entry is None:
         return None
     if not isinstance(entry, dict) or not isinstance(entry.get("token_ids"), list) \
@@ -209,8 +209,13 @@ def read_vocab_map(hf: dict) -> torch.Tensor | None:
 
 
 def full_vocab_size(hf: dict) -> int | None:
-    entry = hf.get(CONFIG_KEY, (hf.get("text_config") or {}).get(CONFIG_KEY))
+    entry = _map_entry(hf)
     return None if entry is None else int(entry["full_vocab_size"])
+
+
+def _map_entry(hf: dict):
+    """config.json's CONFIG_KEY value, or None; vLLM's Qwen3.5 layout keeps the text model's keys in text_config."""
+    return hf.get(CONFIG_KEY, (hf.get("text_config") or {}).get(CONFIG_KEY))
 
 
 def vocab_map_of(model) -> torch.Tensor | None:
