@@ -5,8 +5,12 @@
 //     2·15·127 = 3810, eight of them add up to at most 30480 < 2^15 without saturating, and vpmaddwd widens to int32;
 //   * then the same fp32 steps per output lane: (weight scale · d) rounded once, one fused multiply-add per block in
 //     k order.
-// A 16-output tile is done as two halves of 8 outputs (one ymm each): bytes 0..31 of every 64-byte chunk hold
-// outputs 0..7 (byte 4j + t), bytes 32..63 outputs 8..15.
+// A 16-output tile is two halves of 8 outputs (one ymm each): bytes 0..31 of every 64-byte chunk hold outputs 0..7
+// (byte 4j + t), bytes 32..63 outputs 8..15. Both halves are done in one pass over the tile, so every 64-byte line
+// of the weight stream is loaded once, consumed whole and prefetched once (an earlier version walked the tile once
+// per half: on a Zen 3 it streamed a one-row step at about half the bandwidth torch.sum reads). Up to 4 rows share
+// each unpacked chunk (4 rows' int16 sums, two per row, and the unpacked nibbles fill the 16 ymm registers); 5..8
+// rows are two such passes over the tile, the second reading it from L1/L2.
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -20,45 +24,103 @@ using specquant::PREFETCH;
 
 constexpr int64_t BLOCK = 32;  // activation block (Q8_0), as w4a8_avx512_vnni.cpp
 
-template <int MR, typename S>
-inline void half_tile(const int8_t* __restrict q, int64_t ldq, const float* __restrict d,
-                      const int32_t* __restrict qsum, int64_t blocks, const uint8_t* __restrict wt,
-                      const S* __restrict st, int64_t blocks_per_group, float* __restrict y, int64_t ldy) {
+// q, d and the integer block sums of x[M, K] (K % 32 == 0) with the same IEEE fp32 steps as the AVX-512 variant's
+// vector quantization and the torch reference: max|x| (exact in any order), one division, one reciprocal, one
+// multiply and round-half-even per element (vroundps in nearest mode). Vector code because the plain C loop
+// (w4a8_quantize.h) costs more than the GEMM it feeds at 8 rows.
+void quantize_rows(const float* __restrict x, int64_t M, int64_t K, int8_t* __restrict q, float* __restrict d,
+                   int32_t* __restrict qsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < M * K / BLOCK; ++b) {
+    const float* xb = x + b * BLOCK;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float amax = _mm_cvtss_f32(m4);
+    const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i)
+      qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT |
+                                                                             _MM_FROUND_NO_EXC));
+    // int32 -> int8 (|q| <= 127: no saturation); the packs interleave 128-bit lanes, the permute restores k order
+    const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * BLOCK), _mm256_permutevar8x32_epi32(q16, order));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    d[b] = db;
+    qsum[b] = _mm_cvtsi128_si32(s4);
+  }
+}
+
+// R <= 4 rows of one tile, all blocks: y[r][0..16) = sum over blocks of (dot · (sw · d)) in k order.
+template <int R, typename S>
+inline void rows(const int8_t* __restrict q, int64_t ldq, const float* __restrict d, const int32_t* __restrict qsum,
+                 int64_t blocks, const uint8_t* __restrict wt, const S* __restrict st, int64_t blocks_per_group,
+                 float* __restrict y, int64_t ldy) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = wt + b * 256;
-    __m256i w[8];
-    for (int s = 0; s < 4; ++s) {
-      specquant::prefetch(wb + 64 * s + PREFETCH);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * s));
-      w[2 * s] = _mm256_and_si256(v, low4);
-      w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    }
-    const __m256 sw = load_scales8(st + (b / blocks_per_group) * 16);
-    for (int r = 0; r < MR; ++r) {
-      const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * ldq + b * BLOCK);
-      __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(qr[0]));
-      for (int i = 1; i < 8; ++i) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(qr[i])));
-      const int64_t rb = r * blocks + b;
-      const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(8 * qsum[rb]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_set1_ps(d[rb])), acc[r]);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int64_t groups = blocks / blocks_per_group;
+  const uint8_t* wb = wt;
+  int64_t b = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 sw0 = load_scales8(st + g * 16), sw1 = load_scales8(st + g * 16 + 8);
+    for (int64_t j = 0; j < blocks_per_group; ++j, ++b, wb += 256) {
+      __m256i s16[R][2];
+      for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1  // unrolled, g++ 12 schedules all 16 products of 4 rows first and spills them to the stack
+      for (int c = 0; c < 4; ++c) {
+        specquant::prefetch(wb + 64 * c + PREFETCH);
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32));
+        const __m256i l0 = _mm256_and_si256(v0, low4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        const __m256i l1 = _mm256_and_si256(v1, low4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * ldq + b * BLOCK) + 2 * c;
+          const __m256i a = _mm256_set1_epi32(qr[0]), e = _mm256_set1_epi32(qr[1]);  // k 8c..8c+3, 8c+4..8c+7
+          const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, a), _mm256_maddubs_epi16(h0, e));
+          const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, a), _mm256_maddubs_epi16(h1, e));
+          s16[r][0] = _mm256_add_epi16(s16[r][0], p0);
+          s16[r][1] = _mm256_add_epi16(s16[r][1], p1);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t rb = r * blocks + b;
+        const __m256i off = _mm256_set1_epi32(8 * qsum[rb]);
+        const __m256 dr = _mm256_set1_ps(d[rb]);
+        const __m256i dot0 = _mm256_sub_epi32(_mm256_madd_epi16(s16[r][0], ones), off);
+        const __m256i dot1 = _mm256_sub_epi32(_mm256_madd_epi16(s16[r][1], ones), off);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(sw0, dr), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(sw1, dr), acc[r][1]);
+      }
     }
   }
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+  }
 }
 
 template <int MR, typename S>
 inline void tile(const int8_t* q, int64_t ldq, const float* d, const int32_t* qsum, int64_t blocks,
                  const uint8_t* wt, const S* st, int64_t blocks_per_group, float* y, int64_t ldy) {
-  for (int h = 0; h < 2; ++h)
-    half_tile<MR, S>(q, ldq, d, qsum, blocks, wt + 32 * h, st + 8 * h, blocks_per_group, y + 8 * h, ldy);
+  constexpr int first = MR < 4 ? MR : 4;
+  rows<first, S>(q, ldq, d, qsum, blocks, wt, st, blocks_per_group, y, ldy);
+  if constexpr (MR > 4)
+    rows<MR - 4, S>(q + 4 * ldq, ldq, d + 4 * blocks, qsum + 4 * blocks, blocks, wt, st, blocks_per_group,
+                    y + 4 * ldy, ldy);
 }
 
 #include "w4a8_tiles.h"
 
 }  // namespace
 
-#include "w4a8_quantize.h"
 #include "w4a8_entry.h"
