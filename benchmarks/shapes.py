@@ -76,7 +76,7 @@ from specquant.model.fuse import fuse_projections
 from specquant.model.gated_delta import gated_delta_rule, l2_normalize
 from specquant.model.modules import Linear
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
-from specquant.quant.kernels import FAMILIES
+from specquant.kernels import FAMILIES
 from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
 
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,

@@ -31,7 +31,7 @@ import torch
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer, read_hf_config, resolve
 from specquant.quant import QuantConfig, quantize
-from specquant.quant.kernels import w4_bf16, w4a8
+from specquant.kernels import w4_bf16, w4a8
 from specquant.quant.linear import set_backend, set_w4_activations
 from specquant.quant.quality import compare, heldout_tokens, logprobs
 

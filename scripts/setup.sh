@@ -25,7 +25,7 @@ if [ ! -f "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
 fi
 # the native W4 kernels, every variant this CPU runs (a second each, no network; a skipped variant says why, and
 # without any QuantLinear uses its other backends)
-.venv/bin/python -c "from specquant.quant.kernels import main; main()"
+.venv/bin/python -c "from specquant.kernels import main; main()"
 # --test: llama.cpp's tools for tests/test_export_llama_cpp.py, built once per machine (a long build with progress
 # on stderr; reused after) into ${SPECQUANT_CACHE:-~/.cache/specquant}/llama.cpp-<version>. Without --test they
 # are built on first use by `specquant bench --engine llama.cpp`. SPECQUANT_SKIP_LLAMA_CPP=1 skips the build

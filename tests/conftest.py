@@ -124,7 +124,7 @@ def load_benchmark(script: str):
 def native_kernels(request, monkeypatch):
     """Runs a test twice: with the native kernels this machine builds, and with SPECQUANT_NATIVE=off, the path every
     CPU without them takes (torch's int4 kernel), so both are tested on every machine in one pytest run."""
-    from specquant.quant import kernels
+    from specquant import kernels
 
     if request.param == "fallback":
         monkeypatch.setenv("SPECQUANT_NATIVE", "off")

@@ -247,7 +247,7 @@ def test_w4_model_packages_with_its_native_kernel(tmp_path, monkeypatch, activat
     codes and scales, or, without native kernels (native_kernels == "fallback"), torch's int4 kernel on the
     layer's derived buffers. Packaged logits match eager; tokens are the same."""
     from specquant.quant import QuantConfig, quantize
-    from specquant.quant.kernels import w4a8
+    from specquant.kernels import w4a8
     from specquant.quant.linear import set_w4_activations
 
     if activations == "int8" and w4a8.FAMILY.library() is None:
@@ -282,7 +282,7 @@ def test_w4_activations_are_part_of_the_package_key():
     """A W4 model's float- and int8-activation steps are different graphs over the same tensors: different keys,
     so one is never loaded for the other."""
     from specquant.quant import QuantConfig, quantize
-    from specquant.quant.kernels import w4a8
+    from specquant.kernels import w4a8
     from specquant.quant.linear import set_w4_activations
 
     if w4a8.FAMILY.library() is None:  # int8 activations exist only on the W4A8 kernel
@@ -303,8 +303,9 @@ def test_w4_activations_are_part_of_the_package_key():
 def test_native_and_fallback_w4_steps_have_different_package_keys(monkeypatch):
     """A package built where the native W4 kernel runs reads other buffers (the kernel's layout) than one built on
     torch's int4 fallback (SPECQUANT_NATIVE=off, or a CPU without the kernel): different keys, never mixed up."""
-    from specquant.quant import QuantConfig, kernels, quantize
-    from specquant.quant.kernels import w4_bf16
+    from specquant import kernels
+    from specquant.quant import QuantConfig, quantize
+    from specquant.kernels import w4_bf16
 
     if w4_bf16.FAMILY.library() is None:
         pytest.skip(f"native W4 kernel unavailable: {w4_bf16.FAMILY.why()}")

@@ -1,4 +1,4 @@
-"""The w4_bf16 kernel family (quant/kernels/w4_bf16.py), every variant this CPU runs, against the
+"""The w4_bf16 kernel family (kernels/w4_bf16.py), every variant this CPU runs, against the
 dequantize-then-matmul reference.
 
 The kernel rounds activations to bf16 and is otherwise fp32 arithmetic on exact int4 weights, so the reference here
@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import kernel_variants, need_kernel
 
-from specquant.quant.kernels import Family, build, w4_bf16
+from specquant.kernels import Family, build, w4_bf16
 from specquant.quant.config import QuantConfig
 from specquant.quant.grid import dequantize, quantize_weight
 from specquant.quant.linear import QuantLinear, auto_backend
@@ -160,7 +160,7 @@ def test_disabled_or_missing_compiler_falls_back_with_a_reason(monkeypatch, tmp_
 
 def test_an_unknown_switch_value_is_one_line(monkeypatch):
     from specquant.errors import SpecquantError
-    from specquant.quant.kernels import reset
+    from specquant.kernels import reset
 
     for value in ("maybe", "avx2,avx9"):
         monkeypatch.setenv("SPECQUANT_NATIVE", value)
@@ -174,7 +174,7 @@ def test_an_unknown_switch_value_is_one_line(monkeypatch):
 def test_the_switch_keeps_the_named_variants(monkeypatch):
     """SPECQUANT_NATIVE=avx2,portable is what an AVX2-only CPU gets, on any CPU that runs AVX2: every family takes its
     best kept variant the CPU runs, and a family with none of the names says so."""
-    from specquant.quant.kernels import FAMILIES, reset
+    from specquant.kernels import FAMILIES, reset
 
     for keep in (("avx2", "portable"), ("portable",), ("avx512_vnni",)):
         monkeypatch.setenv("SPECQUANT_NATIVE", ",".join(keep))
@@ -203,7 +203,7 @@ def test_auto_takes_the_first_variant_that_loads_and_says_why_when_none_does(mon
 
 
 def test_the_switch_disables_every_family(native_kernels):
-    from specquant.quant.kernels import FAMILIES
+    from specquant.kernels import FAMILIES
 
     if native_kernels == "fallback":
         assert all(f.library() is None and f.why() == "disabled by SPECQUANT_NATIVE=off" for f in FAMILIES.values())

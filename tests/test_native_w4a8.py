@@ -1,4 +1,4 @@
-"""The w4a8 kernel family (quant/kernels/w4a8.py), every variant this CPU runs: int8 activations against exact int4
+"""The w4a8 kernel family (kernels/w4a8.py), every variant this CPU runs: int8 activations against exact int4
 weights.
 
 Three references, from the tightest: every variant's activation quantization equals the torch one bit for bit; its
@@ -19,7 +19,7 @@ from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
 from specquant.model.fuse import fuse_projections
 from specquant.quant import quantize
-from specquant.quant.kernels import w4_bf16, w4a8
+from specquant.kernels import w4_bf16, w4a8
 from specquant.quant.config import QuantConfig
 from specquant.quant.grid import dequantize, quantize_weight
 from specquant.quant.linear import QuantLinear, auto_backend, set_w4_activations
@@ -137,7 +137,7 @@ def test_fused_projections_keep_int8_activations():
 
 
 def test_unknown_mode_and_unavailable_kernel_are_one_line_errors(monkeypatch):
-    from specquant.quant import kernels
+    from specquant import kernels
 
     with pytest.raises(SpecquantError, match="use one of auto, float, int8"):
         set_w4_activations(torch.nn.Sequential(), "int4")

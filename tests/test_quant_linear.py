@@ -73,7 +73,7 @@ def test_eight_bit_layer_round_trips_and_runs():
 
 
 def test_auto_policy_follows_measurement(native_kernels):
-    from specquant.quant.kernels import w4_bf16
+    from specquant.kernels import w4_bf16
 
     few = "native_w4_bf16" if w4_bf16.FAMILY.library() is not None else "int4pack_cpu_bf16"
     assert (few == "int4pack_cpu_bf16") == (native_kernels == "fallback" or w4_bf16.FAMILY.library() is None)

@@ -27,7 +27,7 @@ def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.
 
     fuse: fuse q/k/v and gate/up projections for decoding (model.fuse; the model can then not be saved or
     quantized). w4_activations: "float" (W4A16, the checkpoint's arithmetic) or "int8" (W4A8 on the native W4A8
-    kernel; quant/kernels/w4a8.py), for a quantized checkpoint's 4-bit layers."""
+    kernel; kernels/w4a8.py), for a quantized checkpoint's 4-bit layers."""
     dtype = parse_dtype(dtype)
     path = resolve(name_or_dir)
     hf = read_hf_config(path)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specquant.kernels import ops
 from specquant.model.cache import KVCache
 from specquant.model.config import ModelConfig
 from specquant.model.modules import Linear, RMSNorm
@@ -18,6 +19,7 @@ from specquant.model.rope import apply_rope
 
 FOLD_MAX_ROWS = 16  # Attention: cached CPU steps of up to this many queries fold the GQA group into the queries,
 FOLD_MIN_ROWS = {torch.float32: 1, torch.bfloat16: 2}  # from this many, in these dtypes (others: never)
+NATIVE_MAX_ROWS = 4  # Attention.attend_rows: cached fp32 CPU steps of up to this many queries run kernels.ops.attention
 
 
 def attention_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None, device,
@@ -117,19 +119,30 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
             k = apply_rope(k.transpose(1, 2), cos, sin)
-        folded = False
+        return self.o_proj(self.attend_cached(q, k, v, start_pos, input_pos, plan))
+
+    def attend_cached(self, q, k, v, start_pos: int, input_pos: torch.Tensor | None,
+                      plan: tuple[torch.Tensor | None, bool] | None) -> torch.Tensor:
+        """Store k, v [b, kv_heads, t, d] in the cache (if any) and attend q [b, heads, t, d] over it ->
+        [b, t, heads * d], what o_proj reads. Cached fp32 CPU eager steps of up to NATIVE_MAX_ROWS queries run the
+        native kernel (kernels.ops.attention, which takes the positions and builds no mask); every other step,
+        and SPECQUANT_NATIVE=off, runs `attend` (SDPA) under the step's plan."""
+        b, _, t, d = q.shape
+        folded, k_start = False, None
         if self.cache is not None and self.cache.static:
             keys, values, mask = self.cache.update_static(input_pos, k, v)
         else:
-            if plan is None or (plan[1] and not self.fold_enabled):  # the step's plan is the first layer's choice
-                plan = self.plan(start_pos, t, x.dtype, x.device)
-            mask, folded = plan
             if self.cache is None:  # training / cache-free scoring: the whole sequence is in this call
                 keys, values = k, v
             else:
-                keys, values, _ = self.cache.update(start_pos, k, v)
+                keys, values, k_start = self.cache.update(start_pos, k, v)
+                if t <= NATIVE_MAX_ROWS and ops.usable(q, keys, values):
+                    return ops.attention(q, keys, values, start_pos, k_start, self.window).view(b, t, -1)
+            if plan is None or (plan[1] and not self.fold_enabled):  # the step's plan is the first layer's choice
+                plan = self.plan(start_pos, t, q.dtype, q.device)
+            mask, folded = plan
         out = self.attend(q, keys, values, mask, folded, causal=mask is None and self.cache is None and t > 1)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return out.transpose(1, 2).reshape(b, t, self.n_heads * d)
 
     def attend(self, q, keys, values, mask, folded: bool, causal: bool = False) -> torch.Tensor:
         """q [b, heads, t, d] over keys/values [b, kv_heads, S, d] -> [b, heads, t, d]; folded: see fold()."""

@@ -28,7 +28,7 @@ from specquant.model.attention import FOLD_MAX_ROWS, FOLD_MIN_ROWS, Attention, a
 from specquant.model.cache import Cache, KVCache
 from specquant.model.config import DEFAULT_LAYER_TYPE, ModelConfig
 from specquant.model.layers import LAYER_KINDS, layer_kinds
-from specquant.model.modules import MLP, SMALL_MIN_WEIGHT, SMALL_ROWS, Linear, RMSNorm, make_norm
+from specquant.model.modules import MLP, SMALL_MIN_WEIGHT, SMALL_ROWS, Linear, RMSNorm, add_norm, make_norm
 from specquant.model.rope import rope_tables
 
 __all__ = ["FOLD_MAX_ROWS", "FOLD_MIN_ROWS", "MLP", "SMALL_MIN_WEIGHT", "SMALL_ROWS", "Attention", "Body", "Cache",
@@ -53,8 +53,10 @@ class DecoderLayer(nn.Module):
         return self._modules[self.mixer_attr]
 
     def forward(self, x, cos, sin, start_pos, input_pos=None, plan=None):
-        x = x + self.mixer(self.input_layernorm(x), cos, sin, start_pos, input_pos, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # the residual add and the second norm in one call where kernels.ops runs them (modules.add_norm)
+        x, h = add_norm(self.post_attention_layernorm, x,
+                        self.mixer(self.input_layernorm(x), cos, sin, start_pos, input_pos, plan))
+        return x + self.mlp(h)
 
 
 class Body(nn.Module):

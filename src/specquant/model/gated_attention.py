@@ -55,18 +55,6 @@ class GatedAttention(Attention):
         q = apply_partial_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
         k = apply_partial_rope(self.k_norm(k.view(b, t, kv, d)).transpose(1, 2), cos, sin)
         v = v.view(b, t, kv, d).transpose(1, 2)
-        # from here as Attention.forward: the step's cache layout picks keys, mask and folding
-        folded = False
-        if self.cache is not None and self.cache.static:
-            keys, values, mask = self.cache.update_static(input_pos, k, v)
-        else:
-            if plan is None or (plan[1] and not self.fold_enabled):
-                plan = self.plan(start_pos, t, x.dtype, x.device)
-            mask, folded = plan
-            if self.cache is None:
-                keys, values = k, v
-            else:
-                keys, values, _ = self.cache.update(start_pos, k, v)
-        out = self.attend(q, keys, values, mask, folded, causal=mask is None and self.cache is None and t > 1)
-        out = out.transpose(1, 2).reshape(b, t, h * d) * torch.sigmoid(gate.reshape(b, t, h * d))
+        out = self.attend_cached(q, k, v, start_pos, input_pos, plan)  # [b, t, h * d]
+        out = out * torch.sigmoid(gate.reshape(b, t, h * d))
         return self.o_proj(out)

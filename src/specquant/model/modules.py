@@ -11,18 +11,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specquant.kernels import ops
 from specquant.model.config import ModelConfig
 from specquant.model.norms import ZeroCentredRMSNorm
 
 
 class RMSNorm(nn.Module):
+    offset = 0.0  # the weight's offset from the scale (kernels.ops.rms_norm; ZeroCentredRMSNorm's is 1)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # normalized in fp32, as transformers does
+        if ops.usable(x, self.weight):  # the same ops fused (fp32 CPU eager steps)
+            return ops.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, norm(x + residual)) for an RMSNorm or ZeroCentredRMSNorm (their `offset`): one native call
+    for fp32 CPU eager tensors of one shape, else the add and the norm's own forward."""
+    if x.shape == residual.shape and x.is_contiguous() and residual.is_contiguous() and ops.usable(x, residual,
+                                                                                                     norm.weight):
+        return ops.rms_norm(x, norm.weight, norm.eps, norm.offset, residual=residual)
+    x = x + residual
+    return x, norm(x)
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -82,7 +97,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            y = self.gate_up_proj(x)
+            if y.is_contiguous() and ops.usable(y):
+                return self.down_proj(ops.swiglu(y))
+            gate, up = y.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

@@ -14,14 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specquant.kernels import ops
+
 
 class ZeroCentredRMSNorm(nn.Module):
+    offset = 1.0  # kernels.ops.rms_norm's weight offset: x * (1 + w)
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.usable(x, self.weight):  # the same ops fused (fp32 CPU eager steps)
+            return ops.rms_norm(x, self.weight, self.eps, self.offset)
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
@@ -40,5 +46,8 @@ class GatedRMSNorm(nn.Module):
     def fp32(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """forward in fp32 throughout, rounded once to dtype (x may be the rule's fp32 output): a bf16 model's
         fast path (model/deltanet.py), which skips the casts forward makes to round where transformers does."""
+        if (x.dtype == gate.dtype == dtype == torch.float32 and x.shape == gate.shape and x.is_contiguous()
+                and gate.is_contiguous() and ops.usable(x, gate, self.weight)):
+            return ops.rms_norm(x, self.weight, self.eps, gate=gate)
         y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return (y * F.silu(gate.float())).to(dtype)

@@ -19,7 +19,7 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, -1)  # -1: one scale per output channel (compressed-tensors strategy "channel")
 HEAD_PRECISIONS = ("dense", "bf16", "w8", "w4")  # specquant.quant.head
 # Activations of the 4-bit layers at run time (not a checkpoint property): float = W4A16, the checkpoint's
-# arithmetic; int8 = W4A8 on the native W4A8 kernel (quant/kernels/w4a8.py; quality and speed in docs/SHAPES.md)
+# arithmetic; int8 = W4A8 on the native W4A8 kernel (kernels/w4a8.py; quality and speed in docs/SHAPES.md)
 W4_ACTIVATIONS = ("float", "int8")
 # Drafters also take "auto" (their default): int8 where the W4A8 kernel runs, else float. A drafter only proposes,
 # so its arithmetic can change the acceptance rate, never the output: the paper's "compress the drafter hard".

@@ -6,7 +6,7 @@ Buffers (names = checkpoint names, so `state_dict()` is the pack-quantized check
   weight_zero_point  int32 [ceil(out·bits/32), in/group]  asymmetric only, packed along dim 0
   weight_shape       int64 [2] = (out, in)
 Once a native kernel runs a layer, `weight_packed` holds the same bytes permuted into that kernel family's layout
-(quant/kernels: `native_layout` then names the family) instead of a second copy: one copy of the codes in memory.
+(kernels: `native_layout` then names the family) instead of a second copy: one copy of the codes in memory.
 `codes()` reads either layout, and `state_dict()` / `.to()` restore the compressed-tensors layout first, so
 saving, exporting and moving see the checkpoint tensors as they are.
 
@@ -26,11 +26,11 @@ against `reference` (tests/test_quant_linear.py):
                   the same kernel fed bf16 activations (and bf16 scale_and_zeros), the result cast back to x's
                   dtype: the kernel's fast path, since its fp32 path is much slower (docs/BENCH.md). For fp32 models this rounds
                   the activations entering each quantized Linear to bf16 (relative error <= 2^-9 per element).
-  native_w4_bf16  the w4_bf16 kernel family (quant/kernels/w4_bf16.py; its best variant for this CPU, built by
+  native_w4_bf16  the w4_bf16 kernel family (kernels/w4_bf16.py; its best variant for this CPU, built by
                   scripts/setup.sh or on first use with g++): same numerics contract as int4pack_cpu_bf16 (bf16
                   activations, exact int4 weights, fp32 sums), symmetric 4-bit only, out % 16 == 0; rows are
                   batch-invariant.
-  native_w4a8     the w4a8 kernel family (quant/kernels/w4a8.py): activations rounded to int8 per
+  native_w4a8     the w4a8 kernel family (kernels/w4a8.py): activations rounded to int8 per
                   block of 32 (GGUF's Q4_0 x Q8_0), exact integer dots, fp32 scales and sums; batch-invariant. Not
                   W4A16, so `auto` takes it only for layers whose `activations` is "int8" (set_w4_activations), and
                   then for every row count, prefill included, so a model runs one arithmetic throughout.
@@ -38,7 +38,7 @@ against `reference` (tests/test_quant_linear.py):
                   CPU under TRITON_INTERPRET=1). Imported only when triton is installed and the input is on CUDA.
 
 `backend="auto"` (default) takes the first row of AUTO_ORDER that applies (benchmarks/quant_backends.py's
-measurement); a native backend runs its family's best variant for this CPU (quant/kernels).
+measurement); a native backend runs its family's best variant for this CPU (kernels).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.quant.kernels import FAMILIES, TILE, w4a8
+from specquant.kernels import FAMILIES, TILE, w4a8
 from specquant.quant.config import DRAFT_W4_ACTIVATIONS
 from specquant.quant.grid import dequantize
 from specquant.quant.pack import pack_codes, packed_cols, unpack_codes
@@ -361,9 +361,9 @@ BACKENDS: dict[str, Backend] = {
     "dequant_cached": Backend(_dequant_cached, lambda m, x: True),
     "int4pack_cpu": Backend(_int4pack_cpu, _int4pack_supports),
     "int4pack_cpu_bf16": Backend(_int4pack_cpu_bf16, _int4pack_supports),
-    # bf16 activations (as int4pack_cpu_bf16), exact int4 weights, fp32 sums and scales (quant/kernels/w4_bf16.py)
+    # bf16 activations (as int4pack_cpu_bf16), exact int4 weights, fp32 sums and scales (kernels/w4_bf16.py)
     "native_w4_bf16": Backend(_native_forward("w4_bf16"), _native_supports("w4_bf16")),
-    # int8 activations per block of 32, exact integer dots, fp32 scales and sums (quant/kernels/w4a8.py)
+    # int8 activations per block of 32, exact integer dots, fp32 scales and sums (kernels/w4a8.py)
     "native_w4a8": Backend(_native_forward("w4a8"), _native_supports("w4a8")),
     "int8pack_cpu": Backend(_int8pack_cpu, _int8pack_supports),
     "triton_w4": Backend(_triton_forward, _triton_supports),

@@ -23,7 +23,7 @@ class RuntimeConfig:
     device: str = field(default="cpu", metadata={"help": "device to run on", "choices": DEVICES})
     w4_activations: str = field(default="float", metadata={
         "help": "a W4 target's activations: float (W4A16, as the checkpoint) or int8 (W4A8, GGUF's Q4_0 x Q8_0 on "
-                "the native W4A8 kernel, quant/kernels/w4a8.py: cheaper verify steps, slightly lower quality)", "choices": W4_ACTIVATIONS})
+                "the native W4A8 kernel, kernels/w4a8.py: cheaper verify steps, slightly lower quality)", "choices": W4_ACTIVATIONS})
     draft_w4_activations: str = field(default="auto", metadata={
         "help": "a W4 drafter's activations: auto (int8 where the W4A8 kernel runs: a drafter only proposes, so "
                 "only acceptance can change), float or int8", "choices": DRAFT_W4_ACTIVATIONS})

@@ -11,7 +11,7 @@
 //   * each group's fp32 sum is scaled by its fp32 scale and accumulated in fp32.
 // So the only rounding beyond fp32 summation order is the bf16 rounding of the activations.
 //
-// Packed weight layout (the w4_bf16 family's pack_codes, quant/kernels/w4_bf16.py): for every tile of 16 output
+// Packed weight layout (the w4_bf16 family's pack_codes, kernels/w4_bf16.py): for every tile of 16 output
 // rows (o_j, j < 16) and every 8 input columns k0..k7, 64 bytes. Output j = 4L + i (L = 128-bit lane, i < 4) owns bytes
 // 16L+2i, 16L+2i+1 (pairs k0,k1 / low nibble and k4,k5 / high nibble) and 16L+8+2i, 16L+8+2i+1 (k2,k3 / k6,k7),
 // each weight as its unsigned code u = c + 8. vpunpck{l,h}bw of the low / high nibbles with the byte 0x43 then

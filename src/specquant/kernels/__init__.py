@@ -1,5 +1,7 @@
-"""The native CPU kernels QuantLinear runs W4 layers on: a table of kernel families, each with its weight layout and
-its variants in instruction-set order (best first).
+"""The native CPU kernels: the W4 kernel families QuantLinear runs W4 layers on, each with its weight layout and its
+variants in instruction-set order (best first), and the decoder's small fused ops (ops.py: RMSNorm, SwiGLU,
+few-query attention), a library of one source built per instruction set (avx512, avx2, portable). This package
+sits below model/ and quant/, which both call it.
 
   family   arithmetic                                       variants, best first (each module's VARIANTS)
   w4_bf16  bf16 activations x exact int4 weights, fp32 sums   avx512_bf16, avx2 (+FMA), portable
@@ -19,28 +21,29 @@ from __future__ import annotations
 
 import sys
 
-from specquant.quant.kernels import build, w4_bf16, w4a8
-from specquant.quant.kernels.family import TILE, Family
+from specquant.kernels import build, ops, w4_bf16, w4a8
+from specquant.kernels.family import TILE, Family, Library
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (w4_bf16.FAMILY, w4a8.FAMILY)}
+LIBRARIES: dict[str, Library] = {**FAMILIES, ops.LIBRARY.name: ops.LIBRARY}  # everything main() builds
 
-__all__ = ["FAMILIES", "TILE", "Family", "build", "main", "reset", "w4_bf16", "w4a8"]
+__all__ = ["FAMILIES", "LIBRARIES", "TILE", "Family", "Library", "build", "main", "ops", "reset", "w4_bf16", "w4a8"]
 
 
 def reset() -> None:
     """Forget every loaded variant and choice, so the next use reads SPECQUANT_NATIVE again (tests)."""
-    for family in FAMILIES.values():
-        family.reset()
+    for library in LIBRARIES.values():
+        library.reset()
 
 
 def main() -> int:
-    for family in FAMILIES.values():
+    for family in LIBRARIES.values():
         for variant in family.variants:
             path, why = build.build(family.name, variant)
             print(f"native {family.name} {variant.name}: {path} ({why})" if path
                   else f"native {family.name} {variant.name} not built: {why}")
         print(f"native {family.name} kernel: {'auto picks ' if family.library() else 'none: '}{family.why()}")
-    return 0  # a missing kernel is not an error: QuantLinear keeps its other backends
+    return 0  # a missing kernel is not an error: QuantLinear and the model keep their torch paths
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 // What every native W4 kernel variant shares, with no instruction set in it (each variant's .cpp brings its own
 // intrinsics, or none: the portable variants): the weight stream's prefetch distance and the loop that hands every
-// 16-output tile and block of rows to a variant's register tile. quant/kernels/build.py hashes every header here
+// 16-output tile and block of rows to a variant's register tile. kernels/build.py hashes every header here
 // into every build, so an edit rebuilds them all.
 #pragma once
 

@@ -9,7 +9,7 @@
 // Numerics (tests/test_native_w4a8.py checks each step):
 //   * activations: each row is cut into blocks of 32; per block d = max|x| / 127 (fp32), q = rint(x · (1/d)) in
 //     [-127, 127] (round half to even), so x ≈ d · q. This is the only approximation beyond fp32 rounding, the
-//     same one as GGUF's Q8_0 (which stores d in fp16; here it stays fp32). quant/kernels/w4a8.py's
+//     same one as GGUF's Q8_0 (which stores d in fp16; here it stays fp32). kernels/w4a8.py's
 //     quantize_activations is the torch reference and must give the same q and d bit for bit.
 //   * weights: the exact codes c in [-8, 7], stored unsigned u = c + 8 (vpdpbusd multiplies u8 by s8).
 //   * per (row, output, block of 32): the integer dot sum c·q = sum u·q - 8·sum q, exact in int32.
@@ -19,7 +19,7 @@
 // batch-invariant: a verify step's row i equals the decode step on the same prefix bit for bit, which is what keeps
 // speculative decoding exact when decode and verify run this kernel.
 //
-// Packed weight layout (the w4a8 family's pack_codes, quant/kernels/w4a8.py): for every tile of 16 outputs o_j
+// Packed weight layout (the w4a8 family's pack_codes, kernels/w4a8.py): for every tile of 16 outputs o_j
 // (j < 16) and every 8 input columns k0..k7, 64 bytes; byte 4j + t holds u[o_j, k0+t] in its low nibble and
 // u[o_j, k4+t] in its high nibble. A 64-byte load masked with 0x0F is then, in dword j, the 4 codes u[o_j, k0..k3]
 // that vpdpbusd multiplies with the broadcast activations q[k0..k3]; shifted right by 4, the codes for k4..k7. Same

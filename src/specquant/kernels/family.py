@@ -1,4 +1,5 @@
-"""A kernel family: one arithmetic and one weight layout, built as variants in instruction-set order (best first).
+"""A native library: exported C functions built as variants in instruction-set order (best first); a kernel family
+is a library with one arithmetic and one weight layout (the W4 GEMMs; kernels/ops.py is a plain library).
 
 A family's variants all export the same C functions and read the same packed layout, so QuantLinear prepares a
 layer once per family whichever variant runs it; `auto` (the only policy) takes the first variant this CPU supports
@@ -16,12 +17,12 @@ from typing import Callable
 
 import torch
 
-from specquant.quant.kernels import build
-from specquant.quant.kernels.build import Variant
+from specquant.kernels import build
+from specquant.kernels.build import Variant
 
 log = logging.getLogger(__name__)
 
-_FAMILIES: list["Family"] = []  # every family made, so that SPECQUANT_NATIVE's variant names are checked against all
+_LIBRARIES: list["Library"] = []  # every library made, so that SPECQUANT_NATIVE's variant names are checked against all
 
 TILE = 16  # output rows per tile in every family's packed layout (one zmm, two ymm of fp32 results)
 
@@ -37,19 +38,17 @@ class Layout:
 
 
 @dataclass(eq=False)
-class Family:
+class Library:
     name: str
-    variants: tuple[Variant, ...]  # best first; adding one is a .cpp file and a row here
+    variants: tuple[Variant, ...]  # best first; adding one is a .cpp file (or flags) and a row here
     functions: dict  # exported C function -> ctypes argtypes, the same in every variant
-    layout: Layout
-    supports: Callable[[int, int, bool, int, int], bool]  # (bits, group, symmetric, in, out): can it take a layer
-    gemm: Callable  # (x [..., K], packed, scales, group, variant=None) -> fp32 [..., N], through ctypes
-    gemm_op: Callable  # the same as a torch operator, for torch.compile / torch.export
-    _loaded: dict = field(default_factory=dict, repr=False)  # variant name -> (library or None, reason)
-    _choice: tuple | None = field(default=None, repr=False)  # (variant or None, library or None, reason)
+    # variant name -> (library or None, reason); (variant or None, library or None, reason). Keyword-only, so that a
+    # subclass (Family) adds positional fields after the base's
+    _loaded: dict = field(default_factory=dict, repr=False, kw_only=True)
+    _choice: tuple | None = field(default=None, repr=False, kw_only=True)
 
     def __post_init__(self):
-        _FAMILIES.append(self)
+        _LIBRARIES.append(self)
 
     def load(self, variant: Variant) -> tuple[ctypes.CDLL | None, str]:
         """Build (or find cached) and load one variant; (library or None, why not)."""
@@ -66,7 +65,7 @@ class Family:
         """`auto`: the first variant that this CPU supports and that builds and loads (logged once), among those
         SPECQUANT_NATIVE keeps."""
         if self._choice is None:
-            keep = build.restriction({v.name for f in _FAMILIES for v in f.variants})
+            keep = build.restriction({v.name for f in _LIBRARIES for v in f.variants})
             reasons = []
             for v in self.variants:
                 if keep is not None and v.name not in keep:
@@ -85,7 +84,7 @@ class Family:
                         why += " (" + "; ".join(reasons) + ")"
                 else:
                     why = "; ".join(reasons) or "no variant listed"
-                log.info("native %s kernel unavailable (%s); QuantLinear uses its other backends", self.name, why)
+                log.info("native %s kernel unavailable (%s); its callers use their torch paths", self.name, why)
                 self._choice = (None, None, why)
         return self._choice
 
@@ -110,6 +109,14 @@ class Family:
         """Forget the loaded variants and the choice (after SPECQUANT_NATIVE changes: tests)."""
         self._loaded.clear()
         self._choice = None
+
+
+@dataclass(eq=False)
+class Family(Library):
+    layout: Layout
+    supports: Callable[[int, int, bool, int, int], bool]  # (bits, group, symmetric, in, out): can it take a layer
+    gemm: Callable  # (x [..., K], packed, scales, group, variant=None) -> fp32 [..., N], through ctypes
+    gemm_op: Callable  # the same as a torch operator, for torch.compile / torch.export
 
 
 def pack_scales(scale: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from specquant.quant.kernels.build import Variant
-from specquant.quant.kernels.family import GEMM_ARGS, TILE, Family, Layout, pack_scales, run_gemm
+from specquant.kernels.build import Variant
+from specquant.kernels.family import GEMM_ARGS, TILE, Family, Layout, pack_scales, run_gemm
 
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 VARIANTS = (  # best first

@@ -21,8 +21,8 @@ import ctypes
 
 import torch
 
-from specquant.quant.kernels.build import Variant
-from specquant.quant.kernels.family import GEMM_ARGS, TILE, Family, Layout, pack_scales, run_gemm
+from specquant.kernels.build import Variant
+from specquant.kernels.family import GEMM_ARGS, TILE, Family, Layout, pack_scales, run_gemm
 
 BLOCK = 32  # activations: one scale per 32 inputs (Q8_0's block)
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")

@@ -1,0 +1,148 @@
+"""The decoder's small fp32 ops as native calls (ops.cpp), each beside its torch reference, for eager CPU steps.
+
+  op            computes                                                   reference here (what the model runs else)
+  rms_norm      x·rsqrt(mean x² + eps)·(w + offset) [·silu(gate)],        rms_norm_reference
+                after an optional residual add (returned too)
+  swiglu        silu(gate)·up from a fused gate_up output [..., 2f]        swiglu_reference
+  attention     softmax(q·kᵀ·scale, causal and windowed by position)·v,   attention_reference
+                GQA, few queries over a K/V cache, out [b, t, heads, d]
+
+Why: a one-row eager step runs each of these as 4-10 torch ops of 2-5 us each (dispatch, not arithmetic), and
+torch's CPU flash-attention kernel spends about 200 us per layer on one query over 128 cached keys; the profile and
+the before / after step times are in docs/BENCH.md ("Native small ops").
+
+`usable(*tensors)` says when a call may take the native path: fp32 CPU tensors with a contiguous last dimension,
+no autograd, not inside torch.compile / torch.export tracing (a compiled or AOT-packaged step keeps the reference
+ops, which Inductor fuses itself), and the library built for this CPU. Results match the references to float
+rounding, not bit for bit (ops.cpp's comment says why); tests/test_native_ops.py compares every variant this CPU
+runs with them. SPECQUANT_NATIVE=off (or a variant list without these) leaves the model on the references.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from specquant.kernels.build import Variant
+from specquant.kernels.family import Library
+
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+VARIANTS = (  # best first; one source, the compiler vectorizes it for each instruction set
+    Variant("avx512", "ops.cpp", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"), ("avx512f", "avx512bw", "avx512vl")),
+    Variant("avx2", "ops.cpp", ("-mavx2", "-mfma"), ("avx2", "fma")),
+    Variant("portable", "ops.cpp", (), ()),
+)
+FUNCTIONS = {
+    "specquant_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _F32, _PTR, _F32, _PTR, _INT],
+    "specquant_swiglu": [_PTR, _I64, _I64, _PTR, _INT],
+    "specquant_attention": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                            _I64, _I64, _I64, _F32, _PTR, _INT],
+}
+LIBRARY = Library("ops", VARIANTS, FUNCTIONS)
+
+
+def usable(*tensors: torch.Tensor | None) -> bool:
+    """Whether these tensors may go through the native ops (module docstring); None entries are skipped."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in tensors)):
+        return False
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1):
+            return False
+    return LIBRARY.library() is not None
+
+
+def _lib(variant: Variant | None):
+    return LIBRARY.lib_for(variant)
+
+
+def _check(status: int, name: str, detail: str):
+    if status:
+        raise ValueError(f"native {name} rejected its arguments (status {status}): {detail}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+             variant: Variant | None = None):
+    """rms_norm_reference, natively: y (x's shape), or (x + residual, y) when residual is given. x, residual and
+    gate contiguous and of one shape."""
+    shape, dim = x.shape, x.shape[-1]
+    rows = x.numel() // dim
+    for t in (residual, gate):
+        if t is not None and (t.shape != shape or not t.is_contiguous()):
+            raise ValueError(f"rms_norm: residual / gate of shape {tuple(t.shape)} against x {tuple(shape)}")
+    x = x.contiguous()
+    y = torch.empty(shape, dtype=torch.float32)
+    total = torch.empty(shape, dtype=torch.float32) if residual is not None else None
+    w = weight.contiguous()
+    status = _lib(variant).specquant_rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), None if total is None else total.data_ptr(),
+        rows, dim, dim, w.data_ptr(), offset, None if gate is None else gate.data_ptr(), eps, y.data_ptr(),
+        torch.get_num_threads())
+    _check(status, "rms_norm", f"rows {rows} dim {dim}")
+    return y if residual is None else (total, y)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                       residual: torch.Tensor | None = None, gate: torch.Tensor | None = None):
+    """The torch ops rms_norm fuses, as model/modules.py and model/norms.py write them for fp32."""
+    if residual is not None:
+        x = x + residual
+    w = weight.float() + offset if offset else weight
+    y = w * F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    if gate is not None:
+        y = y * F.silu(gate.float())
+    return y if residual is None else (x, y)
+
+
+def swiglu(gate_up: torch.Tensor, variant: Variant | None = None) -> torch.Tensor:
+    """swiglu_reference, natively; gate_up contiguous [..., 2f] -> [..., f]."""
+    f2 = gate_up.shape[-1]
+    if f2 % 2 or not gate_up.is_contiguous():
+        raise ValueError(f"swiglu takes a contiguous [..., 2f] tensor, got {tuple(gate_up.shape)}")
+    rows = gate_up.numel() // f2
+    y = torch.empty(*gate_up.shape[:-1], f2 // 2, dtype=torch.float32)
+    _check(_lib(variant).specquant_swiglu(gate_up.data_ptr(), rows, f2 // 2, y.data_ptr(), torch.get_num_threads()),
+           "swiglu", f"shape {tuple(gate_up.shape)}")
+    return y
+
+
+def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: int, k_pos: int,
+              window: int | None, scale: float | None = None, variant: Variant | None = None) -> torch.Tensor:
+    """attention_reference, natively. q [b, heads, t, d] (any strides with d contiguous); keys, values [b, kv_heads,
+    S, d] with S >= the keys used and position stride d (a K/V cache buffer or a slice of its positions): key j is at
+    position k_pos + j, for j < k_len = q_pos + t - k_pos. Returns [b, t, heads, d] contiguous."""
+    b, heads, t, d = q.shape
+    kv_heads = keys.shape[1]
+    k_len = q_pos + t - k_pos
+    if (keys.shape[0] != b or keys.shape[-1] != d or keys.stride(2) != d or values.stride() != keys.stride()
+            or values.shape != keys.shape or keys.shape[2] < k_len or heads % kv_heads):
+        raise ValueError(f"attention: q {tuple(q.shape)} against keys {tuple(keys.shape)} / values "
+                         f"{tuple(values.shape)} (strides {keys.stride()} / {values.stride()}), {k_len} keys")
+    out = torch.empty(b, t, heads, d, dtype=torch.float32)
+    status = _lib(variant).specquant_attention(
+        q.data_ptr(), b, heads, t, d, q.stride(0), q.stride(1), q.stride(2), keys.data_ptr(), values.data_ptr(),
+        kv_heads, k_len, keys.stride(0), keys.stride(1), q_pos, k_pos, window or 0,
+        d ** -0.5 if scale is None else scale, out.data_ptr(), torch.get_num_threads())
+    _check(status, "attention", f"q {tuple(q.shape)} at {q_pos}, {k_len} keys from {k_pos}, window {window}")
+    return out
+
+
+def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: int, k_pos: int,
+                        window: int | None, scale: float | None = None) -> torch.Tensor:
+    """SDPA with enable_gqa under the position mask (causal, windowed): [b, t, heads, d]."""
+    t = q.shape[2]
+    k_len = q_pos + t - k_pos
+    qp = torch.arange(q_pos, q_pos + t)[:, None]
+    kp = torch.arange(k_pos, k_pos + k_len)[None, :]
+    mask = (kp <= qp) & ((kp > qp - window) if window else True)
+    out = F.scaled_dot_product_attention(q, keys[:, :, :k_len], values[:, :, :k_len], attn_mask=mask,
+                                         enable_gqa=keys.shape[1] != q.shape[1], scale=scale)
+    return out.transpose(1, 2).contiguous()

@@ -1,0 +1,167 @@
+"""kernels/ops.py: every native op, on every variant this CPU runs, against its torch reference; and the model
+with the native ops against the model on the references (SPECQUANT_NATIVE=off's path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specquant.kernels import ops
+
+VARIANTS = [v for v in ops.LIBRARY.supported_variants() if ops.LIBRARY.load(v)[0] is not None]
+pytestmark = pytest.mark.skipif(not VARIANTS, reason="no native ops variant builds here (no C++ compiler?)")
+
+
+def close(a, b, rtol=2e-6, atol=2e-6):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.fixture(params=VARIANTS, ids=lambda v: v.name)
+def variant(request):
+    return request.param
+
+
+def test_every_supported_variant_builds():
+    """Each variant this CPU can run builds and loads (a silent fallback would hide a broken source)."""
+    for v in ops.LIBRARY.supported_variants():
+        lib, why = ops.LIBRARY.load(v)
+        assert lib is not None, f"{v.name}: {why}"
+    assert ops.LIBRARY.variants[-1].name == "portable" and not ops.LIBRARY.variants[-1].flags
+
+
+@pytest.mark.parametrize("dim", [1, 7, 64, 1024, 2560])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("form", ["plain", "zero_centred", "residual", "gated"])
+def test_rms_norm_matches_reference(variant, dim, rows, form):
+    g = torch.Generator().manual_seed(dim * 31 + rows)
+    x = torch.randn(1, rows, dim, generator=g) * 3
+    w = torch.randn(dim, generator=g)
+    kw = {"offset": 1.0} if form == "zero_centred" else {}
+    if form == "residual":
+        kw["residual"] = torch.randn(1, rows, dim, generator=g)
+    if form == "gated":
+        kw["gate"] = torch.randn(1, rows, dim, generator=g) * 4
+    got = ops.rms_norm(x, w, 1e-6, variant=variant, **kw)
+    want = ops.rms_norm_reference(x, w, 1e-6, **kw)
+    if form == "residual":
+        assert torch.equal(got[0], want[0])  # the sum is one fp32 add either way
+        close(got[1], want[1])
+    else:
+        close(got, want)
+
+
+def test_rms_norm_rows_are_independent(variant):
+    """A row's result does not depend on the rows beside it (batch invariance of the decode / verify steps)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 1024, generator=g), torch.randn(1024, generator=g)
+    alone = torch.cat([ops.rms_norm(x[i : i + 1], w, 1e-6, variant=variant) for i in range(9)])
+    assert torch.equal(ops.rms_norm(x, w, 1e-6, variant=variant), alone)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 3072), (1, 5, 2 * 96), (2, 3, 2 * 7)])
+def test_swiglu_matches_reference(variant, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 6  # both tails of silu
+    x.view(-1)[:4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    close(ops.swiglu(x, variant=variant), ops.swiglu_reference(x))
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(16, 8, 128), (4, 4, 64), (8, 2, 80), (6, 3, 24)])
+@pytest.mark.parametrize("t,q_pos,window", [(1, 0, None), (1, 127, None), (4, 60, None), (16, 200, None),
+                                            (8, 50, 16), (1, 300, 64)])
+def test_attention_matches_reference(variant, heads, kv_heads, d, t, q_pos, window):
+    g = torch.Generator().manual_seed(heads + 7 * t + q_pos)
+    k_pos = 0 if window is None else max(0, q_pos - window + 1)
+    k_len = q_pos + t - k_pos
+    cap = k_len + 5  # a cache buffer longer than the keys used
+    keys = torch.randn(2, kv_heads, cap, d, generator=g)
+    values = torch.randn(2, kv_heads, cap, d, generator=g)
+    qk = torch.randn(2, t, heads + kv_heads, d, generator=g) * 2
+    q = qk[:, :, :heads].transpose(1, 2)  # strided, as the fused projection's view
+    got = ops.attention(q, keys, values, q_pos, k_pos, window, variant=variant)
+    close(got, ops.attention_reference(q, keys, values, q_pos, k_pos, window), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_thread_count_does_not_change_results(variant):
+    g = torch.Generator().manual_seed(11)
+    keys, values = torch.randn(1, 8, 130, 128, generator=g), torch.randn(1, 8, 130, 128, generator=g)
+    q = torch.randn(1, 16, 3, 128, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.attention(q, keys, values, 127, 0, None, variant=variant)
+        torch.set_num_threads(2)
+        two = ops.attention(q, keys, values, 127, 0, None, variant=variant)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_attention_rejects_a_query_that_sees_no_key(variant):
+    q, kv = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="status [12]"):
+        ops.attention(q, kv, kv, 2, 3, None, variant=variant)  # query at 2 before the first key at 3
+
+
+def test_usable_rules():
+    x = torch.randn(2, 8)
+    assert ops.usable(x, None)
+    assert not ops.usable(x.bfloat16())
+    assert not ops.usable(x.t())  # last dim strided
+    w = torch.randn(8, requires_grad=True)
+    assert not ops.usable(x, w)
+    with torch.no_grad():
+        assert ops.usable(x, w)
+
+
+def _steps(model, ids, monkeypatch, native: bool):
+    """Logits of a prefill, decode steps and verify steps with rollbacks (every kind of cached step), and how many
+    times each native op ran."""
+    calls = {}
+    if native:
+        for name in ("rms_norm", "swiglu", "attention"):
+            def counted(*a, _f=getattr(ops, name), _n=name, **k):
+                calls[_n] = calls.get(_n, 0) + 1
+                return _f(*a, **k)
+            monkeypatch.setattr(ops, name, counted)
+    else:
+        monkeypatch.setattr(ops, "usable", lambda *tensors: False)
+    out = []
+    with torch.inference_mode():
+        model.setup_cache(1, 96, max_block=8)
+        out.append(model(ids[:, :40], 0))
+        pos = 40
+        for t in (1, 1, 3, 4, 6, 1, 2):
+            out.append(model(ids[:, pos : pos + t], pos))
+            pos += t - (t > 2)  # reject the last of a longer block: the next step starts before its end
+            model.rollback(pos)
+    monkeypatch.undo()
+    return out, calls
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_window", "hybrid"])
+def test_model_steps_with_native_ops_match_the_reference_ops(kind, monkeypatch):
+    from specquant.model.config import ModelConfig
+    from specquant.model.decoder import Transformer
+    from specquant.model.fuse import fuse_projections
+
+    if kind == "hybrid":
+        from _qwen35_models import hf_config
+
+        cfg = ModelConfig.from_hf(hf_config("gva").to_dict())
+    else:
+        cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, qk_norm=True,
+                          sliding_window=16 if kind == "qwen3_window" else None)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+    fuse_projections(model)
+    ids = torch.randint(0, cfg.vocab_size, (1, 80), generator=torch.Generator().manual_seed(1))
+    ref, none = _steps(model, ids, monkeypatch, native=False)
+    got, calls = _steps(model, ids, monkeypatch, native=True)
+    assert not none and set(calls) == {"rms_norm", "swiglu", "attention"}, calls  # the native paths did run
+    for a, b in zip(got, ref):
+        close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
