@@ -79,8 +79,10 @@ def test_drafter_receives_exactly_the_targets_hidden_states(pair, graphs):
         _, reference = target(seq, hidden_layers=(0, 2))  # cache-free, all positions at once
     got = torch.stack(drafter.context)  # the positions the target verified: all but the last emitted token
     assert got.shape[0] == seq.shape[1] - 1
-    # graphs run the static cache (attention over the whole buffer under a mask): another summation order
-    tol = 1e-3 if graphs else 1e-4
+    # other summation orders than the cache-free forward's SDPA: graphs run the static cache (attention over the
+    # whole buffer under a mask), eager fp32 CPU steps the native few-query attention and norms (kernels/ops.py;
+    # 3.5e-4 measured on a 1e-4 tolerance); both ~1e-6 relative per op against float64, compounded over the layers
+    tol = 1e-3
     torch.testing.assert_close(got, reference[0, : got.shape[0]], rtol=tol, atol=tol)
 
 

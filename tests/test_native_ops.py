@@ -118,7 +118,7 @@ def _steps(model, ids, monkeypatch, native: bool):
     times each native op ran."""
     calls = {}
     if native:
-        for name in ("rms_norm", "swiglu", "attention"):
+        for name in ("rms_norm", "swiglu", "attention", "norm_rope", "delta_step"):
             def counted(*a, _f=getattr(ops, name), _n=name, **k):
                 calls[_n] = calls.get(_n, 0) + 1
                 return _f(*a, **k)
@@ -147,7 +147,7 @@ def test_model_steps_with_native_ops_match_the_reference_ops(kind, monkeypatch):
     if kind == "hybrid":
         from _qwen35_models import hf_config
 
-        cfg = ModelConfig.from_hf(hf_config("gva").to_dict())
+        cfg = ModelConfig.from_hf(hf_config("gva", linear_value_head_dim=32).to_dict())  # V % 16: delta_step
     else:
         cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, qk_norm=True,
@@ -161,7 +161,43 @@ def test_model_steps_with_native_ops_match_the_reference_ops(kind, monkeypatch):
     ids = torch.randint(0, cfg.vocab_size, (1, 80), generator=torch.Generator().manual_seed(1))
     ref, none = _steps(model, ids, monkeypatch, native=False)
     got, calls = _steps(model, ids, monkeypatch, native=True)
-    assert not none and set(calls) == {"rms_norm", "swiglu", "attention"}, calls  # the native paths did run
+    expected = {"rms_norm", "swiglu", "attention", "norm_rope"} | ({"delta_step"} if kind == "hybrid" else set())
+    assert not none and set(calls) == expected, calls  # the native paths did run
     for a, b in zip(got, ref):
         close(a, b, rtol=1e-4, atol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("heads,d,rot,w_rows", [(24, 128, 128, 24), (6, 24, 6, 1), (3, 20, 10, 1), (4, 32, 0, 1),
+                                               (5, 16, 16, 0)])
+@pytest.mark.parametrize("t", [1, 3])
+def test_norm_rope_matches_reference(variant, heads, d, rot, w_rows, t):
+    from specquant.model.rope import rope_tables
+
+    g = torch.Generator().manual_seed(heads * d + t)
+    y = torch.randn(2, t, heads * d + 40, generator=g) * 2  # a fused projection's output: heads, then other columns
+    x = y[..., : heads * d].view(2, t, heads, d)
+    cos, sin = rope_tables(rot, 10000.0, None, 64, 64) if rot else (torch.zeros(64, 0), torch.zeros(64, 0))
+    cos, sin = cos[30 : 30 + t], sin[30 : 30 + t]
+    kw = dict(normalize=w_rows > 0, eps=1e-6)
+    if w_rows:
+        kw["weight"] = torch.randn(w_rows, d, generator=g).squeeze(0)
+        kw["offset"] = 1.0 if w_rows == 1 else 0.0
+    close(ops.norm_rope(x, cos, sin, variant=variant, **kw), ops.norm_rope_reference(x, cos, sin, **kw))
+
+
+@pytest.mark.parametrize("hk,h,kd,vd,t", [(16, 32, 128, 128, 1), (2, 4, 12, 32, 1), (3, 3, 10, 16, 3), (2, 4, 24, 48, 5)])
+def test_delta_step_matches_step_rule(variant, hk, h, kd, vd, t):
+    from specquant.model.gated_delta import l2_normalize, recurrent_rule, step_rule
+
+    g = torch.Generator().manual_seed(h * kd + t)
+    q, k = (l2_normalize(torch.randn(2, t, hk, kd, generator=g)) for _ in range(2))
+    v = torch.randn(2, t, h, vd, generator=g)
+    gate, beta = -torch.rand(2, t, h, generator=g) * 3, torch.rand(2, t, h, generator=g)
+    state = torch.randn(2, h, kd, vd, generator=g)
+    keep = state.clone()
+    got = ops.delta_step(q, k, v, gate, beta, state, kd ** -0.5, variant=variant)
+    want = (step_rule if t == 1 else recurrent_rule)(q, k, v, gate, beta, state, kd ** -0.5)
+    assert torch.equal(state, keep)  # the state before is kept (the cache's anchor)
+    for a, b in zip(got, want):
+        close(a, b, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,14 @@
 namespace {
 
 constexpr int LANES = 16;
-constexpr int VCHUNK = 64;  // attention: output columns accumulated together (4 zmm / 8 ymm)
+// attention: query rows done together, and output columns accumulated together per row (ROWS x VCHUNK floats in
+// registers: 16 zmm with AVX-512, 16 ymm with AVX2)
+constexpr int ROWS = 4;
+#ifdef __AVX512F__
+constexpr int VCHUNK = 64;
+#else
+constexpr int VCHUNK = 32;
+#endif
 
 // exp(x) for x <= 88 (x below -87 gives about 1e-38 rather than 0, harmless where it is used: a softmax term or a
 // SiLU denominator): x = n·ln2 + r, |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial (truncation below 6e-9
@@ -62,6 +69,53 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum + tail;
 }
 
+// 16 floats as one value: g++ lowers it to one zmm, two ymm or four xmm by the build's instruction set, so one
+// source is explicit SIMD in every variant
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// the lanes of a, added in dot's order
+inline float sum_lanes(v16 a) {
+  float h8[8], h4[4];
+  for (int l = 0; l < 8; ++l) h8[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) h4[l] = h8[l] + h8[l + 4];
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// dot(q[rr], k, n) for ROWS query rows at once, bit for bit as dot: k is loaded once for all of them
+inline void dot_rows(const float* const* q, const float* k, int64_t n, float* out) {
+  v16 acc[ROWS] = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const v16 kv = load16(k + i);
+    for (int rr = 0; rr < ROWS; ++rr) acc[rr] += load16(q[rr] + i) * kv;
+  }
+  for (int rr = 0; rr < ROWS; ++rr) {
+    float tail = 0.0f;
+    for (int64_t c = i; c < n; ++c) tail += q[rr][c] * k[c];
+    out[rr] = sum_lanes(acc[rr]) + tail;
+  }
+}
+
+// 1 / sqrt(mean(x²) + eps), the sum of squares in double (16 lanes): the one reduction of the norms, kept exact
+// enough that the result is torch's correctly rounded value or next to it (its own fp32 sum is cascaded)
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  double acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] += static_cast<double>(x[i + l]) * x[i + l];
+  double sum = 0.0;
+  for (; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
+  for (int l = 0; l < LANES; ++l) sum += acc[l];
+  const float mean = static_cast<float>(sum / static_cast<double>(n));
+  return 1.0f / sqrtf(mean + eps);
+}
+
 }  // namespace
 
 extern "C" {
@@ -84,13 +138,98 @@ int specquant_rms_norm(const float* in, const float* residual, float* sum_out, i
       for (int64_t i = 0; i < dim; ++i) s[i] = x[i] + res[i];
       x = s;
     }
-    const float mean = dot(x, x, dim) / static_cast<float>(dim);
-    const float inv = 1.0f / sqrtf(mean + eps);
+    const float inv = inv_rms(x, dim, eps);
     if (gate) {
       const float* g = gate + r * stride;
-      for (int64_t i = 0; i < dim; ++i) out[i] = (x[i] * inv) * (w[i] + offset) * silu(g[i]);
+      // libm's expf here, not exp_poly: the gate's rounding is what a hybrid's logits are most sensitive to (one
+      // gated norm per DeltaNet layer; measured against transformers in tests/test_qwen35_model.py)
+      for (int64_t i = 0; i < dim; ++i) out[i] = (x[i] * inv) * (w[i] + offset) * (g[i] / (1.0f + expf(-g[i])));
     } else {
       for (int64_t i = 0; i < dim; ++i) out[i] = (x[i] * inv) * (w[i] + offset);
+    }
+  }
+  return 0;
+}
+
+// Per head vector of x [batch, t, heads, d] (strides sb, st, sh; d contiguous): optionally RMSNorm it (normalize:
+// x·rsqrt(mean x² + eps)·(w_h + offset), w_h = w + (h % w_rows)·d: one weight for every head, or one per head), then
+// rotate its first rot dims by RoPE at its position p < t: y[i] = n[i]·cos[p, i] + n[(i + rot/2) % rot]·sin[p, i]
+// (sin: the signed table, model/rope.py), the rest copied. out is [batch, heads, t, d] contiguous: the layout
+// attention reads, so no transpose follows. rot even, <= d; cos / sin are [t, rot] contiguous.
+int specquant_norm_rope(const float* x, int64_t batch, int64_t t, int64_t heads, int64_t d, int64_t sb,
+                        int64_t st, int64_t sh, int normalize, const float* w, int64_t w_rows, float offset,
+                        float eps, const float* cos, const float* sin, int64_t rot, float* out, int threads) {
+  if (batch <= 0 || t <= 0 || heads <= 0 || d <= 0 || rot < 0 || rot > d || rot > 1024 || rot % 2 ||
+      (normalize && w_rows <= 0))
+    return 1;
+  const int64_t vectors = batch * t * heads, half = rot / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (vectors * d >= (1 << 17) && threads > 1)
+  for (int64_t n = 0; n < vectors; ++n) {
+    const int64_t b = n / (t * heads), p = (n / heads) % t, h = n % heads;
+    const float* xv = x + b * sb + p * st + h * sh;
+    float* o = out + ((b * heads + h) * t + p) * d;
+    float* v = o;  // the normalized vector is built in place, then rotated from a copy of its first rot dims
+    if (normalize) {
+      const float* wh = w + (h % w_rows) * d;
+      const float inv = inv_rms(xv, d, eps);
+      for (int64_t i = 0; i < d; ++i) v[i] = (xv[i] * inv) * (wh[i] + offset);
+    } else {
+      memcpy(v, xv, sizeof(float) * d);
+    }
+    if (rot) {
+      float rotated[1024];  // rot <= 1024, checked above
+      memcpy(rotated, v, sizeof(float) * rot);
+      const float* c = cos + p * rot;
+      const float* s = sin + p * rot;
+      for (int64_t i = 0; i < half; ++i) o[i] = rotated[i] * c[i] + rotated[i + half] * s[i];
+      for (int64_t i = half; i < rot; ++i) o[i] = rotated[i] * c[i] + rotated[i - half] * s[i];
+    }
+  }
+  return 0;
+}
+
+// The gated delta rule token by token (model/gated_delta.py's step_rule, its torch twin), for T tokens from
+// state_in [batch, H, K, V] into state_out (a separate buffer: the cache keeps the state before): per value head h
+// (key head h / (H / Hk)) and token t, with S read before its decay,
+//   read_q = S^T q·scale, read_k = S^T k, d = e^g, delta = beta·(v - d·read_k), out = d·read_q + (q·k·scale)·delta,
+//   S = d·S + k deltaᵀ.
+// q, k [batch, T, Hk, K]; v, out, deltas [batch, T, H, V]; g, beta [batch, T, H]; all contiguous fp32. The state
+// is walked once, in blocks of 16 columns (K x 16 floats, in L1) carried through every token, so a step reads it
+// once and writes it once. One task per (batch, head).
+int specquant_delta_step(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                         const float* state_in, int64_t batch, int64_t t, int64_t hk, int64_t h, int64_t kd,
+                         int64_t vd, float scale, float* state_out, float* out, float* deltas, int threads) {
+  if (batch <= 0 || t <= 0 || hk <= 0 || h <= 0 || h % hk || kd <= 0 || vd <= 0 || vd % 16) return 1;
+  const int64_t tasks = batch * h, per_key = h / hk;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / h, hh = task % h, kh = hh / per_key;
+    const float* s_in = state_in + (b * h + hh) * kd * vd;
+    float* s_out = state_out + (b * h + hh) * kd * vd;
+    for (int64_t c0 = 0; c0 < vd; c0 += 16) {
+      for (int64_t i = 0; i < kd; ++i) memcpy(s_out + i * vd + c0, s_in + i * vd + c0, 64);
+      for (int64_t tt = 0; tt < t; ++tt) {
+        const float* qv = q + ((b * t + tt) * hk + kh) * kd;
+        const float* kv = k + ((b * t + tt) * hk + kh) * kd;
+        const int64_t gi = (b * t + tt) * h + hh;
+        const float dec = exp_poly(g[gi]), bt = beta[gi];
+        v16 rq = {}, rk = {};
+        for (int64_t i = 0; i < kd; ++i) {
+          const v16 row = load16(s_out + i * vd + c0);
+          rq += row * (qv[i] * scale);
+          rk += row * kv[i];
+        }
+        const float qk = dot(qv, kv, kd) * scale;
+        const v16 vv = load16(v + gi * vd + c0);
+        const v16 delta = bt * (vv - dec * rk);
+        const v16 o = dec * rq + qk * delta;
+        memcpy(out + gi * vd + c0, &o, 64);
+        memcpy(deltas + gi * vd + c0, &delta, 64);
+        for (int64_t i = 0; i < kd; ++i) {
+          const v16 row = load16(s_out + i * vd + c0) * dec + kv[i] * delta;
+          memcpy(s_out + i * vd + c0, &row, 64);
+        }
+      }
     }
   }
   return 0;
@@ -134,50 +273,73 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
     const int64_t b = task / kv_heads, kvh = task % kv_heads;
     const float* kb = keys + b * kv_sb + kvh * kv_sh;
     const float* vb = values + b * kv_sb + kvh * kv_sh;
-    float* s = static_cast<float*>(malloc(sizeof(float) * k_len));  // one row's scores, then its weights
-    if (!s) {
+    float* sbuf = static_cast<float*>(malloc(sizeof(float) * ROWS * k_len));  // ROWS rows' scores, then weights
+    if (!sbuf) {
 #pragma omp atomic write
       status = 3;
       continue;
     }
-    for (int64_t r = 0; r < rows; ++r) {  // row by row: its keys and values stream from L1 / L2 after the first
-      const int64_t h = kvh * group + r / t, i = r % t, p = q_pos + i;
-      const int64_t first = (window > 0 && p - window + 1 > k_pos ? p - window + 1 : k_pos) - k_pos;
-      const int64_t last = (p < k_pos + k_len - 1 ? p : k_pos + k_len - 1) - k_pos;  // keys [first, last]
-      const float* qr = q + b * q_sb + h * q_sh + i * q_st;
-      float m = -INFINITY;
-      for (int64_t j = first; j <= last; ++j) {
-        s[j] = dot(qr, kb + j * d, d) * scale;
-        m = s[j] > m ? s[j] : m;
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {  // ROWS query rows share each key and value row loaded
+      const float* qr[ROWS];
+      float* o[ROWS];
+      float* s[ROWS];
+      int64_t first[ROWS], last[ROWS];
+      for (int rr = 0; rr < ROWS; ++rr) {  // a block past the last row repeats that row (and discards it)
+        const int64_t r = r0 + rr < rows ? r0 + rr : rows - 1;
+        const int64_t h = kvh * group + r / t, i = r % t, p = q_pos + i;
+        first[rr] = (window > 0 && p - window + 1 > k_pos ? p - window + 1 : k_pos) - k_pos;
+        last[rr] = (p < k_pos + k_len - 1 ? p : k_pos + k_len - 1) - k_pos;  // row r sees keys [first, last]
+        qr[rr] = q + b * q_sb + h * q_sh + i * q_st;
+        o[rr] = out + ((b * t + i) * heads + h) * d;
+        s[rr] = sbuf + rr * k_len;
       }
-      float sum = 0.0f;
-      for (int64_t j = first; j <= last; ++j) {
-        s[j] = exp_poly(s[j] - m);
-        sum += s[j];
+      int64_t lo = first[0], hi = last[0];
+      for (int rr = 1; rr < ROWS; ++rr) {
+        lo = first[rr] < lo ? first[rr] : lo;
+        hi = last[rr] > hi ? last[rr] : hi;
       }
-      const float inv = 1.0f / sum;
-      float* o = out + ((b * t + i) * heads + h) * d;
+      for (int64_t j = lo; j <= hi; ++j) {
+        float dots[ROWS];
+        dot_rows(qr, kb + j * d, d, dots);
+        for (int rr = 0; rr < ROWS; ++rr) s[rr][j] = dots[rr] * scale;
+      }
+      for (int rr = 0; rr < ROWS; ++rr) {  // softmax over the row's own keys; weight 0 for the others
+        float m = -INFINITY;
+        for (int64_t j = first[rr]; j <= last[rr]; ++j) m = s[rr][j] > m ? s[rr][j] : m;
+        float sum = 0.0f;
+        for (int64_t j = first[rr]; j <= last[rr]; ++j) {
+          s[rr][j] = exp_poly(s[rr][j] - m);
+          sum += s[rr][j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = first[rr]; j <= last[rr]; ++j) s[rr][j] *= inv;
+        for (int64_t j = lo; j < first[rr]; ++j) s[rr][j] = 0.0f;
+        for (int64_t j = last[rr] + 1; j <= hi; ++j) s[rr][j] = 0.0f;
+      }
+      const int nr = rows - r0 < ROWS ? static_cast<int>(rows - r0) : ROWS;
       int64_t c0 = 0;
-      for (; c0 + VCHUNK <= d; c0 += VCHUNK) {  // VCHUNK accumulators held in registers across the keys
-        float part[VCHUNK] = {0};
-        for (int64_t j = first; j <= last; ++j) {
-          const float w = s[j];
-          const float* vj = vb + j * d + c0;
-          for (int l = 0; l < VCHUNK; ++l) part[l] += w * vj[l];
+      for (; c0 + VCHUNK <= d; c0 += VCHUNK) {  // ROWS x VCHUNK accumulators held in registers across the keys
+        v16 part[ROWS][VCHUNK / 16] = {};
+        for (int64_t j = lo; j <= hi; ++j) {
+          v16 vv[VCHUNK / 16];
+          for (int c = 0; c < VCHUNK / 16; ++c) vv[c] = load16(vb + j * d + c0 + 16 * c);
+          for (int rr = 0; rr < ROWS; ++rr) {
+            const float w = s[rr][j];
+            for (int c = 0; c < VCHUNK / 16; ++c) part[rr][c] += w * vv[c];
+          }
         }
-        for (int l = 0; l < VCHUNK; ++l) o[c0 + l] = part[l] * inv;
+        for (int rr = 0; rr < nr; ++rr) memcpy(o[rr] + c0, part[rr], sizeof(float) * VCHUNK);
       }
-      if (c0 < d) {
-        for (int64_t c = c0; c < d; ++c) o[c] = 0.0f;
-        for (int64_t j = first; j <= last; ++j) {
-          const float w = s[j];
+      for (int rr = 0; rr < nr && c0 < d; ++rr) {  // the d % VCHUNK columns left
+        for (int64_t c = c0; c < d; ++c) o[rr][c] = 0.0f;
+        for (int64_t j = lo; j <= hi; ++j) {
+          const float w = s[rr][j];
           const float* vj = vb + j * d;
-          for (int64_t c = c0; c < d; ++c) o[c] += w * vj[c];
+          for (int64_t c = c0; c < d; ++c) o[rr][c] += w * vj[c];
         }
-        for (int64_t c = c0; c < d; ++c) o[c] *= inv;
       }
     }
-    free(s);
+    free(sbuf);
   }
   return status;
 }

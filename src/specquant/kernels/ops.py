@@ -4,6 +4,9 @@
   rms_norm      x·rsqrt(mean x² + eps)·(w + offset) [·silu(gate)],        rms_norm_reference
                 after an optional residual add (returned too)
   swiglu        silu(gate)·up from a fused gate_up output [..., 2f]        swiglu_reference
+  norm_rope     per head: optional RMSNorm, then RoPE on the first rot     norm_rope_reference
+                dims; [b, t, heads, d] -> [b, heads, t, d]
+  delta_step    the gated delta rule token by token (state read once)   model/gated_delta.py step_rule
   attention     softmax(q·kᵀ·scale, causal and windowed by position)·v,   attention_reference
                 GQA, few queries over a K/V cache, out [b, t, heads, d]
 
@@ -37,6 +40,10 @@ VARIANTS = (  # best first; one source, the compiler vectorizes it for each inst
 FUNCTIONS = {
     "specquant_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _F32, _PTR, _F32, _PTR, _INT],
     "specquant_swiglu": [_PTR, _I64, _I64, _PTR, _INT],
+    "specquant_norm_rope": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _I64, _F32, _F32, _PTR, _PTR,
+                            _I64, _PTR, _INT],
+    "specquant_delta_step": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR,
+                             _PTR, _PTR, _INT],
     "specquant_attention": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
                             _I64, _I64, _I64, _F32, _PTR, _INT],
 }
@@ -112,6 +119,60 @@ def swiglu(gate_up: torch.Tensor, variant: Variant | None = None) -> torch.Tenso
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
+              eps: float = 1e-6, offset: float = 0.0, normalize: bool = True,
+              variant: Variant | None = None) -> torch.Tensor:
+    """norm_rope_reference, natively: x [b, t, heads, d] (any strides with d contiguous), cos / sin [t, rot] (rope
+    tables' rows, signed sin), weight [d] or [heads, d] (with normalize) -> [b, heads, t, d] contiguous."""
+    b, t, heads, d = x.shape
+    rot = cos.shape[-1]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    w = None
+    if normalize:
+        w = weight.contiguous()
+        if w.shape[-1] != d or w.numel() not in (d, heads * d):
+            raise ValueError(f"norm_rope: weight {tuple(weight.shape)} for {heads} heads of {d}")
+    if cos.shape != (t, rot) or sin.shape != (t, rot):
+        raise ValueError(f"norm_rope: cos / sin {tuple(cos.shape)} / {tuple(sin.shape)} for {t} positions")
+    out = torch.empty(b, heads, t, d, dtype=torch.float32)
+    status = _lib(variant).specquant_norm_rope(
+        x.data_ptr(), b, t, heads, d, x.stride(0), x.stride(1), x.stride(2), int(normalize),
+        None if w is None else w.data_ptr(), 0 if w is None else w.numel() // d, offset, eps, cos.data_ptr(),
+        sin.data_ptr(), rot, out.data_ptr(), torch.get_num_threads())
+    _check(status, "norm_rope", f"x {tuple(x.shape)}, rot {rot}")
+    return out
+
+
+def norm_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
+                        eps: float = 1e-6, offset: float = 0.0, normalize: bool = True) -> torch.Tensor:
+    """The torch ops norm_rope fuses: model/attention.py's per-head norm, then model/rope.py's apply_rope on the
+    first rot dims (gated_attention.apply_partial_rope)."""
+    d, rot = x.shape[-1], cos.shape[-1]
+    if normalize:
+        w = weight.float() + offset if offset else weight
+        x = w * F.rms_norm(x.float(), (d,), None, eps)
+    x = x.transpose(1, 2)
+    head = x[..., :rot]
+    head = head * cos + head.roll(rot // 2, -1) * sin
+    return (head if rot == d else torch.cat([head, x[..., rot:]], -1)).contiguous()
+
+
+def delta_step(q, k, v, g, beta, state, scale: float, variant: Variant | None = None):
+    """model/gated_delta.py's step_rule natively, for T >= 1 tokens: q, k [b, T, key_heads, K], v [b, T, heads, V],
+    g, beta [b, T, heads], state [b, heads, K, V] (not modified) -> (out [b, T, heads, V], new state, delta [b, T,
+    heads, V]), all fp32. V must be a multiple of 16."""
+    b, t, hk, kd = q.shape
+    h, vd = v.shape[2], v.shape[3]
+    args = [a.contiguous() for a in (q, k, v, g, beta, state)]
+    new_state = torch.empty_like(args[5])
+    out, delta = torch.empty(b, t, h, vd), torch.empty(b, t, h, vd)
+    status = _lib(variant).specquant_delta_step(*(a.data_ptr() for a in args), b, t, hk, h, kd, vd, scale,
+                                                new_state.data_ptr(), out.data_ptr(), delta.data_ptr(),
+                                                torch.get_num_threads())
+    _check(status, "delta_step", f"q {tuple(q.shape)}, v {tuple(v.shape)}")
+    return out, new_state, delta
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: int, k_pos: int,

@@ -107,9 +107,13 @@ class Attention(nn.Module):
             y, d, nqk = self.qkv_proj(x), self.head_dim, self.n_heads + self.n_kv
             qk = y[..., : nqk * d].view(b, t, nqk, d)
             v = y[..., nqk * d :].view(b, t, self.n_kv, d).transpose(1, 2)
-            if self.qk_norm_weight is not None:  # RMSNorm's math, with q_norm's / k_norm's weight per head
-                qk = self.qk_norm_weight * F.rms_norm(qk.float(), (d,), None, self.eps).to(qk.dtype)
-            qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, t, head_dim]
+            if ops.usable(qk, cos, sin):  # the norm and RoPE in one native call, out in the layout below
+                qk = ops.norm_rope(qk, cos, sin, self.qk_norm_weight, self.eps,
+                                   normalize=self.qk_norm_weight is not None)
+            else:
+                if self.qk_norm_weight is not None:  # RMSNorm's math, with q_norm's / k_norm's weight per head
+                    qk = self.qk_norm_weight * F.rms_norm(qk.float(), (d,), None, self.eps).to(qk.dtype)
+                qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, t, head_dim]
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         else:
             q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)

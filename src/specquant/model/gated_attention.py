@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from specquant.kernels import ops
 from specquant.model.attention import Attention
 from specquant.model.modules import Linear
 from specquant.model.norms import ZeroCentredRMSNorm
@@ -52,8 +53,13 @@ class GatedAttention(Attention):
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         qg = qg.view(b, t, h, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
-        q = apply_partial_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
-        k = apply_partial_rope(self.k_norm(k.view(b, t, kv, d)).transpose(1, 2), cos, sin)
+        k = k.view(b, t, kv, d)
+        if ops.usable(q, k, cos, sin):  # each norm and its partial RoPE in one native call
+            q = ops.norm_rope(q, cos, sin, self.q_norm.weight, self.q_norm.eps, self.q_norm.offset)
+            k = ops.norm_rope(k, cos, sin, self.k_norm.weight, self.k_norm.eps, self.k_norm.offset)
+        else:
+            q = apply_partial_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
+            k = apply_partial_rope(self.k_norm(k).transpose(1, 2), cos, sin)
         v = v.view(b, t, kv, d).transpose(1, 2)
         out = self.attend_cached(q, k, v, start_pos, input_pos, plan)  # [b, t, h * d]
         out = out * torch.sigmoid(gate.reshape(b, t, h * d))

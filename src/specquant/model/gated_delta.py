@@ -43,6 +43,8 @@ import importlib
 
 import torch
 
+from specquant.kernels import ops
+
 DEFAULT_CHUNK = 64  # tokens per chunk of the chunked form (flash-linear-attention's and transformers' choice)
 
 
@@ -202,11 +204,14 @@ def _fla_rule(q, k, v, g, beta, state, scale: float):
 def gated_delta_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DEFAULT_CHUNK,
                      need_delta: bool = True, allow_fla: bool = True, fast: bool = True):
     """The rule with the form that fits: fla's kernels when usable and no delta is needed, else one token ->
-    step_rule (fast=False: recurrent_rule, its reference), a block -> chunk_rule (so a verify of k+1 tokens is a
+    step_rule (fp32 CPU eager: its native twin, kernels.ops.delta_step; fast=False: recurrent_rule, the
+    reference), a block -> chunk_rule (so a verify of k+1 tokens is a
     few matmuls, not a token loop)."""
     if allow_fla and not need_delta and fla_available(q.device):
         return _fla_rule(q, k, v, g, beta, state, scale)
     if q.shape[1] == 1:
+        if fast and v.shape[-1] % 16 == 0 and ops.usable(q, k, v, g, beta, state):  # step_rule in one native call
+            return ops.delta_step(q, k, v, g, beta, state, scale)
         return (step_rule if fast else recurrent_rule)(q, k, v, g, beta, state, scale)
     return chunk_rule(q, k, v, g, beta, state, scale, chunk_size)
 
