@@ -15,8 +15,9 @@ divided by the streamed read bandwidth measured at the start of the same run (to
 than the LLC). `floor tok/s` is 1 / that time: no memory-bound engine can beat it.
 
 Breakdown (ms per forward, each part timed alone in the same repetition): `linears` = every decoder-layer Linear
-called on T rows in layer order; `attention` = scaled_dot_product_attention per attention layer on that layer's
-cache, with the model's mask; `rule` (hybrids) = the gated delta rule per DeltaNet layer on T rows from a state of
+called on T rows in layer order; `attention` = the attention per attention layer on that layer's
+cache as the decoder runs it (kernels.ops.attention for fp32 CPU steps of up to NATIVE_MAX_ROWS queries, else
+SDPA with the model's mask); `rule` (hybrids) = the gated delta rule per DeltaNet layer on T rows from a state of
 the layer's shape, keeping the per-token deltas as a verify does (model/gated_delta.py: the recurrent form for one
 token, the chunked form for more); `lm_head` = the head on T rows; `rest` = step minus those (norms, RoPE, the
 causal conv, cache writes and the DeltaNet rollback record, embedding, Python).
@@ -67,7 +68,8 @@ from pathlib import Path
 
 import torch
 
-from specquant.model.attention import Attention
+from specquant.kernels import LIBRARIES, ops
+from specquant.model.attention import NATIVE_MAX_ROWS, Attention
 from specquant.model.checkpoint import read_config
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
@@ -76,7 +78,6 @@ from specquant.model.fuse import fuse_projections
 from specquant.model.gated_delta import gated_delta_rule, l2_normalize
 from specquant.model.modules import Linear
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
-from specquant.kernels import FAMILIES
 from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
 
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,
@@ -239,8 +240,13 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bo
     delta = deltanet_mixers(model)
     rule_in = {t: rule_inputs(delta[0], t, gen) for t in rows} if delta else {}
 
-    def attention(t):  # the decoder's own choice of path (Attention.plan / attend), mask built once per step
+    def attention(t):  # the decoder's own choice of path: the native kernel (Attention.attend_cached's rule), else
+        # SDPA under the step's plan (Attention.plan / attend), mask built once per step
         q = torch.randn(1, cfg.num_attention_heads, t, cfg.head_dim, dtype=dtype)
+        if t <= NATIVE_MAX_ROWS and ops.usable(q, attn[0].cache.k):
+            for a in attn:
+                ops.attention(q, a.cache.k, a.cache.v, context, 0, a.window)
+            return
         mask, folded = attn[0].plan(context, t, q.dtype, q.device)
         for a in attn:
             a.attend(q, a.cache.k[:, :, : context + t], a.cache.v[:, :, : context + t], mask, folded)
@@ -430,7 +436,7 @@ def main():
     torch.set_num_threads(args.threads)
     rows = sorted({1, *(int(r) for r in args.rows.split(","))})
     bw = streamed_bandwidth()
-    kernels = {name: f.why() for name, f in FAMILIES.items()}  # SPECQUANT_NATIVE=avx2,portable: an AVX2 CPU's choice
+    kernels = {name: f.why() for name, f in LIBRARIES.items()}  # SPECQUANT_NATIVE=avx2,portable: an AVX2 CPU's choice
     print(f"streamed read bandwidth: {bw:.1f} GB/s, {args.threads} threads, context {args.context}, "
           f"load average {os.getloadavg()[0]:.1f}; native kernels: "
           + ", ".join(f"{k} {v}" for k, v in kernels.items()), flush=True)

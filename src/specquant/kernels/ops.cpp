@@ -20,12 +20,12 @@ namespace {
 
 constexpr int LANES = 16;
 // attention: query rows done together, and output columns accumulated together per row (ROWS x VCHUNK floats in
-// registers: 16 zmm with AVX-512, 16 ymm with AVX2)
+// registers: 16 zmm with AVX-512, 8 ymm with AVX2)
 constexpr int ROWS = 4;
 #ifdef __AVX512F__
 constexpr int VCHUNK = 64;
 #else
-constexpr int VCHUNK = 32;
+constexpr int VCHUNK = 16;
 #endif
 
 // exp(x) for x <= 88 (x below -87 gives about 1e-38 rather than 0, harmless where it is used: a softmax term or a
@@ -69,27 +69,75 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum + tail;
 }
 
-// 16 floats as one value: g++ lowers it to one zmm, two ymm or four xmm by the build's instruction set, so one
-// source is explicit SIMD in every variant
-typedef float v16 __attribute__((vector_size(64)));
+// 16 floats as one value, held as 16 / W native vectors of W lanes (W = 16 with AVX-512, 8 with AVX2, 4 with the
+// baseline's SSE2): one source is explicit SIMD in every variant, and lane l of a 16-float group is the same lane,
+// with the same arithmetic, whatever W (so variants differ only where noted). g++ keeps these in registers once
+// the always-inline helpers are inlined.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+constexpr int NV = 16 / W;
+struct v16 {
+  vf p[NV];
+};
+#define SQ_INLINE inline __attribute__((always_inline))
 
-inline v16 load16(const float* p) {
+// one native load / store per vector (a single 64-byte memcpy of the struct is split by g++ into 16-byte moves,
+// and the wider loads that follow then stall on store forwarding: 5x slower with AVX2)
+SQ_INLINE v16 load16(const float* ptr) {
   v16 v;
-  memcpy(&v, p, sizeof v);
+  for (int u = 0; u < NV; ++u) memcpy(&v.p[u], ptr + u * W, sizeof(vf));
   return v;
 }
+SQ_INLINE void store16(float* ptr, const v16& v) {
+  for (int u = 0; u < NV; ++u) memcpy(ptr + u * W, &v.p[u], sizeof(vf));
+}
+SQ_INLINE v16 operator+(const v16& a, const v16& b) {
+  v16 r;
+  for (int u = 0; u < NV; ++u) r.p[u] = a.p[u] + b.p[u];
+  return r;
+}
+SQ_INLINE v16 operator-(const v16& a, const v16& b) {
+  v16 r;
+  for (int u = 0; u < NV; ++u) r.p[u] = a.p[u] - b.p[u];
+  return r;
+}
+SQ_INLINE v16 operator*(const v16& a, const v16& b) {
+  v16 r;
+  for (int u = 0; u < NV; ++u) r.p[u] = a.p[u] * b.p[u];
+  return r;
+}
+SQ_INLINE v16 operator*(const v16& a, float b) {
+  v16 r;
+  for (int u = 0; u < NV; ++u) r.p[u] = a.p[u] * b;
+  return r;
+}
+SQ_INLINE v16 operator*(float b, const v16& a) { return a * b; }
+SQ_INLINE v16& operator+=(v16& a, const v16& b) { return a = a + b; }
+SQ_INLINE v16 zero16() {
+  v16 r;
+  for (int u = 0; u < NV; ++u) r.p[u] = vf{} ;
+  return r;
+}
 
-// the lanes of a, added in dot's order
-inline float sum_lanes(v16 a) {
-  float h8[8], h4[4];
-  for (int l = 0; l < 8; ++l) h8[l] = a[l] + a[l + 8];
+// the 16 lanes of a, added in dot's order
+SQ_INLINE float sum_lanes(const v16& a) {
+  float l16[16], h8[8], h4[4];
+  store16(l16, a);
+  for (int l = 0; l < 8; ++l) h8[l] = l16[l] + l16[l + 8];
   for (int l = 0; l < 4; ++l) h4[l] = h8[l] + h8[l + 4];
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
 // dot(q[rr], k, n) for ROWS query rows at once, bit for bit as dot: k is loaded once for all of them
 inline void dot_rows(const float* const* q, const float* k, int64_t n, float* out) {
-  v16 acc[ROWS] = {};
+  v16 acc[ROWS];
+  for (int rr = 0; rr < ROWS; ++rr) acc[rr] = zero16();
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES) {
     const v16 kv = load16(k + i);
@@ -213,7 +261,7 @@ int specquant_delta_step(const float* q, const float* k, const float* v, const f
         const float* kv = k + ((b * t + tt) * hk + kh) * kd;
         const int64_t gi = (b * t + tt) * h + hh;
         const float dec = exp_poly(g[gi]), bt = beta[gi];
-        v16 rq = {}, rk = {};
+        v16 rq = zero16(), rk = zero16();
         for (int64_t i = 0; i < kd; ++i) {
           const v16 row = load16(s_out + i * vd + c0);
           rq += row * (qv[i] * scale);
@@ -223,11 +271,11 @@ int specquant_delta_step(const float* q, const float* k, const float* v, const f
         const v16 vv = load16(v + gi * vd + c0);
         const v16 delta = bt * (vv - dec * rk);
         const v16 o = dec * rq + qk * delta;
-        memcpy(out + gi * vd + c0, &o, 64);
-        memcpy(deltas + gi * vd + c0, &delta, 64);
+        store16(out + gi * vd + c0, o);
+        store16(deltas + gi * vd + c0, delta);
         for (int64_t i = 0; i < kd; ++i) {
           const v16 row = load16(s_out + i * vd + c0) * dec + kv[i] * delta;
-          memcpy(s_out + i * vd + c0, &row, 64);
+          store16(s_out + i * vd + c0, row);
         }
       }
     }
@@ -319,7 +367,9 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
       const int nr = rows - r0 < ROWS ? static_cast<int>(rows - r0) : ROWS;
       int64_t c0 = 0;
       for (; c0 + VCHUNK <= d; c0 += VCHUNK) {  // ROWS x VCHUNK accumulators held in registers across the keys
-        v16 part[ROWS][VCHUNK / 16] = {};
+        v16 part[ROWS][VCHUNK / 16];
+        for (int rr = 0; rr < ROWS; ++rr)
+          for (int c = 0; c < VCHUNK / 16; ++c) part[rr][c] = zero16();
         for (int64_t j = lo; j <= hi; ++j) {
           v16 vv[VCHUNK / 16];
           for (int c = 0; c < VCHUNK / 16; ++c) vv[c] = load16(vb + j * d + c0 + 16 * c);
@@ -328,7 +378,8 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
             for (int c = 0; c < VCHUNK / 16; ++c) part[rr][c] += w * vv[c];
           }
         }
-        for (int rr = 0; rr < nr; ++rr) memcpy(o[rr] + c0, part[rr], sizeof(float) * VCHUNK);
+        for (int rr = 0; rr < nr; ++rr)
+          for (int c = 0; c < VCHUNK / 16; ++c) store16(o[rr] + c0 + 16 * c, part[rr][c]);
       }
       for (int rr = 0; rr < nr && c0 < d; ++rr) {  // the d % VCHUNK columns left
         for (int64_t c = c0; c < d; ++c) o[rr][c] = 0.0f;
