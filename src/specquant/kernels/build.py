@@ -34,6 +34,10 @@ KERNEL_DIR = Path(__file__).resolve().parent
 # -ffp-contract=off: every fused multiply-add is written out, so variants that promise the same bits get them
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
 SWITCH = "SPECQUANT_NATIVE"
+# the instruction-set flags every library's variants build with, and the /proc/cpuinfo flags they need; a variant
+# adds its extension (avx512_bf16, avx512_vnni) to the AVX-512 base
+AVX512_FLAGS, AVX512_CPU = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"), ("avx512f", "avx512bw", "avx512vl")
+AVX2_FLAGS, AVX2_CPU = ("-mavx2", "-mfma"), ("avx2", "fma")
 OFF, ON = ("off", "0"), ("", "on", "1", "auto")
 
 

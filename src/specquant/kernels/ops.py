@@ -28,13 +28,13 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from specquant.kernels.build import Variant
+from specquant.kernels.build import AVX2_CPU, AVX2_FLAGS, AVX512_CPU, AVX512_FLAGS, Variant
 from specquant.kernels.family import Library
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 VARIANTS = (  # best first; one source, the compiler vectorizes it for each instruction set
-    Variant("avx512", "ops.cpp", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"), ("avx512f", "avx512bw", "avx512vl")),
-    Variant("avx2", "ops.cpp", ("-mavx2", "-mfma"), ("avx2", "fma")),
+    Variant("avx512", "ops.cpp", AVX512_FLAGS, AVX512_CPU),
+    Variant("avx2", "ops.cpp", AVX2_FLAGS, AVX2_CPU),
     Variant("portable", "ops.cpp", (), ()),
 )
 FUNCTIONS = {

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from specquant.kernels.build import Variant
+from specquant.kernels.build import AVX2_CPU, AVX2_FLAGS, AVX512_CPU, AVX512_FLAGS, Variant
 from specquant.kernels.family import GEMM_ARGS, TILE, Family, Layout, pack_scales, run_gemm
 
-_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 VARIANTS = (  # best first
-    Variant("avx512_bf16", "w4_bf16_avx512.cpp", (*_AVX512, "-mavx512bf16"),
-            ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
-    Variant("avx2", "w4_bf16_avx2.cpp", ("-mavx2", "-mfma"), ("avx2", "fma")),
+    Variant("avx512_bf16", "w4_bf16_avx512.cpp", (*AVX512_FLAGS, "-mavx512bf16"), (*AVX512_CPU, "avx512_bf16")),
+    Variant("avx2", "w4_bf16_avx2.cpp", AVX2_FLAGS, AVX2_CPU),
     Variant("portable", "w4_bf16_portable.cpp", (), ()),  # any CPU g++ targets (NEON: not yet)
 )
 FUNCTIONS = {"specquant_w4_bf16_gemm": GEMM_ARGS}

@@ -21,15 +21,13 @@ import ctypes
 
 import torch
 
-from specquant.kernels.build import Variant
+from specquant.kernels.build import AVX2_CPU, AVX2_FLAGS, AVX512_CPU, AVX512_FLAGS, Variant
 from specquant.kernels.family import GEMM_ARGS, TILE, Family, Layout, pack_scales, run_gemm
 
 BLOCK = 32  # activations: one scale per 32 inputs (Q8_0's block)
-_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 VARIANTS = (  # best first
-    Variant("avx512_vnni", "w4a8_avx512_vnni.cpp", (*_AVX512, "-mavx512vnni"),
-            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
-    Variant("avx2", "w4a8_avx2.cpp", ("-mavx2", "-mfma"), ("avx2", "fma")),
+    Variant("avx512_vnni", "w4a8_avx512_vnni.cpp", (*AVX512_FLAGS, "-mavx512vnni"), (*AVX512_CPU, "avx512_vnni")),
+    Variant("avx2", "w4a8_avx2.cpp", AVX2_FLAGS, AVX2_CPU),
     Variant("portable", "w4a8_portable.cpp", (), ()),  # any CPU g++ targets (NEON: not yet)
 )
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
