@@ -1,16 +1,18 @@
 // The decoder's small fp32 ops, fused: the RMSNorm family (with the residual add before it, or DeltaNet's SiLU gate
-// after it), SwiGLU, and attention for a few queries over a K/V cache. kernels/ops.py has the torch reference of
-// each and the conditions under which the model calls these; tests/test_native_ops.py compares the two.
+// after it), SwiGLU, the per-head norm with RoPE, the gated delta rule's token step, and attention for a few queries
+// over a K/V cache. kernels/ops.py has the torch reference of each and the conditions under which the model calls
+// these; tests/test_native_ops.py compares the two.
 //
 // Why native: in an eager decode step each of these is 4-10 torch ops of 2-5 us apiece on one-row tensors (the
 // dispatcher, not the arithmetic), about a fifth of a 0.6B W4 step, and torch's flash-attention kernel takes
 // ~80-250 us for one query over 128 keys per layer. One call here is one ctypes call.
 //
-// One source for every variant: plain loops written so that g++ vectorizes them (per-lane partial sums, no
-// reassociation needed), built with the variant's instruction-set flags (kernels/ops.py VARIANTS) and
-// -ffp-contract=off. Results match the torch reference to float rounding, not bit for bit: sums run in 16 lanes
-// and exp is the polynomial below (within 2 ulp of expf over the range used). Each row's result does not depend on
-// the other rows or the thread count (rows are independent; attention splits work by (batch, KV head) only).
+// One source for every variant, built with the variant's instruction-set flags (kernels/ops.py VARIANTS) and
+// -ffp-contract=off: the elementwise loops are left to g++'s vectorizer, the reductions and the attention / delta
+// rule inner loops use the v16 type below (explicit SIMD at the build's native width). Results match the torch
+// reference to float rounding, not bit for bit: sums run in 16 lanes and exp is the polynomial below (within 2 ulp
+// of expf over the range used). Each row's result does not depend on the other rows or the thread count (rows are
+// independent; attention and the delta rule split work by (batch, head) only).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -61,10 +61,6 @@ def usable(*tensors: torch.Tensor | None) -> bool:
     return LIBRARY.library() is not None
 
 
-def _lib(variant: Variant | None):
-    return LIBRARY.lib_for(variant)
-
-
 def _check(status: int, name: str, detail: str):
     if status:
         raise ValueError(f"native {name} rejected its arguments (status {status}): {detail}")
@@ -84,7 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     y = torch.empty(shape, dtype=torch.float32)
     total = torch.empty(shape, dtype=torch.float32) if residual is not None else None
     w = weight.contiguous()
-    status = _lib(variant).specquant_rms_norm(
+    status = LIBRARY.lib_for(variant).specquant_rms_norm(
         x.data_ptr(), None if residual is None else residual.data_ptr(), None if total is None else total.data_ptr(),
         rows, dim, dim, w.data_ptr(), offset, None if gate is None else gate.data_ptr(), eps, y.data_ptr(),
         torch.get_num_threads())
@@ -111,7 +107,7 @@ def swiglu(gate_up: torch.Tensor, variant: Variant | None = None) -> torch.Tenso
         raise ValueError(f"swiglu takes a contiguous [..., 2f] tensor, got {tuple(gate_up.shape)}")
     rows = gate_up.numel() // f2
     y = torch.empty(*gate_up.shape[:-1], f2 // 2, dtype=torch.float32)
-    _check(_lib(variant).specquant_swiglu(gate_up.data_ptr(), rows, f2 // 2, y.data_ptr(), torch.get_num_threads()),
+    _check(LIBRARY.lib_for(variant).specquant_swiglu(gate_up.data_ptr(), rows, f2 // 2, y.data_ptr(), torch.get_num_threads()),
            "swiglu", f"shape {tuple(gate_up.shape)}")
     return y
 
@@ -137,7 +133,7 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: tor
     if cos.shape != (t, rot) or sin.shape != (t, rot):
         raise ValueError(f"norm_rope: cos / sin {tuple(cos.shape)} / {tuple(sin.shape)} for {t} positions")
     out = torch.empty(b, heads, t, d, dtype=torch.float32)
-    status = _lib(variant).specquant_norm_rope(
+    status = LIBRARY.lib_for(variant).specquant_norm_rope(
         x.data_ptr(), b, t, heads, d, x.stride(0), x.stride(1), x.stride(2), int(normalize),
         None if w is None else w.data_ptr(), 0 if w is None else w.numel() // d, offset, eps, cos.data_ptr(),
         sin.data_ptr(), rot, out.data_ptr(), torch.get_num_threads())
@@ -168,7 +164,7 @@ def delta_step(q, k, v, g, beta, state, scale: float, variant: Variant | None = 
     args = [a.contiguous() for a in (q, k, v, g, beta, state)]
     new_state = torch.empty_like(args[5])
     out, delta = torch.empty(b, t, h, vd), torch.empty(b, t, h, vd)
-    status = _lib(variant).specquant_delta_step(*(a.data_ptr() for a in args), b, t, hk, h, kd, vd, scale,
+    status = LIBRARY.lib_for(variant).specquant_delta_step(*(a.data_ptr() for a in args), b, t, hk, h, kd, vd, scale,
                                                 new_state.data_ptr(), out.data_ptr(), delta.data_ptr(),
                                                 torch.get_num_threads())
     _check(status, "delta_step", f"q {tuple(q.shape)}, v {tuple(v.shape)}")
@@ -188,7 +184,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
         raise ValueError(f"attention: q {tuple(q.shape)} against keys {tuple(keys.shape)} / values "
                          f"{tuple(values.shape)} (strides {keys.stride()} / {values.stride()}), {k_len} keys")
     out = torch.empty(b, t, heads, d, dtype=torch.float32)
-    status = _lib(variant).specquant_attention(
+    status = LIBRARY.lib_for(variant).specquant_attention(
         q.data_ptr(), b, heads, t, d, q.stride(0), q.stride(1), q.stride(2), keys.data_ptr(), values.data_ptr(),
         kv_heads, k_len, keys.stride(0), keys.stride(1), q_pos, k_pos, window or 0,
         d ** -0.5 if scale is None else scale, out.data_ptr(), torch.get_num_threads())

@@ -46,8 +46,8 @@ class GatedRMSNorm(nn.Module):
     def fp32(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """forward in fp32 throughout, rounded once to dtype (x may be the rule's fp32 output): a bf16 model's
         fast path (model/deltanet.py), which skips the casts forward makes to round where transformers does."""
-        if (x.dtype == gate.dtype == dtype == torch.float32 and x.shape == gate.shape and x.is_contiguous()
-                and gate.is_contiguous() and ops.usable(x, gate, self.weight)):
+        if (dtype == torch.float32 and x.shape == gate.shape and x.is_contiguous() and gate.is_contiguous()
+                and ops.usable(x, gate, self.weight)):  # usable: x and gate are fp32
             return ops.rms_norm(x, self.weight, self.eps, gate=gate)
         y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return (y * F.silu(gate.float())).to(dtype)
