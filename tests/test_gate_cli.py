@@ -113,6 +113,18 @@ def test_bad_input_is_one_line_error_before_anything_runs(tmp_path, capsys):
     assert not out.exists()  # nothing written
 
 
+def test_lm_eval_gates_without_lm_eval_installed_name_the_setup_step(tmp_path, capsys, monkeypatch):
+    """The main job's setup leaves lm-eval out: an lm-eval gate says how to install it; the kl gate needs nothing."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    out = tmp_path / "out"
+    _one_line_error(capsys, ["gate", "--model", "tiny-target", "--baseline", "tiny-target", "--tasks", "kl,ifeval",
+                             "--out", str(out)], "runs lm-eval, which is not installed")
+    assert not out.exists()
+
+
 def test_out_refuses_a_foreign_non_empty_folder(tmp_path, capsys):
     foreign = tmp_path / "foreign"
     foreign.mkdir()

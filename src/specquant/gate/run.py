@@ -10,6 +10,7 @@ Output folder (written to a temporary folder beside it, then renamed):
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import time
 from dataclasses import dataclass
@@ -146,6 +147,9 @@ def run_gates(cfg: GateConfig, backend: BackendConfig, model: Subject, baseline:
     if KL_GATE in cfg.tasks and (model.server or (baseline and baseline.server)):
         raise SpecquantError("the kl gate reads logits from local checkpoints; drop kl from --tasks with --server")
     lm_gates = [g for g in cfg.tasks if g in LM_EVAL_GATES]
+    if lm_gates and importlib.util.find_spec("lm_eval") is None:  # the main job's setup leaves lm-eval out
+        raise SpecquantError(f"--tasks {','.join(lm_gates)} runs lm-eval, which is not installed in this environment: "
+                             "run `bash scripts/setup.sh --test` (or `pip install -e '.[gate]'`), or use --tasks kl")
     local.offline()
     data = {g: local.locate(g, data_dir) for g in lm_gates}
     categories = None
