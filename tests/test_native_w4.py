@@ -222,7 +222,7 @@ def test_no_instruction_set_outside_the_variants():
 
 
 def test_the_fma_variants_give_the_same_bits():
-    """The AVX2 and portable variants sum with fused multiply-adds in k order (kernels/w4_bf16_entry.h): the same
+    """The AVX2 and portable variants sum with fused multiply-adds in the same order (kernels/w4_bf16_entry.h): the same
     bits from both. (The AVX-512 BF16 variant sums pairs in vdpbf16ps: equal to them only to fp32 rounding.)"""
     fma = [v for v in FAMILY.variants if v.name in ("avx2", "portable") and FAMILY.load(v)[0] is not None]
     if len(fma) < 2:

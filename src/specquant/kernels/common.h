@@ -14,6 +14,13 @@ constexpr int64_t PREFETCH = 4096;
 
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
+// w4_bf16 layout: the bit offset of input k % 8's nibble in the dword w4_bf16_avx2.cpp gathers per output (input
+// k = b in the low nibble of byte b, k = b + 4 in its high nibble; k = 7 is read after a 4-bit right shift, so that
+// u * 2^s stays a positive int32), and the activation pre-scales 2^-s (w4_bf16_entry.h).
+constexpr int W4_SHIFT[8] = {0, 8, 16, 24, 4, 12, 20, 24};
+constexpr float W4_INV_SHIFT[8] = {1.0f, 1.0f / (1 << 8), 1.0f / (1 << 16), 1.0f / (1 << 24),
+                                   1.0f / (1 << 4), 1.0f / (1 << 12), 1.0f / (1 << 20), 1.0f / (1 << 24)};
+
 // The fp32 value of bf16 bits (exact).
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
