@@ -65,6 +65,35 @@ def test_swiglu_matches_reference(variant, shape):
     close(ops.swiglu(x, variant=variant), ops.swiglu_reference(x))
 
 
+@pytest.mark.parametrize("rows,k,n", [(1, 1024, 3072), (4, 384, 130), (8, 96, 7), (3, 1000, 33), (1, 16, 1),
+                                       (16, 2048, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear(variant, rows, k, n, with_bias):
+    g = torch.Generator().manual_seed(rows * 7 + k + n)
+    x, w = torch.randn(1, rows, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if with_bias else None
+    close(ops.linear(x, w, b, variant=variant), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_rows_are_batch_and_thread_invariant(variant):
+    """A verify step's row equals the one-row step's bit for bit, at any thread count."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(9, 1040, generator=g), torch.randn(515, 1040, generator=g)
+    batch = ops.linear(x, w, variant=variant)
+    assert torch.equal(torch.cat([ops.linear(x[i : i + 1], w, variant=variant) for i in range(9)]), batch)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(ops.linear(x, w, variant=variant), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="linear: x"):
+        ops.linear(torch.randn(2, 8), torch.randn(4, 9))
+
+
 @pytest.mark.parametrize("heads,kv_heads,d", [(16, 8, 128), (4, 4, 64), (8, 2, 80), (6, 3, 24)])
 @pytest.mark.parametrize("t,q_pos,window", [(1, 0, None), (1, 127, None), (4, 60, None), (16, 200, None),
                                             (8, 50, 16), (1, 300, 64)])

@@ -1,6 +1,6 @@
 // The decoder's small fp32 ops, fused: the RMSNorm family (with the residual add before it, or DeltaNet's SiLU gate
-// after it), SwiGLU, the per-head norm with RoPE, the gated delta rule's token step, and attention for a few queries
-// over a K/V cache. kernels/ops.py has the torch reference of each and the conditions under which the model calls
+// after it), SwiGLU, the per-head norm with RoPE, the gated delta rule's token step, attention for a few queries
+// over a K/V cache, and the few-row fp32 linear. kernels/ops.py has the torch reference of each and the conditions under which the model calls
 // these; tests/test_native_ops.py compares the two.
 //
 // Why native: in an eager decode step each of these is 4-10 torch ops of 2-5 us apiece on one-row tensors (the
@@ -279,6 +279,42 @@ int specquant_delta_step(const float* q, const float* k, const float* v, const f
           const v16 row = load16(s_out + i * vd + c0) * dec + kv[i] * delta;
           store16(s_out + i * vd + c0, row);
         }
+      }
+    }
+  }
+  return 0;
+}
+
+// y[m, n] = x[m, ·] · w[n, ·] (+ bias[n]) for the few fp32 rows of a decode or verify step: x [M, K], w [N, K]
+// row-major (nn.Linear's weight), y [M, N]. Each output is dot()'s sum (16 lanes in k order, pairwise at the end),
+// so a row's result does not depend on M, on the tiling or on the thread count (a verify row equals the one-row
+// step bit for bit, which F.linear does not promise). Outputs are done in tiles of 4 weight rows, split statically
+// over the threads (each streams one contiguous stretch of w); every row of x runs against a tile while it is in
+// L1/L2, so w comes from DRAM once per step whatever M. Why not F.linear: for one row it streams the weight at
+// about half the bandwidth, and barely faster on two threads than on one (docs/BENCH.md).
+int specquant_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
+                     int threads) {
+  if (M <= 0 || K <= 0 || N <= 0) return 1;
+  constexpr int64_t NT = 4;
+  const int64_t tiles = (N + NT - 1) / NT, kv = K / LANES * LANES;
+#pragma omp parallel for num_threads(threads) schedule(static) if (N * K >= (1 << 16) && threads > 1)
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t n0 = tile * NT, nt = N - n0 < NT ? N - n0 : NT;
+    const float* wr[NT];
+    for (int j = 0; j < NT; ++j) wr[j] = w + (n0 + (j < nt ? j : nt - 1)) * K;  // a short tile repeats its last row
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      v16 acc[NT];
+      for (int j = 0; j < NT; ++j) acc[j] = zero16();
+      for (int64_t i = 0; i < kv; i += LANES) {
+        const v16 xv = load16(xm + i);
+        for (int j = 0; j < NT; ++j) acc[j] += load16(wr[j] + i) * xv;
+      }
+      for (int j = 0; j < nt; ++j) {
+        float tail = 0.0f;
+        for (int64_t i = kv; i < K; ++i) tail += wr[j][i] * xm[i];
+        const float sum = sum_lanes(acc[j]) + tail;
+        y[m * N + n0 + j] = bias ? sum + bias[n0 + j] : sum;
       }
     }
   }

@@ -9,6 +9,8 @@
   delta_step    the gated delta rule token by token (state read once)   model/gated_delta.py step_rule
   attention     softmax(q·kᵀ·scale, causal and windowed by position)·v,   attention_reference
                 GQA, few queries over a K/V cache, out [b, t, heads, d]
+  linear        x·wᵀ (+ b) for the few fp32 rows of a decode / verify      F.linear
+                step, rows batch- and thread-invariant
 
 Why: a one-row eager step runs each of these as 4-10 torch ops of 2-5 us each (dispatch, not arithmetic), and
 torch's CPU flash-attention kernel spends about 200 us per layer on one query over 128 cached keys; the profile and
@@ -40,6 +42,7 @@ VARIANTS = (  # best first; one source, the compiler vectorizes it for each inst
 FUNCTIONS = {
     "specquant_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _F32, _PTR, _F32, _PTR, _INT],
     "specquant_swiglu": [_PTR, _I64, _I64, _PTR, _INT],
+    "specquant_linear": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
     "specquant_norm_rope": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _I64, _F32, _F32, _PTR, _PTR,
                             _I64, _PTR, _INT],
     "specquant_delta_step": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR,
@@ -115,6 +118,23 @@ def swiglu(gate_up: torch.Tensor, variant: Variant | None = None) -> torch.Tenso
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           variant: Variant | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), natively: x [..., K], weight [N, K] and bias [N] contiguous -> [..., N]. Each
+    row's result is the same whatever the other rows or the thread count."""
+    k, n = x.shape[-1], weight.shape[0]
+    if weight.shape[-1] != k or not weight.is_contiguous() or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"linear: x [..., {k}] against weight {tuple(weight.shape)}"
+                         + ("" if bias is None else f", bias {tuple(bias.shape)}"))
+    x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    _check(LIBRARY.lib_for(variant).specquant_linear(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), n,
+                                                     None if bias is None else bias.contiguous().data_ptr(),
+                                                     y.data_ptr(), torch.get_num_threads()),
+           "linear", f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    return y
 
 
 def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
