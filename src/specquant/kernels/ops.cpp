@@ -23,7 +23,7 @@ namespace {
 constexpr int LANES = 16;
 // attention: query rows done together, and output columns accumulated together per row (ROWS x VCHUNK floats in
 // registers: 16 zmm with AVX-512, 8 ymm with AVX2)
-constexpr int ROWS = 4;
+constexpr int ROWS = 4;  // attend_rows<1..4> below: change both together
 #ifdef __AVX512F__
 constexpr int VCHUNK = 64;
 #else
@@ -127,28 +127,104 @@ SQ_INLINE v16 zero16() {
   return r;
 }
 
-// the 16 lanes of a, added in dot's order
+// the 16 lanes of a, added in dot's order (h8[l] = a[l] + a[l + 8], h4[l] = h8[l] + h8[l + 4], then
+// (h4[0] + h4[2]) + (h4[1] + h4[3])), as vector adds of halves: the same adds in the same order as dot's scalar
+// tree, without the store and 15 dependent scalar loads a lane-by-lane sum costs per call
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
 SQ_INLINE float sum_lanes(const v16& a) {
-  float l16[16], h8[8], h4[4];
-  store16(l16, a);
-  for (int l = 0; l < 8; ++l) h8[l] = l16[l] + l16[l + 8];
-  for (int l = 0; l < 4; ++l) h4[l] = h8[l] + h8[l + 4];
+  vf8 h8;
+#if defined(__AVX512F__)
+  vf8 lo, hi;
+  memcpy(&lo, &a.p[0], 32);
+  memcpy(&hi, reinterpret_cast<const char*>(&a.p[0]) + 32, 32);
+  h8 = lo + hi;
+#elif defined(__AVX__)
+  h8 = a.p[0] + a.p[1];
+#else
+  const vf4 h8lo = a.p[0] + a.p[2], h8hi = a.p[1] + a.p[3];
+  const vf4 h4 = h8lo + h8hi;
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+#endif
+#if defined(__AVX__)
+  vf4 lo4, hi4;
+  memcpy(&lo4, &h8, 16);
+  memcpy(&hi4, reinterpret_cast<const char*>(&h8) + 16, 16);
+  const vf4 h4 = lo4 + hi4;
+  const vf4 h2 = h4 + __builtin_shufflevector(h4, h4, 2, 3, 0, 1);  // (h4[0] + h4[2], h4[1] + h4[3], ...)
+  return h2[0] + h2[1];
+#endif
 }
 
-// dot(q[rr], k, n) for ROWS query rows at once, bit for bit as dot: k is loaded once for all of them
-inline void dot_rows(const float* const* q, const float* k, int64_t n, float* out) {
-  v16 acc[ROWS];
-  for (int rr = 0; rr < ROWS; ++rr) acc[rr] = zero16();
+// dot(q[rr], k, n) for NR query rows at once, bit for bit as dot: k is loaded once for all of them
+template <int NR>
+SQ_INLINE void dot_rows(const float* const* q, const float* k, int64_t n, float* out) {
+  v16 acc[NR];
+  for (int rr = 0; rr < NR; ++rr) acc[rr] = zero16();
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES) {
     const v16 kv = load16(k + i);
-    for (int rr = 0; rr < ROWS; ++rr) acc[rr] += load16(q[rr] + i) * kv;
+    for (int rr = 0; rr < NR; ++rr) acc[rr] += load16(q[rr] + i) * kv;
   }
-  for (int rr = 0; rr < ROWS; ++rr) {
+  for (int rr = 0; rr < NR; ++rr) {
     float tail = 0.0f;
     for (int64_t c = i; c < n; ++c) tail += q[rr][c] * k[c];
     out[rr] = sum_lanes(acc[rr]) + tail;
+  }
+}
+
+// Attention for NR (1..ROWS) query rows of one KV head: rows rr see keys [first[rr], last[rr]] (offsets into kb /
+// vb, row stride d), s[rr] is k_len floats of scratch. Scores for the keys any row sees, a softmax per row (weight 0
+// for the keys the row does not see), then NR x VCHUNK output columns accumulated in registers across the keys.
+// Templated on NR so a block of fewer rows (a GQA group of 2 at one query) computes only the rows it has.
+template <int NR>
+void attend_rows(const float* const* qr, float* const* o, float* const* s, const int64_t* first, const int64_t* last,
+                 const float* kb, const float* vb, int64_t d, float scale) {
+  int64_t lo = first[0], hi = last[0];
+  for (int rr = 1; rr < NR; ++rr) {
+    lo = first[rr] < lo ? first[rr] : lo;
+    hi = last[rr] > hi ? last[rr] : hi;
+  }
+  for (int64_t j = lo; j <= hi; ++j) {
+    float dots[NR];
+    dot_rows<NR>(qr, kb + j * d, d, dots);
+    for (int rr = 0; rr < NR; ++rr) s[rr][j] = dots[rr] * scale;
+  }
+  for (int rr = 0; rr < NR; ++rr) {  // softmax over the row's own keys
+    float* sr = s[rr];
+    float m = -INFINITY;
+    for (int64_t j = first[rr]; j <= last[rr]; ++j) m = sr[j] > m ? sr[j] : m;
+    for (int64_t j = first[rr]; j <= last[rr]; ++j) sr[j] = exp_poly(sr[j] - m);  // its own loop: it vectorizes
+    float sum = 0.0f;  // in key order, as before the loops were split
+    for (int64_t j = first[rr]; j <= last[rr]; ++j) sum += sr[j];
+    const float inv = 1.0f / sum;
+    for (int64_t j = first[rr]; j <= last[rr]; ++j) sr[j] *= inv;
+    for (int64_t j = lo; j < first[rr]; ++j) sr[j] = 0.0f;
+    for (int64_t j = last[rr] + 1; j <= hi; ++j) sr[j] = 0.0f;
+  }
+  int64_t c0 = 0;
+  for (; c0 + VCHUNK <= d; c0 += VCHUNK) {
+    v16 part[NR][VCHUNK / 16];
+    for (int rr = 0; rr < NR; ++rr)
+      for (int c = 0; c < VCHUNK / 16; ++c) part[rr][c] = zero16();
+    for (int64_t j = lo; j <= hi; ++j) {
+      v16 vv[VCHUNK / 16];
+      for (int c = 0; c < VCHUNK / 16; ++c) vv[c] = load16(vb + j * d + c0 + 16 * c);
+      for (int rr = 0; rr < NR; ++rr) {
+        const float w = s[rr][j];
+        for (int c = 0; c < VCHUNK / 16; ++c) part[rr][c] += w * vv[c];
+      }
+    }
+    for (int rr = 0; rr < NR; ++rr)
+      for (int c = 0; c < VCHUNK / 16; ++c) store16(o[rr] + c0 + 16 * c, part[rr][c]);
+  }
+  for (int rr = 0; rr < NR && c0 < d; ++rr) {  // the d % VCHUNK columns left
+    for (int64_t c = c0; c < d; ++c) o[rr][c] = 0.0f;
+    for (int64_t j = lo; j <= hi; ++j) {
+      const float w = s[rr][j];
+      const float* vj = vb + j * d;
+      for (int64_t c = c0; c < d; ++c) o[rr][c] += w * vj[c];
+    }
   }
 }
 
@@ -365,13 +441,14 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
       status = 3;
       continue;
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {  // ROWS query rows share each key and value row loaded
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {  // up to ROWS query rows share each key and value row loaded
+      const int nr = rows - r0 < ROWS ? static_cast<int>(rows - r0) : ROWS;
       const float* qr[ROWS];
       float* o[ROWS];
       float* s[ROWS];
       int64_t first[ROWS], last[ROWS];
-      for (int rr = 0; rr < ROWS; ++rr) {  // a block past the last row repeats that row (and discards it)
-        const int64_t r = r0 + rr < rows ? r0 + rr : rows - 1;
+      for (int rr = 0; rr < nr; ++rr) {
+        const int64_t r = r0 + rr;
         const int64_t h = kvh * group + r / t, i = r % t, p = q_pos + i;
         first[rr] = (window > 0 && p - window + 1 > k_pos ? p - window + 1 : k_pos) - k_pos;
         last[rr] = (p < k_pos + k_len - 1 ? p : k_pos + k_len - 1) - k_pos;  // row r sees keys [first, last]
@@ -379,53 +456,11 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
         o[rr] = out + ((b * t + i) * heads + h) * d;
         s[rr] = sbuf + rr * k_len;
       }
-      int64_t lo = first[0], hi = last[0];
-      for (int rr = 1; rr < ROWS; ++rr) {
-        lo = first[rr] < lo ? first[rr] : lo;
-        hi = last[rr] > hi ? last[rr] : hi;
-      }
-      for (int64_t j = lo; j <= hi; ++j) {
-        float dots[ROWS];
-        dot_rows(qr, kb + j * d, d, dots);
-        for (int rr = 0; rr < ROWS; ++rr) s[rr][j] = dots[rr] * scale;
-      }
-      for (int rr = 0; rr < ROWS; ++rr) {  // softmax over the row's own keys; weight 0 for the others
-        float m = -INFINITY;
-        for (int64_t j = first[rr]; j <= last[rr]; ++j) m = s[rr][j] > m ? s[rr][j] : m;
-        float sum = 0.0f;
-        for (int64_t j = first[rr]; j <= last[rr]; ++j) {
-          s[rr][j] = exp_poly(s[rr][j] - m);
-          sum += s[rr][j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = first[rr]; j <= last[rr]; ++j) s[rr][j] *= inv;
-        for (int64_t j = lo; j < first[rr]; ++j) s[rr][j] = 0.0f;
-        for (int64_t j = last[rr] + 1; j <= hi; ++j) s[rr][j] = 0.0f;
-      }
-      const int nr = rows - r0 < ROWS ? static_cast<int>(rows - r0) : ROWS;
-      int64_t c0 = 0;
-      for (; c0 + VCHUNK <= d; c0 += VCHUNK) {  // ROWS x VCHUNK accumulators held in registers across the keys
-        v16 part[ROWS][VCHUNK / 16];
-        for (int rr = 0; rr < ROWS; ++rr)
-          for (int c = 0; c < VCHUNK / 16; ++c) part[rr][c] = zero16();
-        for (int64_t j = lo; j <= hi; ++j) {
-          v16 vv[VCHUNK / 16];
-          for (int c = 0; c < VCHUNK / 16; ++c) vv[c] = load16(vb + j * d + c0 + 16 * c);
-          for (int rr = 0; rr < ROWS; ++rr) {
-            const float w = s[rr][j];
-            for (int c = 0; c < VCHUNK / 16; ++c) part[rr][c] += w * vv[c];
-          }
-        }
-        for (int rr = 0; rr < nr; ++rr)
-          for (int c = 0; c < VCHUNK / 16; ++c) store16(o[rr] + c0 + 16 * c, part[rr][c]);
-      }
-      for (int rr = 0; rr < nr && c0 < d; ++rr) {  // the d % VCHUNK columns left
-        for (int64_t c = c0; c < d; ++c) o[rr][c] = 0.0f;
-        for (int64_t j = lo; j <= hi; ++j) {
-          const float w = s[rr][j];
-          const float* vj = vb + j * d;
-          for (int64_t c = c0; c < d; ++c) o[rr][c] += w * vj[c];
-        }
+      switch (nr) {
+        case 4: attend_rows<4>(qr, o, s, first, last, kb, vb, d, scale); break;
+        case 3: attend_rows<3>(qr, o, s, first, last, kb, vb, d, scale); break;
+        case 2: attend_rows<2>(qr, o, s, first, last, kb, vb, d, scale); break;
+        default: attend_rows<1>(qr, o, s, first, last, kb, vb, d, scale); break;
       }
     }
     free(sbuf);
