@@ -100,6 +100,8 @@ class Library:
 
     def lib_for(self, variant: Variant | None = None) -> ctypes.CDLL:
         """The chosen variant's library, or the named variant's (tests run every variant the CPU supports)."""
+        if variant is None and self._choice is not None and self._choice[1] is not None:
+            return self._choice[1]  # the per-call path: a decode step asks ~500 times
         lib, why = (self.library(), self.why()) if variant is None else self.load(variant)
         if lib is None:
             raise RuntimeError(f"native {self.name} kernel unavailable: {why}")
