@@ -57,9 +57,8 @@ class Linear(nn.Linear):
     the weight faster than F.linear on one or two threads (benchmarks/small_gemm.py, docs/BENCH.md), and its rows
     are batch-invariant, so a verify step's row equals the one-row decode step's bit for bit. That promise holds
     because every row count from 1 to NATIVE_ROWS takes this one path, which covers the verify of any draft up to
-    63 tokens (a suffix draft's 20, a block draft's 15): with 1..8 rows native and a 21-row suffix verify on
-    F.linear, the demo's hybrid pair emitted other tokens than its target at one near-tie. Longer blocks (prefill)
-    take F.linear, whose GEMM wins there. Without the library, or while compiling:
+    63 tokens (a suffix draft's 20, a block draft's 15). Longer blocks (prefill) take F.linear. Without the
+    library, or while compiling:
     F.linear computes x·Wᵀ; from 5 rows on MKL then runs small-M kernels that stream the weight at half of memory
     bandwidth on CPU. (W·xᵀ)ᵀ is the same product with the roles swapped and is faster for 5..8 rows on weights of
     2M+ elements. Re-measured on torch 2.13 (weights streamed, 1 thread, docs/SHAPES.md): 1..4 rows F.linear is as
