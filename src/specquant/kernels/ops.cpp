@@ -1,7 +1,7 @@
 // The decoder's small fp32 ops, fused: the RMSNorm family (with the residual add before it, or DeltaNet's SiLU gate
 // after it), SwiGLU, the per-head norm with RoPE, the gated delta rule's token step, attention for a few queries
-// over a K/V cache, and the few-row fp32 linear. kernels/ops.py has the torch reference of each and the conditions under which the model calls
-// these; tests/test_native_ops.py compares the two.
+// over a K/V cache, and the few-row fp32 linear. kernels/ops.py has the torch reference of each and the conditions
+// under which the model calls these; tests/test_native_ops.py compares the two.
 //
 // Why native: in an eager decode step each of these is 4-10 torch ops of 2-5 us apiece on one-row tensors (the
 // dispatcher, not the arithmetic), about a fifth of a 0.6B W4 step, and torch's flash-attention kernel takes
@@ -371,27 +371,17 @@ int specquant_delta_step(const float* q, const float* k, const float* v, const f
 int specquant_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
                      int threads) {
   if (M <= 0 || K <= 0 || N <= 0) return 1;
-  constexpr int64_t NT = 4;
-  const int64_t tiles = (N + NT - 1) / NT, kv = K / LANES * LANES;
+  constexpr int NT = 4;
+  const int64_t tiles = (N + NT - 1) / NT;
 #pragma omp parallel for num_threads(threads) schedule(static) if (N * K >= (1 << 16) && threads > 1)
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t n0 = tile * NT, nt = N - n0 < NT ? N - n0 : NT;
     const float* wr[NT];
     for (int j = 0; j < NT; ++j) wr[j] = w + (n0 + (j < nt ? j : nt - 1)) * K;  // a short tile repeats its last row
     for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      v16 acc[NT];
-      for (int j = 0; j < NT; ++j) acc[j] = zero16();
-      for (int64_t i = 0; i < kv; i += LANES) {
-        const v16 xv = load16(xm + i);
-        for (int j = 0; j < NT; ++j) acc[j] += load16(wr[j] + i) * xv;
-      }
-      for (int j = 0; j < nt; ++j) {
-        float tail = 0.0f;
-        for (int64_t i = kv; i < K; ++i) tail += wr[j][i] * xm[i];
-        const float sum = sum_lanes(acc[j]) + tail;
-        y[m * N + n0 + j] = bias ? sum + bias[n0 + j] : sum;
-      }
+      float dots[NT];
+      dot_rows<NT>(wr, x + m * K, K, dots);  // the tile's rows against row m of x, loaded once
+      for (int j = 0; j < nt; ++j) y[m * N + n0 + j] = bias ? dots[j] + bias[n0 + j] : dots[j];
     }
   }
   return 0;

@@ -133,9 +133,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: x [..., {k}] against weight {tuple(weight.shape)}"
                          + ("" if bias is None else f", bias {tuple(bias.shape)}"))
     x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()  # held here: a temporary's pointer would dangle in the call
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     _check(LIBRARY.lib_for(variant).specquant_linear(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), n,
-                                                     None if bias is None else bias.contiguous().data_ptr(),
+                                                     None if bias is None else bias.data_ptr(),
                                                      y.data_ptr(), torch.get_num_threads()),
            "linear", lambda: f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     return y
