@@ -45,20 +45,13 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return ZeroCentredRMSNorm(dim, cfg.rms_norm_eps) if cfg.zero_centred_norms else RMSNorm(dim, cfg.rms_norm_eps)
 
 
-NATIVE_ROWS = 64  # Linear: fp32 CPU eager inputs of up to this many rows (any verify) take kernels.ops.linear
-SMALL_ROWS = (5, 8)  # else fp32 CPU inputs with this many rows (inclusive) take the W·xᵀ path ...
+SMALL_ROWS = (5, 8)  # Linear: fp32 CPU inputs with this many rows (inclusive) take the W·xᵀ path ...
 SMALL_MIN_WEIGHT = 1 << 21  # ... on weights of at least this many elements (measurement in Linear's docstring)
 
 
 class Linear(nn.Linear):
-    """nn.Linear, with faster paths for the few-row fp32 GEMMs of decode and verify steps on CPU.
+    """nn.Linear, with a faster path for the few-row fp32 GEMMs of decode and verify steps on CPU.
 
-    Up to NATIVE_ROWS rows of an eager fp32 step go to kernels.ops.linear (where the ops library built): it streams
-    the weight faster than F.linear on one or two threads (benchmarks/small_gemm.py, docs/BENCH.md), and its rows
-    are batch-invariant, so a verify step's row equals the one-row decode step's bit for bit. That promise holds
-    because every row count from 1 to NATIVE_ROWS takes this one path, which covers the verify of any draft up to
-    63 tokens (a suffix draft's 20, a block draft's 15). Longer blocks (prefill) take F.linear. Without the
-    library, or while compiling:
     F.linear computes x·Wᵀ; from 5 rows on MKL then runs small-M kernels that stream the weight at half of memory
     bandwidth on CPU. (W·xᵀ)ᵀ is the same product with the roles swapped and is faster for 5..8 rows on weights of
     2M+ elements. Re-measured on torch 2.13 (weights streamed, 1 thread, docs/SHAPES.md): 1..4 rows F.linear is as
@@ -70,8 +63,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if 1 <= rows <= NATIVE_ROWS and self.weight.is_contiguous() and ops.usable(x, self.weight, self.bias):
-            return ops.linear(x, self.weight, self.bias)
         if (SMALL_ROWS[0] <= rows <= SMALL_ROWS[1] and x.dtype == torch.float32 and x.device.type == "cpu"
                 and self.weight.numel() >= SMALL_MIN_WEIGHT):
             y = torch.mm(self.weight, x.reshape(rows, self.in_features).t()).t().contiguous()
