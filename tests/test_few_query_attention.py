@@ -60,8 +60,12 @@ def test_folded_matches_reference(window, heads, dtype):
 
 
 @torch.no_grad()
-def test_one_layer_switched_off_takes_the_reference_path():
-    """The step's plan comes from layer 0; a layer with fold_enabled = False must still run the reference path."""
+def test_one_layer_switched_off_takes_the_reference_path(monkeypatch):
+    """The step's plan comes from layer 0; a layer with fold_enabled = False must still run the reference path.
+    (SDPA steps: the native kernel, which takes every verify width where it built, is switched off here.)"""
+    from specquant.model import attention
+
+    monkeypatch.setattr(attention, "NATIVE_MAX_ROWS", 0)
     model = random_model("qwen3", seed=3, num_hidden_layers=3)
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
     set_fold(model, False)

@@ -147,7 +147,8 @@ def _steps(model, ids, monkeypatch, native: bool):
     times each native op ran."""
     calls = {}
     if native:
-        for name in ("rms_norm", "swiglu", "attention", "norm_rope", "delta_step"):
+        for name in ("rms_norm", "swiglu", "attention", "norm_rope", "delta_step", "delta_replay", "delta_gates",
+                     "linear"):
             def counted(*a, _f=getattr(ops, name), _n=name, **k):
                 calls[_n] = calls.get(_n, 0) + 1
                 return _f(*a, **k)
@@ -190,7 +191,8 @@ def test_model_steps_with_native_ops_match_the_reference_ops(kind, monkeypatch):
     ids = torch.randint(0, cfg.vocab_size, (1, 80), generator=torch.Generator().manual_seed(1))
     ref, none = _steps(model, ids, monkeypatch, native=False)
     got, calls = _steps(model, ids, monkeypatch, native=True)
-    expected = {"rms_norm", "swiglu", "attention", "norm_rope"} | ({"delta_step"} if kind == "hybrid" else set())
+    expected = {"rms_norm", "swiglu", "attention", "norm_rope", "linear"}
+    expected |= {"delta_step", "delta_replay", "delta_gates"} if kind == "hybrid" else set()
     assert not none and set(calls) == expected, calls  # the native paths did run
     for a, b in zip(got, ref):
         close(a, b, rtol=1e-4, atol=1e-4)
@@ -230,3 +232,104 @@ def test_delta_step_matches_step_rule(variant, hk, h, kd, vd, t):
     assert torch.equal(state, keep)  # the state before is kept (the cache's anchor)
     for a, b in zip(got, want):
         close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hk,h,kd,vd,t", [(2, 4, 12, 32, 7), (3, 3, 10, 16, 5), (16, 32, 128, 128, 16)])
+def test_delta_steps_over_a_block_equal_one_token_steps_and_replay_rebuilds_their_states(variant, hk, h, kd, vd, t):
+    """A block through delta_step gives each token's output and state exactly as one-token calls do, and
+    delta_replay of the first j recorded tokens gives the state after them bit for bit (a verify's rollback then
+    continues on a token-by-token decode's state); both match the torch forms to rounding."""
+    from specquant.model.gated_delta import l2_normalize, state_after
+
+    g = torch.Generator().manual_seed(h * kd + t)
+    q, k = (l2_normalize(torch.randn(2, t, hk, kd, generator=g)) for _ in range(2))
+    v = torch.randn(2, t, h, vd, generator=g)
+    gate, beta = -torch.rand(2, t, h, generator=g) * 3, torch.rand(2, t, h, generator=g)
+    state0 = torch.randn(2, h, kd, vd, generator=g)
+    out, final, delta = ops.delta_step(q, k, v, gate, beta, state0, kd ** -0.5, variant=variant)
+    states, state = [state0], state0
+    for i in range(t):
+        o, state, d = ops.delta_step(*(x[:, i : i + 1] for x in (q, k, v, gate, beta)), state, kd ** -0.5,
+                                     variant=variant)
+        assert torch.equal(o, out[:, i : i + 1]) and torch.equal(d, delta[:, i : i + 1])
+        states.append(state)
+    assert torch.equal(final, states[-1])
+    for j in range(t + 1):
+        got = ops.delta_replay(state0, k[:, :j], delta[:, :j], gate[:, :j], variant=variant)
+        assert torch.equal(got, states[j]), j
+        close(got, ops.delta_replay_reference(state0, k[:, :j], delta[:, :j], gate[:, :j]), rtol=1e-5, atol=1e-5)
+        close(got, state_after(state0, k, delta, gate, j), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [3, 8, 32])
+def test_delta_gates_match_torch_and_do_not_depend_on_the_rows(variant, heads):
+    """g and beta as torch computes them (to rounding: libm against torch's vectorized exp), and each row's the
+    same alone as in a block (torch's own are not below 32 heads: a vectorized body and a scalar tail)."""
+    g = torch.Generator().manual_seed(heads)
+    a, b = (torch.randn(1, 21, heads, generator=g) * 4 for _ in range(2))
+    a[0, 0, 0] = 30.0  # softplus's linear branch
+    a_log, dt_bias = torch.rand(heads, generator=g) * 3, torch.randn(heads, generator=g)
+    got = ops.delta_gates(a, b, a_log, dt_bias, variant=variant)
+    for x, y in zip(got, ops.delta_gates_reference(a, b, a_log, dt_bias)):
+        close(x, y, rtol=1e-6, atol=1e-6)
+    rows = [ops.delta_gates(a[:, i : i + 1], b[:, i : i + 1], a_log, dt_bias, variant=variant) for i in range(21)]
+    for n, x in enumerate(got):
+        assert torch.equal(x, torch.cat([r[n] for r in rows], 1))
+    with pytest.raises(ValueError, match="delta_gates"):
+        ops.delta_gates(a, b[..., :-1], a_log, dt_bias, variant=variant)
+
+
+def _random_model(kind: str, w4: bool):
+    from specquant.model.config import ModelConfig
+    from specquant.model.decoder import Transformer
+    from specquant.model.fuse import fuse_projections
+    from specquant.quant.config import QuantConfig
+    from specquant.quant.pipeline import quantize
+
+    if kind == "hybrid":  # 4 value heads: fewer than torch's vectorized gates need to be row-invariant
+        from _qwen35_models import hf_config
+
+        cfg = ModelConfig.from_hf(hf_config("gva", linear_value_head_dim=32, linear_key_head_dim=16,
+                                            hidden_size=64, intermediate_size=128).to_dict())
+    else:
+        cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, qk_norm=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+    if w4:  # the native W4 kernel rounds activations to bf16: a last-bit difference upstream can flip a rounding
+        quantize(model, QuantConfig(method="rtn", bits=4, group_size=32), scale_dtype=torch.bfloat16)
+    fuse_projections(model)
+    return model
+
+
+@pytest.mark.parametrize("w4", [False, True], ids=["fp32", "w4"])
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_verify_rows_and_rollbacks_equal_one_token_decode_bit_for_bit(kind, w4):
+    """What keeps speculation's greedy tokens exactly the target's: a verify block's rows (any width up to a
+    cache's max_block) equal one-token decode steps bit for bit, and so does decoding on after a rollback into the
+    block (native linear, attention, delta rule, replayed state and gates all compute a row alike in any block).
+    Off the native path (SPECQUANT_NATIVE=off, torch.compile) only rounding-level agreement is promised."""
+    if ops.LIBRARY.library() is None:
+        pytest.skip("the native ops library is not loaded here (SPECQUANT_NATIVE)")
+    model = _random_model(kind, w4)
+    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(3))
+    def prefilled():
+        model.setup_cache(1, 128)
+        model(ids[:, :40], 0)
+
+    with torch.inference_mode():
+        prefilled()
+        steps = torch.cat([model(ids[:, p : p + 1], p) for p in range(40, 100)], 1)
+        for width in (4, 21, 60):
+            prefilled()
+            assert torch.equal(model(ids[:, 40 : 40 + width], 40), steps[:, :width]), width
+        prefilled()
+        junk = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
+        model(torch.cat([ids[:, 40:47], junk], 1), 40)  # a verify whose last 9 rows are rejected
+        model.rollback(47)
+        after = torch.cat([model(ids[:, p : p + 1], p) for p in range(47, 100)], 1)
+        assert torch.equal(after, steps[:, 7:])
+    model.clear_cache()

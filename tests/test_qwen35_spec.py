@@ -82,25 +82,34 @@ def test_greedy_speculation_on_a_hybrid_equals_target_greedy(target, drafters, k
         assert accepted > 0  # own several forwards), not only at their starts
 
 
-def test_verify_uses_the_chunked_rule(target, monkeypatch):
-    """A verify forward of 2..16 tokens runs the chunked rule once per DeltaNet layer, never a token loop."""
+@pytest.mark.parametrize("native", [True, False])
+def test_a_verify_is_one_rule_call_per_layer(target, monkeypatch, native):
+    """A verify forward of 2..16 tokens runs the rule once per DeltaNet layer, never a Python token loop: natively
+    (V a multiple of 16) the block's steps in one kernels.ops.delta_step call, which keeps each row and the
+    rolled-back state bit-equal to a token-by-token decode; else the chunked rule."""
+    from specquant.kernels import ops
     from specquant.model import gated_delta
 
+    model = ours(hf_model("gva", 4, seed=11, scale=0.35, linear_value_head_dim=32)) if native else target
+    if native and ops.LIBRARY.library() is None:
+        pytest.skip("the native ops library is not loaded here (SPECQUANT_NATIVE)")
     calls = []
-    real_chunk, real_recurrent = gated_delta.chunk_rule, gated_delta.recurrent_rule
+    real_chunk, real_recurrent, real_step = gated_delta.chunk_rule, gated_delta.recurrent_rule, ops.delta_step
     monkeypatch.setattr(gated_delta, "chunk_rule", lambda *a, **kw: calls.append(a[0].shape[1]) or real_chunk(*a, **kw))
     monkeypatch.setattr(gated_delta, "recurrent_rule",
                         lambda *a, **kw: calls.append(-a[0].shape[1]) or real_recurrent(*a, **kw))
-    n_delta = target.config.layer_types.count("linear_attention")
+    monkeypatch.setattr(ops, "delta_step", lambda *a, **kw: calls.append(("native", a[0].shape[1]))
+                        or real_step(*a, **kw))
+    n_delta = model.config.layer_types.count("linear_attention")
     with torch.no_grad():
-        target.setup_cache(1, 64)
-        target(PROMPTS[1], 0)
+        model.setup_cache(1, 64)
+        model(PROMPTS[1], 0)
         for t in (2, 4, 8, 16):
             calls.clear()
-            target(torch.randint(0, VOCAB, (1, t)), 9)
-            target.rollback(9)
-            assert calls == [t] * n_delta
-    target.clear_cache()
+            model(torch.randint(0, VOCAB, (1, t)), 9)
+            model.rollback(9)
+            assert calls == [("native", t) if native else t] * n_delta
+    model.clear_cache()
 
 
 @pytest.mark.parametrize("kind", ["lm-hybrid", "block"])

@@ -242,6 +242,12 @@ inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.0f / sqrtf(mean + eps);
 }
 
+// One token's write into a K x 16 block of the state: S = d·S + k deltaᵀ. The one copy of this arithmetic, shared by
+// delta_step and delta_replay, so that a replayed state equals the stepped one bit for bit.
+SQ_INLINE void decay_write(float* s, int64_t kd, int64_t vd, const float* kv, float dec, const v16& delta) {
+  for (int64_t i = 0; i < kd; ++i) store16(s + i * vd, load16(s + i * vd) * dec + kv[i] * delta);
+}
+
 }  // namespace
 
 extern "C" {
@@ -351,11 +357,55 @@ int specquant_delta_step(const float* q, const float* k, const float* v, const f
         const v16 o = dec * rq + qk * delta;
         store16(out + gi * vd + c0, o);
         store16(deltas + gi * vd + c0, delta);
-        for (int64_t i = 0; i < kd; ++i) {
-          const v16 row = load16(s_out + i * vd + c0) * dec + kv[i] * delta;
-          store16(s_out + i * vd + c0, row);
-        }
+        decay_write(s_out + c0, kd, vd, kv, dec, delta);
       }
+    }
+  }
+  return 0;
+}
+
+// The state after the first t tokens of a delta_step record, from the state before them and the record's keys,
+// deltas and gates (k [batch, t, Hk, K], deltas [batch, t, H, V], g [batch, t, H], contiguous): the step's own
+// state writes replayed in its order, so the result is bit-equal to the state delta_step reached after those t
+// tokens (model/gated_delta.py's state_after computes the same sum as one matmul, equal only to rounding). A
+// speculative verify rolled back to an accepted prefix so continues on exactly the state a one-token-at-a-time
+// decode would hold. Reads the state once and writes it once, as state_after does.
+int specquant_delta_replay(const float* state_in, const float* k, const float* deltas, const float* g, int64_t batch,
+                           int64_t t, int64_t hk, int64_t h, int64_t kd, int64_t vd, float* state_out,
+                           int threads) {
+  if (batch <= 0 || t < 0 || hk <= 0 || h <= 0 || h % hk || kd <= 0 || vd <= 0 || vd % 16) return 1;
+  const int64_t tasks = batch * h, per_key = h / hk;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / h, hh = task % h, kh = hh / per_key;
+    const float* s_in = state_in + (b * h + hh) * kd * vd;
+    float* s_out = state_out + (b * h + hh) * kd * vd;
+    for (int64_t c0 = 0; c0 < vd; c0 += 16) {
+      for (int64_t i = 0; i < kd; ++i) memcpy(s_out + i * vd + c0, s_in + i * vd + c0, 64);
+      for (int64_t tt = 0; tt < t; ++tt) {
+        const int64_t gi = (b * t + tt) * h + hh;
+        decay_write(s_out + c0, kd, vd, k + ((b * t + tt) * hk + kh) * kd, exp_poly(g[gi]),
+                    load16(deltas + gi * vd + c0));
+      }
+    }
+  }
+  return 0;
+}
+
+// Gated DeltaNet's gates from its projections a, b [rows, h] (contiguous): beta = sigmoid(b) and
+// g = -exp(A_log)·softplus(a + dt_bias) (softplus(x) = x above 20, as torch's), into g_out, beta_out [rows, h]. Each
+// element through scalar libm, so a row's gates do not depend on how many rows came with it: torch's vectorized
+// sigmoid / softplus round differently from the scalar loop that finishes a tensor, so a one-token decode and a
+// verify row differed in the last bit for models with fewer than 32 value heads.
+int specquant_delta_gates(const float* a, const float* b, int64_t rows, int64_t h,
+                          const float* a_log, const float* dt_bias, float* g_out, float* beta_out) {
+  if (rows < 0 || h <= 0) return 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < h; ++i) {
+      const float x = a[r * h + i] + dt_bias[i];
+      const float sp = x > 20.0f ? x : log1pf(expf(x));
+      g_out[r * h + i] = -expf(a_log[i]) * sp;
+      beta_out[r * h + i] = 1.0f / (1.0f + expf(-b[r * h + i]));
     }
   }
   return 0;

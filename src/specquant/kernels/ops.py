@@ -7,6 +7,9 @@
   norm_rope     per head: optional RMSNorm, then RoPE on the first rot     norm_rope_reference
                 dims; [b, t, heads, d] -> [b, heads, t, d]
   delta_step    the gated delta rule token by token (state read once)   model/gated_delta.py step_rule
+  delta_replay  the state after the first j tokens of a delta_step        delta_replay_reference (gated_delta.py's
+                record, bit-equal to the stepped state                    state_after: one matmul)
+  delta_gates   DeltaNet's g and beta from in_proj_a / in_proj_b          delta_gates_reference
   attention     softmax(q·kᵀ·scale, causal and windowed by position)·v,   attention_reference
                 GQA, few queries over a K/V cache, out [b, t, heads, d]
   linear        x·wᵀ (+ b) for the few fp32 rows of a decode / verify      F.linear
@@ -48,6 +51,8 @@ FUNCTIONS = {
                             _I64, _PTR, _INT],
     "specquant_delta_step": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR,
                              _PTR, _PTR, _INT],
+    "specquant_delta_replay": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _INT],
+    "specquant_delta_gates": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
     "specquant_attention": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
                             _I64, _I64, _I64, _F32, _PTR, _INT],
 }
@@ -194,6 +199,49 @@ def delta_step(q, k, v, g, beta, state, scale: float, variant: Variant | None = 
                                                 torch.get_num_threads())
     _check(status, "delta_step", lambda: f"q {tuple(q.shape)}, v {tuple(v.shape)}")
     return out, new_state, delta
+
+
+def delta_replay(state, k, delta, g, variant: Variant | None = None) -> torch.Tensor:
+    """The state after the tokens of a delta_step record, from the state before them: state [b, heads, K, V]
+    (not modified), k [b, j, key_heads, K], delta [b, j, heads, V], g [b, j, heads], fp32 -> new state. Bit-equal
+    to the state delta_step returned after those j tokens (ops.cpp says why); V a multiple of 16."""
+    b, h, kd, vd = state.shape
+    args = [a.contiguous() for a in (state, k, delta, g)]
+    out = torch.empty_like(args[0])
+    status = LIBRARY.lib_for(variant).specquant_delta_replay(*(a.data_ptr() for a in args), b, k.shape[1], k.shape[2],
+                                                             h, kd, vd, out.data_ptr(), torch.get_num_threads())
+    _check(status, "delta_replay", lambda: f"state {tuple(state.shape)}, k {tuple(k.shape)}, delta {tuple(delta.shape)}")
+    return out
+
+
+def delta_replay_reference(state, k, delta, g) -> torch.Tensor:
+    """delta_replay in torch, token by token: S = e^g S + k deltaᵀ per value head (key heads grouped)."""
+    heads = delta.shape[2]
+    keys = k.repeat_interleave(heads // k.shape[2], dim=2)
+    for t in range(k.shape[1]):
+        state = state * g[:, t].exp()[..., None, None] + keys[:, t, :, :, None] * delta[:, t, :, None, :]
+    return state
+
+
+def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                variant: Variant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) = (-exp(a_log)·softplus(a + dt_bias), sigmoid(b)) for a, b [..., heads] fp32, each element alike
+    whatever the tensor's size (ops.cpp says why torch's are not)."""
+    h = a.shape[-1]
+    if b.shape != a.shape or a_log.shape != (h,) or dt_bias.shape != (h,):
+        raise ValueError(f"delta_gates: a {tuple(a.shape)}, b {tuple(b.shape)}, A_log {tuple(a_log.shape)}, "
+                         f"dt_bias {tuple(dt_bias.shape)}")
+    a, b, a_log, dt_bias = (x.contiguous() for x in (a, b, a_log, dt_bias))
+    g, beta = torch.empty_like(a), torch.empty_like(a)
+    _check(LIBRARY.lib_for(variant).specquant_delta_gates(a.data_ptr(), b.data_ptr(), a.numel() // h, h,
+                                                          a_log.data_ptr(), dt_bias.data_ptr(), g.data_ptr(),
+                                                          beta.data_ptr()),
+           "delta_gates", lambda: f"a {tuple(a.shape)}")
+    return g, beta
+
+
+def delta_gates_reference(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()), b.sigmoid().float()
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: int, k_pos: int,

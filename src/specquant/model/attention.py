@@ -19,11 +19,13 @@ from specquant.model.rope import apply_rope
 
 FOLD_MAX_ROWS = 16  # Attention: cached CPU steps of up to this many queries fold the GQA group into the queries,
 FOLD_MIN_ROWS = {torch.float32: 1, torch.bfloat16: 2}  # from this many, in these dtypes (others: never)
-# Attention.attend_cached: cached fp32 CPU eager steps of up to this many queries run kernels.ops.attention. Whole
-# W4A8 steps at the Qwen3-0.6B shape, 128 keys, 1 thread, Zen 4, interleaved against SDPA (docs/BENCH.md "Native
-# small ops"): the AVX-512 variant gained at 8 queries (1.127x vs 1.081x with the other native ops alone), the AVX2
-# one lost there (0.978x vs 1.07x at 4); both gained at 1 and 4
-NATIVE_MAX_ROWS = 4
+# Attention.attend_cached: cached fp32 CPU eager steps of up to this many queries run kernels.ops.attention, whose
+# rows are computed alike in any block: every verify width (up to a cache's max_block, 64) takes it, so a verify
+# row equals the one-query decode step bit for bit and a speculative run emits exactly the target's greedy tokens
+# (SDPA's rows differ from the kernel's in the last bit; with only 1..4 queries native, the hybrid demo's 21-row
+# suffix verifies changed a token at a near-tie). Longer blocks (prefill) take SDPA. Speed at 1-8 queries is in
+# docs/BENCH.md ("Native small ops").
+NATIVE_MAX_ROWS = 64
 
 
 def attention_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None, device,

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specquant.kernels import ops
 from specquant.model.cache import Cache, Snapshot
 from specquant.model.modules import Linear
 from specquant.model.gated_delta import DEFAULT_CHUNK, gated_delta_rule, l2_normalize, state_after, zero_state
@@ -197,7 +198,13 @@ class DeltaNetCache(Cache):
                 f"since its anchor ({'any' if self.has_factors else 'its start or end'}), or 0; a rollback may reach "
                 f"only back to the last forward, or to the start of several forwards of at most "
                 f"max_block={self.max_block} tokens in all since the last rollback")
-        state = self.state0 if j == 0 else state_after(self.state0, self.keys, self.delta, self.g, j)
+        if j == 0:
+            state = self.state0
+        elif self.value_dim % 16 == 0 and ops.usable(self.state0, self.keys, self.delta, self.g):
+            # the stepped state bit for bit (the record came from ops.delta_step on this path: gated_delta_rule)
+            state = ops.delta_replay(self.state0, self.keys[:, :j], self.delta[:, :j], self.g[:, :j])
+        else:
+            state = state_after(self.state0, self.keys, self.delta, self.g, j)
         self._set("state", state)
         self._set("conv", self.hist[..., j : j + self.kernel - 1].clone())
         self.length, self.block, self.rolled_back = length, j, True
@@ -274,7 +281,9 @@ class GatedDeltaNet(nn.Module):
         hist = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x).transpose(1, 2)], -1)  # [b, conv_dim, k-1+t]
         kt = self.key_heads * self.key_dim
         if self.fast:  # fp32 from the conv to the norm: one rounding back to x's dtype, at the end
-            mixed = F.silu(self._conv_taps(hist)).transpose(1, 2)  # [b, t, conv_dim] fp32
+            # [b, t, conv_dim] fp32, contiguous: l2_normalize's sum then runs over contiguous rows, alike for any t
+            # (over the transposed view, its order depended on t, and a verify row's q, k differed in the last bit)
+            mixed = F.silu(self._conv_taps(hist)).transpose(1, 2).contiguous()
             qk = l2_normalize(mixed[..., : 2 * kt].reshape(b, t, 2 * self.key_heads, self.key_dim))
             q, k = qk[:, :, : self.key_heads], qk[:, :, self.key_heads :]
         else:  # the reference: transformers' casts (conv and SiLU in x's dtype)
@@ -283,8 +292,11 @@ class GatedDeltaNet(nn.Module):
             q = l2_normalize(mixed[..., :kt].reshape(b, t, self.key_heads, self.key_dim))
             k = l2_normalize(mixed[..., kt : 2 * kt].reshape(b, t, self.key_heads, self.key_dim))
         v = mixed[..., 2 * kt :].reshape(b, t, self.value_heads, self.value_dim)
-        beta = self.in_proj_b(x).sigmoid().float()  # sigmoid in x's dtype, as transformers does
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        a_in, b_in = self.in_proj_a(x), self.in_proj_b(x)
+        if self.fast and ops.usable(a_in, b_in, self.A_log, self.dt_bias):  # a row's gates whatever the rows
+            g, beta = ops.delta_gates(a_in, b_in, self.A_log, self.dt_bias)
+        else:  # sigmoid in x's dtype, as transformers does
+            g, beta = ops.delta_gates_reference(a_in, b_in, self.A_log, self.dt_bias)
         need_delta = cache is not None and t <= cache.max_block  # one-token steps too: an LM drafter rolls back
         # over several of them
         out, new_state, delta = gated_delta_rule(q, k, v, g, beta, state, self.key_dim ** -0.5, self.chunk_size,

@@ -1,7 +1,7 @@
 """The gated delta rule (Gated DeltaNet's recurrence), in plain PyTorch: one token at a time and chunked.
 
 Forms: recurrent_rule (the plain reference, one token at a time), step_rule (the same recurrence with fewer passes
-over the state: what a decode step runs), chunk_rule (prefill and verify). Tests compare each with the reference
+over the state: what a decode step runs), chunk_rule (prefill, and verify off the native path: gated_delta_rule). Tests compare each with the reference
 and with transformers' own torch forms.
 
 Per value head h and token t, with the state S [K, V] in fp32 (Yang et al., "Gated Delta Networks", 2024):
@@ -28,7 +28,9 @@ of dim 128):
   S_0 (48 MiB, held, not copied, in eager mode), and the chunked verify stays chunked;
 - snapshot + re-forward costs a second target forward of the accepted tokens.
 The conv state's rollback (the pre-conv inputs, 8192 per token and layer at 4B) is the mixer's (model/deltanet.py).
-Rebuilt states equal the recurrent ones up to float rounding (a different summation order), not bit for bit.
+state_after's rebuilt states equal the recurrent ones up to float rounding (a different summation order), not bit
+for bit; on the native path the cache rebuilds them with kernels.ops.delta_replay instead, the step's own state
+writes replayed, which equals the stepped state bit for bit at the same cost (one read and one write of it).
 
 On CUDA with flash-linear-attention installed, forwards that need no per-token delta (cache-free ones, single
 tokens, blocks too long to roll back into) run its Triton kernels instead (_fla_rule). It is an optional extra:
@@ -203,15 +205,18 @@ def _fla_rule(q, k, v, g, beta, state, scale: float):
 
 def gated_delta_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DEFAULT_CHUNK,
                      need_delta: bool = True, allow_fla: bool = True, fast: bool = True):
-    """The rule with the form that fits: fla's kernels when usable and no delta is needed, else one token ->
-    step_rule (fp32 CPU eager: its native twin, kernels.ops.delta_step; fast=False: recurrent_rule, the
-    reference), a block -> chunk_rule (so a verify of k+1 tokens is a
-    few matmuls, not a token loop)."""
+    """The rule with the form that fits: fla's kernels when usable and no delta is needed; on an fp32 CPU eager
+    step (V a multiple of 16, fast) one token or a block that keeps its deltas (a verify, up to a cache's
+    max_block) -> kernels.ops.delta_step, the step rule over the block in one native call: each token's
+    arithmetic is the one-token step's, so a verify row and its rolled-back state (ops.delta_replay) equal a
+    token-by-token decode bit for bit, and it is faster than chunk_rule up to 32 tokens and more (docs/BENCH.md).
+    Otherwise one token -> step_rule (fast=False: recurrent_rule, the reference) and a block -> chunk_rule (a
+    verify is a few matmuls, not a token loop; equal to the step rule up to rounding)."""
     if allow_fla and not need_delta and fla_available(q.device):
         return _fla_rule(q, k, v, g, beta, state, scale)
+    if fast and (q.shape[1] == 1 or need_delta) and v.shape[-1] % 16 == 0 and ops.usable(q, k, v, g, beta, state):
+        return ops.delta_step(q, k, v, g, beta, state, scale)
     if q.shape[1] == 1:
-        if fast and v.shape[-1] % 16 == 0 and ops.usable(q, k, v, g, beta, state):  # step_rule in one native call
-            return ops.delta_step(q, k, v, g, beta, state, scale)
         return (step_rule if fast else recurrent_rule)(q, k, v, g, beta, state, scale)
     return chunk_rule(q, k, v, g, beta, state, scale, chunk_size)
 

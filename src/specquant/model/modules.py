@@ -45,31 +45,49 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return ZeroCentredRMSNorm(dim, cfg.rms_norm_eps) if cfg.zero_centred_norms else RMSNorm(dim, cfg.rms_norm_eps)
 
 
-SMALL_ROWS = (5, 8)  # Linear: fp32 CPU inputs with this many rows (inclusive) take the W·xᵀ path ...
-SMALL_MIN_WEIGHT = 1 << 21  # ... on weights of at least this many elements (measurement in Linear's docstring)
+NATIVE_ROWS = 64  # dense_linear: fp32 CPU eager inputs of up to this many positions take kernels.ops.linear
+SMALL_ROWS = (5, 8)  # else fp32 CPU inputs with this many rows (inclusive) take the W·xᵀ path ...
+SMALL_MIN_WEIGHT = 1 << 21  # ... on weights of at least this many elements (measurement below)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) as inference runs it: every dense fp32 product of the model (Linear, and a
+    QuantLinear's dequantized weight) goes through here, so that both take the same path for the same input.
+
+    Inputs of up to NATIVE_ROWS positions (x.shape[-2], any batch) on an eager fp32 CPU step that needs no
+    gradient go to kernels.ops.linear where the ops library built. Its rows are batch-invariant, so a verify
+    step's row equals the one-row decode step's bit for bit: that is what keeps a speculative run's greedy tokens
+    equal to the target's own on a W4 model whose activations round to bf16, where a last-bit difference in a
+    dense in_proj_a / in_proj_b flips a rounding and grows to a changed token (the hybrid demo's 1024-token
+    prompt did, with 21-row suffix verifies on F.linear). The bound is on positions, not rows, so a batch of
+    sequences gets the same per-row results as one sequence. It also streams the weight faster than F.linear on
+    one or two threads (benchmarks/small_gemm.py, docs/BENCH.md). Longer blocks (prefill) take F.linear, whose
+    GEMM wins there; training (gradients) always does.
+
+    Elsewhere (no library, compiling, other dtypes): F.linear computes x·Wᵀ; from 5 rows on MKL then runs small-M
+    kernels that stream the weight at half of memory bandwidth on CPU. (W·xᵀ)ᵀ is the same product with the roles
+    swapped and is faster for 5..8 rows on weights of 2M+ elements (re-measured on torch 2.13, docs/SHAPES.md:
+    1..4 rows F.linear is as fast or faster; 5..8 rows W·xᵀ wins by 1.1-1.5x on 1024->4096/6144 and 384->8192 and
+    loses on small weights). Every path matches F.linear to float rounding (summation order);
+    tests/test_model_equivalence.py and tests/test_native_ops.py compare them.
+    """
+    if (x.shape[-2] if x.dim() > 1 else 1) <= NATIVE_ROWS and ops.usable(x, weight, bias):
+        return ops.linear(x, weight, bias)
+    rows = x.numel() // weight.shape[1]
+    if (SMALL_ROWS[0] <= rows <= SMALL_ROWS[1] and x.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.numel() >= SMALL_MIN_WEIGHT):
+        y = torch.mm(weight, x.reshape(rows, weight.shape[1]).t()).t().contiguous()
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear, with a faster path for the few-row fp32 GEMMs of decode and verify steps on CPU.
-
-    F.linear computes x·Wᵀ; from 5 rows on MKL then runs small-M kernels that stream the weight at half of memory
-    bandwidth on CPU. (W·xᵀ)ᵀ is the same product with the roles swapped and is faster for 5..8 rows on weights of
-    2M+ elements. Re-measured on torch 2.13 (weights streamed, 1 thread, docs/SHAPES.md): 1..4 rows F.linear is as
-    fast or faster everywhere (1 row: 5.4-6.2 GB/s against 2.7-3.0 GB/s for W·xᵀ with the row sent twice, which
-    earlier torch builds favoured); 5..8 rows W·xᵀ wins by 1.1-1.5x on 1024->4096/6144 and 384->8192 and loses on
-    small weights (384->1024 at 8 rows: 0.64 vs 0.53 ms). Results match F.linear to float rounding (summation
-    order); tests/test_model_equivalence.py compares them.
-    """
+    """nn.Linear whose product is dense_linear (its fast paths for the few-row fp32 GEMMs of decode and verify)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if (SMALL_ROWS[0] <= rows <= SMALL_ROWS[1] and x.dtype == torch.float32 and x.device.type == "cpu"
-                and self.weight.numel() >= SMALL_MIN_WEIGHT):
-            y = torch.mm(self.weight, x.reshape(rows, self.in_features).t()).t().contiguous()
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
     @classmethod
     def concat(cls, mods: list["Linear"]) -> "Linear | None":

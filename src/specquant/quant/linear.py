@@ -55,6 +55,7 @@ from torch import nn
 
 from specquant.errors import SpecquantError
 from specquant.kernels import FAMILIES, TILE, w4a8
+from specquant.model.modules import dense_linear
 from specquant.quant.config import DRAFT_W4_ACTIVATIONS
 from specquant.quant.grid import dequantize
 from specquant.quant.pack import pack_codes, packed_cols, unpack_codes
@@ -225,7 +226,7 @@ def _register_derived(m: QuantLinear, name: str, key, build: Callable[[], torch.
 def _dequant_cached(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     w = _derived(m, "dense_weight", (x.dtype, x.device),
                  lambda: m.dequantized_weight().to(device=x.device, dtype=x.dtype))
-    return F.linear(x, w, None if m.bias is None else m.bias.to(x.dtype))
+    return dense_linear(x, w, None if m.bias is None else m.bias.to(x.dtype))  # the same path as a dense Linear
 
 
 INT4PACK_GROUPS = (32, 64, 128, 256)
