@@ -210,7 +210,8 @@ def delta_replay(state, k, delta, g, variant: Variant | None = None) -> torch.Te
     out = torch.empty_like(args[0])
     status = LIBRARY.lib_for(variant).specquant_delta_replay(*(a.data_ptr() for a in args), b, k.shape[1], k.shape[2],
                                                              h, kd, vd, out.data_ptr(), torch.get_num_threads())
-    _check(status, "delta_replay", lambda: f"state {tuple(state.shape)}, k {tuple(k.shape)}, delta {tuple(delta.shape)}")
+    _check(status, "delta_replay",
+           lambda: f"state {tuple(state.shape)}, k {tuple(k.shape)}, delta {tuple(delta.shape)}")
     return out
 
 

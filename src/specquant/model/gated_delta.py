@@ -1,8 +1,8 @@
 """The gated delta rule (Gated DeltaNet's recurrence), in plain PyTorch: one token at a time and chunked.
 
 Forms: recurrent_rule (the plain reference, one token at a time), step_rule (the same recurrence with fewer passes
-over the state: what a decode step runs), chunk_rule (prefill, and verify off the native path: gated_delta_rule). Tests compare each with the reference
-and with transformers' own torch forms.
+over the state: what a decode step runs), chunk_rule (prefill, and verify off the native path: gated_delta_rule).
+Tests compare each with the reference and with transformers' own torch forms.
 
 Per value head h and token t, with the state S [K, V] in fp32 (Yang et al., "Gated Delta Networks", 2024):
     S' = e^{g_t} S                        decay (g_t <= 0)
@@ -209,7 +209,7 @@ def gated_delta_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DE
     step (V a multiple of 16, fast) one token or a block that keeps its deltas (a verify, up to a cache's
     max_block) -> kernels.ops.delta_step, the step rule over the block in one native call: each token's
     arithmetic is the one-token step's, so a verify row and its rolled-back state (ops.delta_replay) equal a
-    token-by-token decode bit for bit, and it is faster than chunk_rule up to 32 tokens and more (docs/BENCH.md).
+    token-by-token decode bit for bit, and it beat chunk_rule at every width measured, 4-64 (docs/BENCH.md).
     Otherwise one token -> step_rule (fast=False: recurrent_rule, the reference) and a block -> chunk_rule (a
     verify is a few matmuls, not a token loop; equal to the step rule up to rounding)."""
     if allow_fla and not need_delta and fla_available(q.device):
