@@ -248,6 +248,29 @@ SQ_INLINE void decay_write(float* s, int64_t kd, int64_t vd, const float* kv, fl
   for (int64_t i = 0; i < kd; ++i) store16(s + i * vd, load16(s + i * vd) * dec + kv[i] * delta);
 }
 
+// The walk delta_step and delta_replay share: one task per (batch, value head), the state copied in and carried in
+// blocks of 16 columns (K x 16 floats, in L1) through every token, so it is read once and written once.
+// token(b, hh, kh, tt, c0, s) does token tt's work on the block s of columns c0.. (value head hh, key head
+// kh). Returns 1 for a bad
+// shape (t may be 0: the state is copied), else 0.
+template <typename Token>
+int walk_state(const float* state_in, float* state_out, int64_t batch, int64_t t, int64_t hk, int64_t h, int64_t kd,
+               int64_t vd, int threads, const Token& token) {
+  if (batch <= 0 || t < 0 || hk <= 0 || h <= 0 || h % hk || kd <= 0 || vd <= 0 || vd % 16) return 1;
+  const int64_t tasks = batch * h, per_key = h / hk;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / h, hh = task % h, kh = hh / per_key;
+    const float* s_in = state_in + (b * h + hh) * kd * vd;
+    float* s_out = state_out + (b * h + hh) * kd * vd;
+    for (int64_t c0 = 0; c0 < vd; c0 += 16) {
+      for (int64_t i = 0; i < kd; ++i) memcpy(s_out + i * vd + c0, s_in + i * vd + c0, 64);
+      for (int64_t tt = 0; tt < t; ++tt) token(b, hh, kh, tt, c0, s_out + c0);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -326,42 +349,31 @@ int specquant_norm_rope(const float* x, int64_t batch, int64_t t, int64_t heads,
 //   read_q = S^T q·scale, read_k = S^T k, d = e^g, delta = beta·(v - d·read_k), out = d·read_q + (q·k·scale)·delta,
 //   S = d·S + k deltaᵀ.
 // q, k [batch, T, Hk, K]; v, out, deltas [batch, T, H, V]; g, beta [batch, T, H]; all contiguous fp32. The state
-// is walked once, in blocks of 16 columns (K x 16 floats, in L1) carried through every token, so a step reads it
-// once and writes it once. One task per (batch, head).
+// is read once and written once (walk_state).
 int specquant_delta_step(const float* q, const float* k, const float* v, const float* g, const float* beta,
                          const float* state_in, int64_t batch, int64_t t, int64_t hk, int64_t h, int64_t kd,
                          int64_t vd, float scale, float* state_out, float* out, float* deltas, int threads) {
-  if (batch <= 0 || t <= 0 || hk <= 0 || h <= 0 || h % hk || kd <= 0 || vd <= 0 || vd % 16) return 1;
-  const int64_t tasks = batch * h, per_key = h / hk;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t b = task / h, hh = task % h, kh = hh / per_key;
-    const float* s_in = state_in + (b * h + hh) * kd * vd;
-    float* s_out = state_out + (b * h + hh) * kd * vd;
-    for (int64_t c0 = 0; c0 < vd; c0 += 16) {
-      for (int64_t i = 0; i < kd; ++i) memcpy(s_out + i * vd + c0, s_in + i * vd + c0, 64);
-      for (int64_t tt = 0; tt < t; ++tt) {
-        const float* qv = q + ((b * t + tt) * hk + kh) * kd;
-        const float* kv = k + ((b * t + tt) * hk + kh) * kd;
-        const int64_t gi = (b * t + tt) * h + hh;
-        const float dec = exp_poly(g[gi]), bt = beta[gi];
-        v16 rq = zero16(), rk = zero16();
-        for (int64_t i = 0; i < kd; ++i) {
-          const v16 row = load16(s_out + i * vd + c0);
-          rq += row * (qv[i] * scale);
-          rk += row * kv[i];
-        }
-        const float qk = dot(qv, kv, kd) * scale;
-        const v16 vv = load16(v + gi * vd + c0);
-        const v16 delta = bt * (vv - dec * rk);
-        const v16 o = dec * rq + qk * delta;
-        store16(out + gi * vd + c0, o);
-        store16(deltas + gi * vd + c0, delta);
-        decay_write(s_out + c0, kd, vd, kv, dec, delta);
-      }
+  if (t <= 0) return 1;
+  return walk_state(state_in, state_out, batch, t, hk, h, kd, vd, threads,
+                    [&](int64_t b, int64_t hh, int64_t kh, int64_t tt, int64_t c0, float* s) {
+    const float* qv = q + ((b * t + tt) * hk + kh) * kd;
+    const float* kv = k + ((b * t + tt) * hk + kh) * kd;
+    const int64_t gi = (b * t + tt) * h + hh;
+    const float dec = exp_poly(g[gi]), bt = beta[gi];
+    v16 rq = zero16(), rk = zero16();
+    for (int64_t i = 0; i < kd; ++i) {
+      const v16 row = load16(s + i * vd);
+      rq += row * (qv[i] * scale);
+      rk += row * kv[i];
     }
-  }
-  return 0;
+    const float qk = dot(qv, kv, kd) * scale;
+    const v16 vv = load16(v + gi * vd + c0);
+    const v16 delta = bt * (vv - dec * rk);
+    const v16 o = dec * rq + qk * delta;
+    store16(out + gi * vd + c0, o);
+    store16(deltas + gi * vd + c0, delta);
+    decay_write(s, kd, vd, kv, dec, delta);
+  });
 }
 
 // The state after the first t tokens of a delta_step record, from the state before them and the record's keys,
@@ -373,23 +385,11 @@ int specquant_delta_step(const float* q, const float* k, const float* v, const f
 int specquant_delta_replay(const float* state_in, const float* k, const float* deltas, const float* g, int64_t batch,
                            int64_t t, int64_t hk, int64_t h, int64_t kd, int64_t vd, float* state_out,
                            int threads) {
-  if (batch <= 0 || t < 0 || hk <= 0 || h <= 0 || h % hk || kd <= 0 || vd <= 0 || vd % 16) return 1;
-  const int64_t tasks = batch * h, per_key = h / hk;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t b = task / h, hh = task % h, kh = hh / per_key;
-    const float* s_in = state_in + (b * h + hh) * kd * vd;
-    float* s_out = state_out + (b * h + hh) * kd * vd;
-    for (int64_t c0 = 0; c0 < vd; c0 += 16) {
-      for (int64_t i = 0; i < kd; ++i) memcpy(s_out + i * vd + c0, s_in + i * vd + c0, 64);
-      for (int64_t tt = 0; tt < t; ++tt) {
-        const int64_t gi = (b * t + tt) * h + hh;
-        decay_write(s_out + c0, kd, vd, k + ((b * t + tt) * hk + kh) * kd, exp_poly(g[gi]),
-                    load16(deltas + gi * vd + c0));
-      }
-    }
-  }
-  return 0;
+  return walk_state(state_in, state_out, batch, t, hk, h, kd, vd, threads,
+                    [&](int64_t b, int64_t hh, int64_t kh, int64_t tt, int64_t c0, float* s) {
+    const int64_t gi = (b * t + tt) * h + hh;
+    decay_write(s, kd, vd, k + ((b * t + tt) * hk + kh) * kd, exp_poly(g[gi]), load16(deltas + gi * vd + c0));
+  });
 }
 
 // Gated DeltaNet's gates from its projections a, b [rows, h] (contiguous): beta = sigmoid(b) and

@@ -48,7 +48,8 @@ from torch import nn
 from specquant.kernels import ops
 from specquant.model.cache import Cache, Snapshot
 from specquant.model.modules import Linear
-from specquant.model.gated_delta import DEFAULT_CHUNK, gated_delta_rule, l2_normalize, state_after, zero_state
+from specquant.model.gated_delta import (DEFAULT_CHUNK, gated_delta_rule, l2_normalize, native_rule, state_after,
+                                         zero_state)
 from specquant.model.norms import GatedRMSNorm
 
 DEFAULT_MAX_BLOCK = 64  # longest forward a cache can roll back into (Transformer.setup_cache's max_block default)
@@ -200,8 +201,8 @@ class DeltaNetCache(Cache):
                 f"max_block={self.max_block} tokens in all since the last rollback")
         if j == 0:
             state = self.state0
-        elif self.value_dim % 16 == 0 and ops.usable(self.state0, self.keys, self.delta, self.g):
-            # the stepped state bit for bit (the record came from ops.delta_step on this path: gated_delta_rule)
+        elif native_rule(self.value_dim, self.state0, self.keys, self.delta, self.g):
+            # the stepped state bit for bit (the record came from ops.delta_step: gated_delta_rule's same test)
             state = ops.delta_replay(self.state0, self.keys[:, :j], self.delta[:, :j], self.g[:, :j])
         else:
             state = state_after(self.state0, self.keys, self.delta, self.g, j)

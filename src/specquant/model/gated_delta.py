@@ -203,6 +203,12 @@ def _fla_rule(q, k, v, g, beta, state, scale: float):
     return out.float(), final.float(), None
 
 
+def native_rule(value_dim: int, *tensors: torch.Tensor) -> bool:
+    """Whether the rule runs natively (kernels.ops.delta_step, and the cache's rollback ops.delta_replay, which is
+    bit-equal to it only on a record delta_step wrote): its value dim a multiple of 16 and ops.usable."""
+    return value_dim % 16 == 0 and ops.usable(*tensors)
+
+
 def gated_delta_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DEFAULT_CHUNK,
                      need_delta: bool = True, allow_fla: bool = True, fast: bool = True):
     """The rule with the form that fits: fla's kernels when usable and no delta is needed; on an fp32 CPU eager
@@ -214,7 +220,7 @@ def gated_delta_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DE
     verify is a few matmuls, not a token loop; equal to the step rule up to rounding)."""
     if allow_fla and not need_delta and fla_available(q.device):
         return _fla_rule(q, k, v, g, beta, state, scale)
-    if fast and (q.shape[1] == 1 or need_delta) and v.shape[-1] % 16 == 0 and ops.usable(q, k, v, g, beta, state):
+    if fast and (q.shape[1] == 1 or need_delta) and native_rule(v.shape[-1], q, k, v, g, beta, state):
         return ops.delta_step(q, k, v, g, beta, state, scale)
     if q.shape[1] == 1:
         return (step_rule if fast else recurrent_rule)(q, k, v, g, beta, state, scale)
