@@ -333,3 +333,17 @@ def test_verify_rows_and_rollbacks_equal_one_token_decode_bit_for_bit(kind, w4):
         after = torch.cat([model(ids[:, p : p + 1], p) for p in range(47, 100)], 1)
         assert torch.equal(after, steps[:, 7:])
     model.clear_cache()
+
+
+def test_dense_linear_falls_back_where_the_native_linear_cannot_take_the_input():
+    """A weight whose rows are contiguous but not the whole tensor (a column slice) and an empty input go to
+    F.linear instead of the native call's error."""
+    import torch.nn.functional as F
+
+    from specquant.model.modules import dense_linear
+
+    sliced, whole = torch.randn(8, 32)[:, :16], torch.randn(8, 16)
+    with torch.no_grad():
+        for x, w in ((torch.randn(1, 3, 16), sliced), (torch.randn(1, 0, 16), whole)):
+            assert ops.usable(x, w) == (ops.LIBRARY.library() is not None)  # the native path would have been taken
+            close(dense_linear(x, w), F.linear(x, w))

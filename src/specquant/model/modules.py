@@ -71,9 +71,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     loses on small weights). Every path matches F.linear to float rounding (summation order);
     tests/test_model_equivalence.py and tests/test_native_ops.py compare them.
     """
-    if (x.shape[-2] if x.dim() > 1 else 1) <= NATIVE_ROWS and ops.usable(x, weight, bias):
-        return ops.linear(x, weight, bias)
     rows = x.numel() // weight.shape[1]
+    if (rows and (x.shape[-2] if x.dim() > 1 else 1) <= NATIVE_ROWS and weight.is_contiguous()
+            and ops.usable(x, weight, bias)):  # ops.linear takes a contiguous weight and at least one row
+        return ops.linear(x, weight, bias)
     if (SMALL_ROWS[0] <= rows <= SMALL_ROWS[1] and x.dtype == torch.float32 and x.device.type == "cpu"
             and weight.numel() >= SMALL_MIN_WEIGHT):
         y = torch.mm(weight, x.reshape(rows, weight.shape[1]).t()).t().contiguous()
