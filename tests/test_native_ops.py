@@ -75,12 +75,15 @@ def test_linear_matches_f_linear(variant, rows, k, n, with_bias):
     close(ops.linear(x, w, b, variant=variant), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_rows_are_batch_and_thread_invariant(variant):
+# rows x k: both of ops.cpp's layouts (weight row by weight row while x is small: 4 rows, 7 x 1000; 4-row weight
+# tiles beyond: 9 x 1040), each row against the one-row call, which is always the first layout
+@pytest.mark.parametrize("rows,k", [(9, 1040), (4, 3000), (7, 1000)])
+def test_linear_rows_are_batch_and_thread_invariant(variant, rows, k):
     """A verify step's row equals the one-row step's bit for bit, at any thread count."""
     g = torch.Generator().manual_seed(11)
-    x, w = torch.randn(9, 1040, generator=g), torch.randn(515, 1040, generator=g)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(515, k, generator=g)
     batch = ops.linear(x, w, variant=variant)
-    assert torch.equal(torch.cat([ops.linear(x[i : i + 1], w, variant=variant) for i in range(9)]), batch)
+    assert torch.equal(torch.cat([ops.linear(x[i : i + 1], w, variant=variant) for i in range(rows)]), batch)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if threads > 1 else 2)

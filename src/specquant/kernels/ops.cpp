@@ -156,15 +156,22 @@ SQ_INLINE float sum_lanes(const v16& a) {
 #endif
 }
 
-// dot(q[rr], k, n) for NR query rows at once, bit for bit as dot: k is loaded once for all of them
+// dot(q[rr], k, n) for NR query rows at once, bit for bit as dot: k is loaded once for all of them. With
+// ahead_k / ahead_q > 0, each 16-float step also prefetches that many floats beyond k / each q[rr] (the linear's
+// weight stream: the hardware prefetcher alone left a one-row GEMV at about 2/3 of the streamed bandwidth).
 template <int NR>
-SQ_INLINE void dot_rows(const float* const* q, const float* k, int64_t n, float* out) {
+SQ_INLINE void dot_rows(const float* const* q, const float* k, int64_t n, float* out, int64_t ahead_k = 0,
+                        int64_t ahead_q = 0) {
   v16 acc[NR];
   for (int rr = 0; rr < NR; ++rr) acc[rr] = zero16();
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES) {
+    if (ahead_k) __builtin_prefetch(k + i + ahead_k, 0, 3);
     const v16 kv = load16(k + i);
-    for (int rr = 0; rr < NR; ++rr) acc[rr] += load16(q[rr] + i) * kv;
+    for (int rr = 0; rr < NR; ++rr) {
+      if (ahead_q) __builtin_prefetch(q[rr] + i + ahead_q, 0, 3);
+      acc[rr] += load16(q[rr] + i) * kv;
+    }
   }
   for (int rr = 0; rr < NR; ++rr) {
     float tail = 0.0f;
@@ -412,25 +419,54 @@ int specquant_delta_gates(const float* a, const float* b, int64_t rows, int64_t 
 }
 
 // y[m, n] = x[m, ·] · w[n, ·] (+ bias[n]) for the few fp32 rows of a decode or verify step: x [M, K], w [N, K]
-// row-major (nn.Linear's weight), y [M, N]. Each output is dot()'s sum (16 lanes in k order, pairwise at the end),
-// so a row's result does not depend on M, on the tiling or on the thread count (a verify row equals the one-row
-// step bit for bit, which F.linear does not promise). Outputs are done in tiles of 4 weight rows, split statically
-// over the threads (each streams one contiguous stretch of w); every row of x runs against a tile while it is in
-// L1/L2, so w comes from DRAM once per step whatever M. Why not F.linear: for one row it streams the weight at
-// about half the bandwidth, and barely faster on two threads than on one (docs/BENCH.md).
+// row-major (nn.Linear's weight), y [M, N]. Each output is dot()'s sum (16 lanes in k order, pairwise at the end;
+// x·w and w·x round alike), so a row's result does not depend on M, on the layout below or on the thread count (a
+// verify row equals the one-row step bit for bit, which F.linear does not promise). Weight rows are split statically
+// over the threads (each streams one contiguous stretch of w), and w comes from DRAM once per step whatever M:
+// - while x is small (M <= 4, or all of x fits in L1), weight row by weight row, up to 4 rows of x against each
+//   one: w is read as one sequential stream, prefetched LINEAR_AHEAD floats ahead (at 1 thread this streamed 1.4x
+//   the bytes per second of the 4-row tiles below; docs/BENCH.md "One weight stream");
+// - else in tiles of 4 weight rows, every row of x against a tile while it is in L1/L2 (x is read from cache once
+//   per tile rather than once per weight row), the next tile prefetched.
+// Why not F.linear: for one row it streams the weight at about half the bandwidth, and barely faster on two threads
+// than on one (docs/BENCH.md).
+constexpr int64_t LINEAR_AHEAD = 1024;  // floats: 4 KB, one 1024-wide weight row
+
 int specquant_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
                      int threads) {
   if (M <= 0 || K <= 0 || N <= 0) return 1;
+  const bool parallel = N * K >= (1 << 16) && threads > 1;
+  if (M <= 4 || M * K <= 8192) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* wn = w + n * K;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mr = M - m0 < 4 ? static_cast<int>(M - m0) : 4;
+        const float* xr[4];
+        float dots[4];
+        for (int r = 0; r < mr; ++r) xr[r] = x + (m0 + r) * K;
+        const int64_t ahead = m0 == 0 ? LINEAR_AHEAD : 0;  // the later blocks find wn in L1
+        switch (mr) {
+          case 4: dot_rows<4>(xr, wn, K, dots, ahead); break;
+          case 3: dot_rows<3>(xr, wn, K, dots, ahead); break;
+          case 2: dot_rows<2>(xr, wn, K, dots, ahead); break;
+          default: dot_rows<1>(xr, wn, K, dots, ahead); break;
+        }
+        for (int r = 0; r < mr; ++r) y[(m0 + r) * N + n] = bias ? dots[r] + bias[n] : dots[r];
+      }
+    }
+    return 0;
+  }
   constexpr int NT = 4;
   const int64_t tiles = (N + NT - 1) / NT;
-#pragma omp parallel for num_threads(threads) schedule(static) if (N * K >= (1 << 16) && threads > 1)
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t n0 = tile * NT, nt = N - n0 < NT ? N - n0 : NT;
     const float* wr[NT];
     for (int j = 0; j < NT; ++j) wr[j] = w + (n0 + (j < nt ? j : nt - 1)) * K;  // a short tile repeats its last row
     for (int64_t m = 0; m < M; ++m) {
       float dots[NT];
-      dot_rows<NT>(wr, x + m * K, K, dots);  // the tile's rows against row m of x, loaded once
+      dot_rows<NT>(wr, x + m * K, K, dots, 0, m == 0 ? NT * K : 0);  // the tile's rows against row m of x
       for (int j = 0; j < nt; ++j) y[m * N + n0 + j] = bias ? dots[j] + bias[n0 + j] : dots[j];
     }
   }
