@@ -265,7 +265,7 @@ def test_fma32_rounds_once_where_float64_then_fp32_would_round_twice():
 
 
 def test_every_variant_gives_the_same_bits():
-    """The w4a8 variants this CPU runs (AVX-512 VNNI, AVX2, portable C) agree bit for bit, on fp32 and bf16 scales."""
+    """The w4a8 variants this CPU runs (AVX-512 VNNI, AVX-VNNI, AVX2, portable C) agree bit for bit, on fp32 and bf16 scales."""
     loaded = [v for v in FAMILY.variants if FAMILY.load(v)[0] is not None]
     if len(loaded) < 2:
         pytest.skip(f"fewer than two w4a8 variants load here ({FAMILY.why()})")

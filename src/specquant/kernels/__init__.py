@@ -5,11 +5,11 @@ norm + RoPE, few-query attention, the delta rule's step), a library of one sourc
 
   family   arithmetic                                       variants, best first (each module's VARIANTS)
   w4_bf16  bf16 activations x exact int4 weights, fp32 sums   avx512_bf16, avx2 (+FMA), portable
-  w4a8     int8 activations per block of 32 x int4 weights    avx512_vnni, avx2 (+FMA), portable
+  w4a8     int8 activations per block of 32 x int4 weights    avx512_vnni, avx_vnni, avx2 (+FMA), portable
            (GGUF's Q4_0 x Q8_0); every variant bit-equal to w4a8.reference_gemm
 
 The portable variants are plain C++ built with no instruction-set flag, for CPUs without AVX2 (old x86, ARM); a
-NEON variant (and an AVX-VNNI one for the w4a8 family) would each be one more .cpp and row.
+NEON variant would be one more .cpp and row per family.
 
 build.py probes the CPU, compiles and loads a variant; family.py picks, for each family, the first variant the CPU
 runs (`auto`, logged). A new variant is one .cpp file in this folder plus one row in its family's VARIANTS; a new

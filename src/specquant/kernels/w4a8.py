@@ -27,6 +27,7 @@ from specquant.kernels.family import GEMM_ARGS, TILE, Family, Layout, pack_scale
 BLOCK = 32  # activations: one scale per 32 inputs (Q8_0's block)
 VARIANTS = (  # best first
     Variant("avx512_vnni", "w4a8_avx512_vnni.cpp", (*AVX512_FLAGS, "-mavx512vnni"), (*AVX512_CPU, "avx512_vnni")),
+    Variant("avx_vnni", "w4a8_avx_vnni.cpp", (*AVX2_FLAGS, "-mavxvnni"), (*AVX2_CPU, "avx_vnni")),
     Variant("avx2", "w4a8_avx2.cpp", AVX2_FLAGS, AVX2_CPU),
     Variant("portable", "w4a8_portable.cpp", (), ()),  # any CPU g++ targets (NEON: not yet)
 )
