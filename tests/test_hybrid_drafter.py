@@ -17,6 +17,7 @@ from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.build import build_engine
 from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.drafter import Draft
 from specquant.spec_decode.drafters import parse_draft
 from specquant.spec_decode.drafters.block import BlockDrafter
 from specquant.spec_decode.drafters.hybrid import HybridConfig, HybridDrafter
@@ -147,6 +148,62 @@ def test_greedy_hybrid_equals_target_greedy_and_both_sources_draft(pair, block_m
     assert hybrid.totals["suffix"].num_drafts == used["suffix"]
 
 
+class Wrong:
+    """A model drafter whose k tokens repeat one id chosen from the last token, not from the target, so its steps
+    accept next to nothing: what a drafter that does not pay looks like to the hybrid's gate."""
+
+    target_layers = ()
+
+    def __init__(self):
+        self.proposed = 0
+
+    def setup(self, batch, max_len):
+        pass
+
+    def prefill(self, prompt_ids, target_hidden):
+        pass
+
+    def propose(self, tokens, k, sampling, generator):
+        self.proposed += 1
+        wrong = torch.full((1, k), int(tokens[0, -1]) % 7 + 1, dtype=torch.long)
+        return Draft(wrong)
+
+    def accept(self, length, target_hidden):
+        pass
+
+    def rollback(self, length):
+        pass
+
+
+@pytest.mark.parametrize("min_accept", [1.0, 0.0])
+def test_a_model_drafter_that_does_not_pay_is_gated_off_and_retried(pair, min_accept):
+    """With model steps accepting ~nothing, the steps without a long suffix match run undrafted ("none") after the
+    first model steps, with a model step every PROBE_EVERY of them; min_accept 0 keeps the model on every such
+    step. Greedy output equals the target's either way."""
+    from specquant.spec_decode.drafters.hybrid import PROBE_EVERY
+
+    target, _ = pair
+    spec = SpecConfig(draft_len=3)
+    model = Wrong()
+    hybrid = HybridDrafter(SuffixDrafter(SuffixConfig(max_draft_len=12)), model, spec,
+                           HybridConfig(1000, model_min_accept=min_accept))  # no suffix step: the gate alone
+    engine = build_engine(target, hybrid, spec=spec)
+    ref = generate(target, PROMPTS[0], 60, stop_on_eos=False).token_ids[0]
+    out = engine.generate(PROMPTS[0], 60, stop_on_eos=False)
+    assert out.token_ids[0] == ref
+    c = hybrid.choices
+    steps = c["model"].num_drafts + c["none"].num_drafts
+    # every step after the prefill (the last one may end the request before the drafter hears of it)
+    assert c["suffix"].num_drafts == 0 and out.stats["target_forwards"] - 2 <= steps <= out.stats["target_forwards"] - 1
+    if min_accept:
+        rejected = c["model"].num_drafts - c["model"].num_accepted_tokens  # model steps that accepted nothing
+        assert c["none"].num_drafts >= steps * PROBE_EVERY // (PROBE_EVERY + 1) - PROBE_EVERY and rejected >= 1
+        assert c["model"].num_drafts <= steps // PROBE_EVERY + 2
+    else:
+        assert c["none"].num_drafts == 0 and c["model"].num_drafts == steps
+    assert model.proposed == c["model"].num_drafts
+
+
 def test_model_drafter_adapts_on_its_own_steps_only(pair):
     target, draft = pair
     spec = SpecConfig(draft_len=2, adaptive=True, max_draft_len=6)
@@ -197,7 +254,7 @@ def test_hybrid_sampling_keeps_the_target_law(source):
     step.setup(1, 64)
     spec = SpecConfig(draft_len=3)
     hybrid = HybridDrafter(SuffixDrafter(SuffixConfig(max_draft_len=4)), LMDrafter(draft, spec), spec,
-                           HybridConfig(6 if source == "suffix" else 1000))
+                           HybridConfig(6 if source == "suffix" else 1000, model_min_accept=0.0))
     hybrid.setup(1, 64)
     with torch.no_grad():
         step.step(torch.tensor([ctx[:-1]]), 0, last_only=True)
@@ -255,5 +312,5 @@ def test_generate_cli_drafts_past_draft_len_and_reports_sources(capsys):
     assert main([*base, "--draft", "suffix+tiny-block-draft", "--hybrid-min-match", "4"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     by = out["drafted_by"]
-    assert set(by) == {"suffix", "model"}
-    assert sum(m["num_drafts"] for m in by.values()) == out["stats"]["num_drafts"]
+    assert set(by) == {"suffix", "model", "none"}  # "none": the undrafted steps, not drafts
+    assert by["suffix"]["num_drafts"] + by["model"]["num_drafts"] == out["stats"]["num_drafts"]

@@ -137,12 +137,16 @@ def source_table(results: BenchResults) -> str:
         for run, sources in r.by_source.items():
             steps = sum(m.num_drafts for m in sources.values())
             for src, m in sources.items():
+                drafted = m.num_draft_tokens > 0  # "none": undrafted steps, no draft to accept
                 lines.append("| " + " | ".join([
                     f"({r.id})", run, src, str(m.num_drafts), _f(m.num_drafts / steps if steps else None),
-                    _f(m.mean_draft_len), _f(m.acceptance_rate), _f(m.mean_acceptance_length)]) + " |")
+                    _f(m.mean_draft_len), _f(m.acceptance_rate if drafted else None),
+                    _f(m.mean_acceptance_length)]) + " |")
+    h = results.config.hybrid
     return ("\n\n## Hybrid drafter: which drafter drafted\n\nPer step the suffix draft when its match has at least "
-            f"{results.config.hybrid.min_match} tokens (--hybrid-min-match), else the block drafter's (untimed "
-            "acceptance passes).\n\n" + "\n".join(lines))
+            f"{h.min_match} tokens (--hybrid-min-match), else the block drafter's while its steps accept at least "
+            f"{h.model_min_accept:g} tokens on average (--hybrid-model-min-accept), else no draft (\"none\": a "
+            "plain one-token step); untimed acceptance passes.\n\n" + "\n".join(lines))
 
 
 def lossy_lines(results: BenchResults) -> str:

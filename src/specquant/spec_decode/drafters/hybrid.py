@@ -1,5 +1,13 @@
 """The hybrid drafter (kind "hybrid", `--draft suffix+DRAFT`): per step, the suffix drafter's draft when its match
-is long enough (HybridConfig.min_match), else a model drafter's (block, LM, or any kind `--draft` takes).
+is long enough (HybridConfig.min_match), else a model drafter's (block, LM, or any kind `--draft` takes) while that
+pays, else no draft.
+
+When the model drafter pays. A model step costs its draft plus a (k+1)-row verify, a few plain steps' worth (2.2-2.7
+on the bundled pairs: docs/BENCH.md, "The hybrid drafter's model gate"), and emits 1 + accepted tokens. So the
+hybrid keeps a running mean of what the model's own steps accepted and, once it falls below
+HybridConfig.model_min_accept, runs the steps without a long suffix match undrafted (one token, one 1-row forward),
+trying the model again every PROBE_EVERY such steps so that the mean follows the text. The rule reads accepted
+counts only, never the clock, so a seeded run makes the same choices every time.
 
 Both sub-drafters see every step, whoever drafted: `prefill` and `accept` go to both, so the suffix automaton holds
 every committed token, the block drafter's context every verified position (accept hands it the target's hidden
@@ -43,17 +51,32 @@ class HybridConfig:
         "help": "hybrid drafter: draft from the suffix match when at least this many tokens of the sequence's end "
                 "matched earlier text, else with the model drafter", "flag": "--hybrid-min-match"})
 
+    # 1.0: a model step pays when 1 + accepted beats its cost in plain steps, 2.2-2.7 on the bundled pairs (module
+    # docstring); their block drafters accept 0.2-0.5 (hybrid pair) and 1.6-2.3 (Qwen3 pair) tokens per step
+    model_min_accept: float = field(default=1.0, metadata={
+        "help": "hybrid drafter: without a long suffix match, draft with the model drafter only while its steps "
+                "accept at least this many tokens on average (else the step runs undrafted, the model retried "
+                "every few steps); 0 = always the model drafter", "flag": "--hybrid-model-min-accept"})
+
     def validate(self) -> "HybridConfig":
         if self.min_match < 1:
             raise SpecquantError(f"hybrid min_match {self.min_match} must be at least 1 (e.g. 4)")
+        if not self.model_min_accept >= 0:
+            raise SpecquantError(f"hybrid model_min_accept {self.model_min_accept} must be >= 0 (e.g. 1.0; 0 = "
+                                 "always draft with the model)")
         return self
 
 
-class HybridDrafter:
-    """A Drafter over a SuffixDrafter and a model drafter. `choices` counts, per source ("suffix", "model"), the
-    steps it drafted and what they accepted (this request's; `totals` over every request)."""
+PROBE_EVERY = 8  # undrafted steps between two model steps once the model's mean fell below model_min_accept
+RATE_WEIGHT = 0.25  # the running mean's weight on the newest model step (about its last 4 steps)
 
-    SOURCES = ("suffix", "model")
+
+class HybridDrafter:
+    """A Drafter over a SuffixDrafter and a model drafter. `choices` counts, per source ("suffix", "model", and
+    "none": the undrafted steps, each a step of MAL 1), the steps it drafted and what they accepted (this
+    request's; `totals` over every request)."""
+
+    SOURCES = ("suffix", "model", "none")
 
     def __init__(self, suffix: SuffixDrafter, model: Drafter, spec: SpecConfig, config: HybridConfig | None = None):
         self.suffix, self.model, self.spec = suffix, model, spec.validate()
@@ -67,6 +90,8 @@ class HybridDrafter:
         self.choices = {s: SpecMetrics() for s in self.SOURCES}
         self.totals = {s: SpecMetrics() for s in self.SOURCES}
         self._pending: tuple[str, int, int] | None = None  # (source, committed length, proposed) of the last draft
+        self.model_rate: float | None = None  # running mean of the model steps' accepted tokens (None: no step yet)
+        self._undrafted = 0  # undrafted steps since the last model step
 
     def take_totals(self) -> dict[str, SpecMetrics]:
         """The per-source counters over every request since the last call (a bench pass's), reset."""
@@ -86,26 +111,30 @@ class HybridDrafter:
         self.choices = {s: SpecMetrics() for s in self.SOURCES}
         self.model_k = min(self.spec.draft_len, self.model_longest)
         self._pending = None
+        self.model_rate, self._undrafted = None, 0
         self.suffix.prefill(prompt_ids, None)
         self.model.prefill(prompt_ids, target_hidden)
 
     def choose(self, tokens: torch.Tensor, k: int) -> tuple[str, list[int]]:
         """The rule: ("suffix", its draft) when the suffix match after tokens [1, n] is long enough and drafts,
-        else ("model", [])."""
+        else ("model", []) while the model drafter pays (module docstring), else ("none", [])."""
         proposal = self.suffix.peek(tokens, k)
         if proposal.match.length >= self.config.min_match and proposal.tokens:
             return "suffix", proposal.tokens
-        return "model", []
+        if self.model_rate is None or self.model_rate >= self.config.model_min_accept \
+                or self._undrafted >= PROBE_EVERY:
+            return "model", []
+        return "none", []
 
     def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         source, drafted = self.choose(tokens, k)
         if source == "suffix":
             draft = Draft(torch.tensor([drafted], dtype=torch.long, device=tokens.device))
+        elif source == "model" and min(k, self.model_k):
+            draft = self.model.propose(tokens, min(k, self.model_k), sampling, generator)
         else:
-            k_model = min(k, self.model_k)
-            draft = (self.model.propose(tokens, k_model, sampling, generator) if k_model
-                     else Draft.empty(tokens.shape[0], tokens.device))
+            draft = Draft.empty(tokens.shape[0], tokens.device)
         self._pending = (source, tokens.shape[1], draft.tokens.shape[1])
         return draft
 
@@ -119,6 +148,13 @@ class HybridDrafter:
                 if source == "model":
                     self.model_k = next_draft_len(self.model_k, proposed, accepted,
                                                   _capped(self.spec, self.model_longest))
+                    self.model_rate = accepted if self.model_rate is None else \
+                        self.model_rate + RATE_WEIGHT * (accepted - self.model_rate)
+                    self._undrafted = 0
+            elif source == "none":
+                for m in (self.choices["none"], self.totals["none"]):
+                    m.num_drafts += 1  # a step, not a draft: its MAL is 1 (record_step skips empty drafts)
+                self._undrafted += 1
             self._pending = None
         self.suffix.accept(length, None)
         self.model.accept(length, target_hidden)
