@@ -2,11 +2,10 @@
 is long enough (HybridConfig.min_match), else a model drafter's (block, LM, or any kind `--draft` takes) while that
 pays, else no draft.
 
-When the model drafter pays. A model step costs its draft plus a (k+1)-row verify, a few plain steps' worth (2.2-2.7
-on the bundled pairs: docs/BENCH.md, "The hybrid drafter's model gate"), and emits 1 + accepted tokens. So the
-hybrid keeps a running mean of what the model's own steps accepted and, once it falls below
-HybridConfig.model_min_accept, runs the steps without a long suffix match undrafted (one token, one 1-row forward),
-trying the model again every PROBE_EVERY such steps so that the mean follows the text. The rule reads accepted
+When the model drafter pays. A model step costs its draft plus a (k+1)-row verify, more than a plain step, and
+emits 1 + accepted tokens, so a drafter that accepts little loses to not drafting. The hybrid keeps a running mean
+of what the model's own steps accepted and, while it is below HybridConfig.model_min_accept, runs the steps without
+a long suffix match undrafted (one token, one 1-row forward), trying the model again every PROBE_EVERY such steps so that the mean follows the text. The rule reads accepted
 counts only, never the clock, so a seeded run makes the same choices every time.
 
 Both sub-drafters see every step, whoever drafted: `prefill` and `accept` go to both, so the suffix automaton holds
@@ -45,15 +44,20 @@ PREFIX = "suffix+"  # `--draft suffix+DRAFT`
 
 @dataclass
 class HybridConfig:
-    # 4: swept over 1, 2, 4, 8 on the bundled pair (docs/BENCH.md, "The hybrid drafter's threshold"): 4 drafted the
-    # most tokens per target forward and ran fastest; at 8 the suffix draft sat out steps it would have won
-    min_match: int = field(default=4, metadata={
+    # 3, the suffix drafter's own min_match: the match lengths the suffix drafter alone drafts on go to it here too.
+    # (4 won a sweep over 1, 2, 4, 8 while every other step went to the model drafter, before the model gate below:
+    # docs/BENCH.md, "The hybrid drafter's threshold"; with the gate a short match's draft competes with an
+    # undrafted step, which is what the suffix drafter alone does.)
+    min_match: int = field(default=3, metadata={
         "help": "hybrid drafter: draft from the suffix match when at least this many tokens of the sequence's end "
                 "matched earlier text, else with the model drafter", "flag": "--hybrid-min-match"})
 
-    # 1.0: a model step pays when 1 + accepted beats its cost in plain steps, 2.2-2.7 on the bundled pairs (module
-    # docstring); their block drafters accept 0.2-0.5 (hybrid pair) and 1.6-2.3 (Qwen3 pair) tokens per step
-    model_min_accept: float = field(default=1.0, metadata={
+    # 0.5: between the two bundled pairs' block drafters, measured in the demo (docs/BENCH.md, "The hybrid drafter's
+    # model gate"): on the Qwen3 pair the model steps accept 1.0-1.1 tokens and drafting them beat not drafting;
+    # on the hybrid pair they accept 0.1-0.3 and not drafting won by 1.27x in tokens/s. A cost-aware rule (the
+    # break-even is a model step's cost in plain steps, minus 1) would need the step times, which the rule does not
+    # read (module docstring).
+    model_min_accept: float = field(default=0.5, metadata={
         "help": "hybrid drafter: without a long suffix match, draft with the model drafter only while its steps "
                 "accept at least this many tokens on average (else the step runs undrafted, the model retried "
                 "every few steps); 0 = always the model drafter", "flag": "--hybrid-model-min-accept"})
@@ -62,7 +66,7 @@ class HybridConfig:
         if self.min_match < 1:
             raise SpecquantError(f"hybrid min_match {self.min_match} must be at least 1 (e.g. 4)")
         if not self.model_min_accept >= 0:
-            raise SpecquantError(f"hybrid model_min_accept {self.model_min_accept} must be >= 0 (e.g. 1.0; 0 = "
+            raise SpecquantError(f"hybrid model_min_accept {self.model_min_accept} must be >= 0 (e.g. 0.5; 0 = "
                                  "always draft with the model)")
         return self
 
