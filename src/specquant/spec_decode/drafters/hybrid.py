@@ -5,8 +5,9 @@ pays, else no draft.
 When the model drafter pays. A model step costs its draft plus a (k+1)-row verify, more than a plain step, and
 emits 1 + accepted tokens, so a drafter that accepts little loses to not drafting. The hybrid keeps a running mean
 of what the model's own steps accepted and, while it is below HybridConfig.model_min_accept, runs the steps without
-a long suffix match undrafted (one token, one 1-row forward), trying the model again every PROBE_EVERY such steps so that the mean follows the text. The rule reads accepted
-counts only, never the clock, so a seeded run makes the same choices every time.
+a long suffix match undrafted (one token, one 1-row forward), trying the model again after PROBE_EVERY such steps
+(then after twice as many, up to PROBE_MAX, while it still does not pay) so that the mean follows the text. The rule
+reads accepted counts only, never the clock, so a seeded run makes the same choices every time.
 
 Both sub-drafters see every step, whoever drafted: `prefill` and `accept` go to both, so the suffix automaton holds
 every committed token, the block drafter's context every verified position (accept hands it the target's hidden
@@ -71,8 +72,11 @@ class HybridConfig:
         return self
 
 
-PROBE_EVERY = 8  # undrafted steps between two model steps once the model's mean fell below model_min_accept
-RATE_WEIGHT = 0.25  # the running mean's weight on the newest model step (about its last 4 steps)
+# undrafted steps before the model is tried again once its mean fell below model_min_accept; each try that leaves it
+# below doubles the wait, up to PROBE_MAX (a drafter that never pays costs 1 step in 65 at most), and a mean back
+# above the gate resets it
+PROBE_EVERY, PROBE_MAX = 8, 64
+RATE_WEIGHT = 0.125  # the running mean's weight on the newest model step (about its last 8 steps)
 
 
 class HybridDrafter:
@@ -96,6 +100,7 @@ class HybridDrafter:
         self._pending: tuple[str, int, int] | None = None  # (source, committed length, proposed) of the last draft
         self.model_rate: float | None = None  # running mean of the model steps' accepted tokens (None: no step yet)
         self._undrafted = 0  # undrafted steps since the last model step
+        self._probe = PROBE_EVERY  # undrafted steps before the next model try
 
     def take_totals(self) -> dict[str, SpecMetrics]:
         """The per-source counters over every request since the last call (a bench pass's), reset."""
@@ -115,7 +120,7 @@ class HybridDrafter:
         self.choices = {s: SpecMetrics() for s in self.SOURCES}
         self.model_k = min(self.spec.draft_len, self.model_longest)
         self._pending = None
-        self.model_rate, self._undrafted = None, 0
+        self.model_rate, self._undrafted, self._probe = None, 0, PROBE_EVERY
         self.suffix.prefill(prompt_ids, None)
         self.model.prefill(prompt_ids, target_hidden)
 
@@ -126,7 +131,7 @@ class HybridDrafter:
         if proposal.match.length >= self.config.min_match and proposal.tokens:
             return "suffix", proposal.tokens
         if self.model_rate is None or self.model_rate >= self.config.model_min_accept \
-                or self._undrafted >= PROBE_EVERY:
+                or self._undrafted >= self._probe:
             return "model", []
         return "none", []
 
@@ -154,6 +159,10 @@ class HybridDrafter:
                                                   _capped(self.spec, self.model_longest))
                     self.model_rate = accepted if self.model_rate is None else \
                         self.model_rate + RATE_WEIGHT * (accepted - self.model_rate)
+                    if self.model_rate >= self.config.model_min_accept:
+                        self._probe = PROBE_EVERY
+                    elif self._undrafted >= self._probe:  # a try after a wait that did not lift the mean
+                        self._probe = min(2 * self._probe, PROBE_MAX)
                     self._undrafted = 0
             elif source == "none":
                 for m in (self.choices["none"], self.totals["none"]):
