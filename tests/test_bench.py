@@ -405,9 +405,11 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, hybrid_pair, tm
             assert e["same_tokens_as"] == {"row": "q", "match": True} and "predicted" not in e
     for run, acc in (("content", rows["u"]["acceptance_all"]), ("filler", rows["u"]["filler"]["filler"])):
         sources = rows["u"]["by_source"][run]
-        assert set(sources) == {"suffix", "model"}
-        assert sum(m["num_drafts"] for m in sources.values()) == acc["num_drafts"]
+        assert set(sources) == {"suffix", "model", "none"}  # none: undrafted steps (the model gate), no tokens
+        drafted = (sources["suffix"], sources["model"])
+        assert sum(m["num_drafts"] for m in drafted) == acc["num_drafts"]
         assert sum(m["num_accepted_tokens"] for m in sources.values()) == acc["num_accepted_tokens"]
+        assert sources["none"]["num_draft_tokens"] == sources["none"]["num_accepted_tokens"] == 0
     assert rows["p"]["acceptance_all"]["num_drafts"] > 0
     assert "### Hybrid drafter: which drafter drafted" in report and "### Filler prompt (filler)" in report
     gate = results["quality_gate"]  # the kl gate: W4 target against its fp32 source, quick preset's 4 x 128 tokens
