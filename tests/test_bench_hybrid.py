@@ -59,8 +59,10 @@ def test_every_row_runs_on_a_hybrid_target_and_keeps_its_tokens(models, tmp_path
     rows = {r.id: r for r in results.rows}
     assert list(rows) == [r.id for r in rows_for(with_qad=False, with_block=True, with_mtp=True)] + ["hf"]
     assert [rid for rid, r in rows.items() if r.drafter == "mtp"] == ["m", "n"]
-    # transformers' assisted generation refuses stateful (recurrent) targets: reported, not hidden
-    assert rows["hf"].status == "skipped" and rows["hf"].reason
+    # transformers' assisted generation refused stateful (recurrent) targets up to 5.24 (the row is then skipped
+    # with the reason, not hidden); 5.25 runs it
+    hf = rows["hf"]
+    assert (hf.status == "skipped" and hf.reason) or hf.ok, (hf.status, hf.reason)
     for rid, r in rows.items():
         if rid == "hf":
             continue

@@ -51,7 +51,8 @@ class HybridConfig:
     # undrafted step, which is what the suffix drafter alone does.)
     min_match: int = field(default=3, metadata={
         "help": "hybrid drafter: draft from the suffix match when at least this many tokens of the sequence's end "
-                "matched earlier text, else with the model drafter", "flag": "--hybrid-min-match"})
+                "matched earlier text, else with the model drafter while it pays (--hybrid-model-min-accept)",
+        "flag": "--hybrid-min-match"})
 
     # 0.5: between the two bundled pairs' block drafters, measured in the demo (docs/BENCH.md, "The hybrid drafter's
     # model gate"): on the Qwen3 pair the model steps accept 1.0-1.1 tokens and drafting them beat not drafting;
@@ -65,7 +66,7 @@ class HybridConfig:
 
     def validate(self) -> "HybridConfig":
         if self.min_match < 1:
-            raise SpecquantError(f"hybrid min_match {self.min_match} must be at least 1 (e.g. 4)")
+            raise SpecquantError(f"hybrid min_match {self.min_match} must be at least 1 (e.g. 3)")
         if not self.model_min_accept >= 0:
             raise SpecquantError(f"hybrid model_min_accept {self.model_min_accept} must be >= 0 (e.g. 0.5; 0 = "
                                  "always draft with the model)")
