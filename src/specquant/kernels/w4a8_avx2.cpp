@@ -19,59 +19,17 @@
 
 namespace {
 
-using specquant::load_scales8;
-using specquant::PREFETCH;
-
 constexpr int64_t BLOCK = 32;  // activation block (Q8_0), as w4a8_avx512_vnni.cpp
 
-// R <= 4 rows of one tile, all blocks: y[r][0..16) = sum over blocks of (dot · (sw · d)) in k order.
-template <int R, typename S>
-inline void rows(const int8_t* __restrict q, int64_t ldq, const float* __restrict d, const int32_t* __restrict qsum,
-                 int64_t blocks, const uint8_t* __restrict wt, const S* __restrict st, int64_t blocks_per_group,
-                 float* __restrict y, int64_t ldy) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int64_t groups = blocks / blocks_per_group;
-  const uint8_t* wb = wt;
-  int64_t b = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256 sw0 = load_scales8(st + g * 16), sw1 = load_scales8(st + g * 16 + 8);
-    for (int64_t j = 0; j < blocks_per_group; ++j, ++b, wb += 256) {
-      __m256i s16[R][2];
-      for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 1  // unrolled, g++ 12 schedules all 16 products of 4 rows first and spills them to the stack
-      for (int c = 0; c < 4; ++c) {
-        specquant::prefetch(wb + 64 * c + PREFETCH);
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32));
-        const __m256i l0 = _mm256_and_si256(v0, low4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-        const __m256i l1 = _mm256_and_si256(v1, low4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-        for (int r = 0; r < R; ++r) {
-          const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * ldq + b * BLOCK) + 2 * c;
-          const __m256i a = _mm256_set1_epi32(qr[0]), e = _mm256_set1_epi32(qr[1]);  // k 8c..8c+3, 8c+4..8c+7
-          const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, a), _mm256_maddubs_epi16(h0, e));
-          const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, a), _mm256_maddubs_epi16(h1, e));
-          s16[r][0] = _mm256_add_epi16(s16[r][0], p0);
-          s16[r][1] = _mm256_add_epi16(s16[r][1], p1);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t rb = r * blocks + b;
-        const __m256i off = _mm256_set1_epi32(8 * qsum[rb]);
-        const __m256 dr = _mm256_set1_ps(d[rb]);
-        const __m256i dot0 = _mm256_sub_epi32(_mm256_madd_epi16(s16[r][0], ones), off);
-        const __m256i dot1 = _mm256_sub_epi32(_mm256_madd_epi16(s16[r][1], ones), off);
-        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(sw0, dr), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(sw1, dr), acc[r][1]);
-      }
-    }
+// The integer dot on AVX2: vpmaddubsw sums code x activation pairs into int16 (a chunk adds at most 2·2·15·127 =
+// 7620, four chunks 30480 < 2^15: no saturation), vpmaddwd widens the block's sums to int32.
+struct Dot {
+  static constexpr bool UNROLL = false;
+  static __m256i add(__m256i s, __m256i lo, __m256i a, __m256i hi, __m256i e) {
+    return _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(lo, a), _mm256_maddubs_epi16(hi, e)));
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-  }
-}
+  static __m256i widen(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+};
 
 #include "w4a8_avx2_common.h"
 #include "w4a8_tiles.h"
