@@ -86,16 +86,16 @@ class Layers:
         self.g = [-torch.rand(1, t, hv, generator=gen) for _ in range(n)]
         self.beta = [torch.rand(1, t, hv, generator=gen) for _ in range(n)]
         self.state = [r(1, hv, dk, dv) * 0.1 for _ in range(n)]
-        self.pre_conv = [r(1, shape["conv"], shape["kernel"] - 1 + t).to(act_dtype) for _ in range(n)]
+        self.pre_conv = [r(1, shape["kernel"] - 1 + t, shape["conv"]).to(act_dtype) for _ in range(n)]  # time-major
         # rank1's record (as DeltaNetCache holds it), slots' per-token states, rerun's snapshot
         self.rec_k = [torch.empty(1, t, hk, dk) for _ in range(n)]
         self.rec_d = [torch.empty(1, t, hv, dv) for _ in range(n)]
         self.rec_g = [torch.empty(1, t, hv) for _ in range(n)]
         self.rec_conv = [torch.empty_like(p) for p in self.pre_conv]
         self.slots = [torch.empty(t, 1, hv, dk, dv) for _ in range(n)]
-        self.conv_slots = [torch.empty(t, 1, shape["conv"], shape["kernel"] - 1, dtype=act_dtype) for _ in range(n)]
+        self.conv_slots = [torch.empty(t, 1, shape["kernel"] - 1, shape["conv"], dtype=act_dtype) for _ in range(n)]
         self.snap = [torch.empty_like(s) for s in self.state]
-        self.snap_conv = [torch.empty(1, shape["conv"], shape["kernel"] - 1, dtype=act_dtype) for _ in range(n)]
+        self.snap_conv = [torch.empty(1, shape["kernel"] - 1, shape["conv"], dtype=act_dtype) for _ in range(n)]
         self.deltas = [None] * n
 
     def chunked(self):
@@ -113,14 +113,14 @@ class Layers:
     def back_rank1(self, j: int):
         for i in range(len(self.q)):
             state_after(self.state[i], self.rec_k[i], self.rec_d[i], self.rec_g[i], j)
-            self.rec_conv[i][..., j : j + self.kernel - 1].clone()
+            self.rec_conv[i][:, j : j + self.kernel - 1].clone()
 
     def rule_slots(self):
         for i in range(len(self.q)):
             slots_rule(self.q[i], self.k[i], self.v[i], self.g[i], self.beta[i], self.state[i], self.scale,
                        self.slots[i])
             for t in range(self.t):  # the conv state after each token, as the per-position kernels keep it
-                self.conv_slots[i][t].copy_(self.pre_conv[i][..., t + 1 : t + self.kernel])
+                self.conv_slots[i][t].copy_(self.pre_conv[i][:, t + 1 : t + self.kernel])
 
     def back_slots(self, j: int):
         for i in range(len(self.q)):
@@ -131,7 +131,7 @@ class Layers:
     def keep_snapshot(self):
         for i in range(len(self.q)):
             self.snap[i].copy_(self.state[i])
-            self.snap_conv[i].copy_(self.pre_conv[i][..., : self.kernel - 1])
+            self.snap_conv[i].copy_(self.pre_conv[i][:, : self.kernel - 1])
 
     def restore(self):
         for i in range(len(self.q)):

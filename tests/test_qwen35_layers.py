@@ -355,7 +355,7 @@ def test_deltanet_cache_layout_and_fits():
     _, ours, _, _ = mixer_pair("gva", "linear_attention")
     cache = ours.make_cache(2, 64, torch.bfloat16, "cpu", None, True, max_block=16)
     lay = cache.layout()
-    assert lay["kind"] == "deltanet" and lay["state"] == [2, 4, 12, 20] and lay["conv"] == [2, 2 * 24 + 80, 3]
+    assert lay["kind"] == "deltanet" and lay["state"] == [2, 4, 12, 20] and lay["conv"] == [2, 3, 2 * 24 + 80]
     assert lay["record"]["keys"] == [2, 16, 2, 12] and lay["conv_dtype"] == "bfloat16"
     assert cache.fits(2, 128, torch.bfloat16, torch.device("cpu"), 32, True)  # capacity / window: no matter
     assert not cache.fits(1, 64, torch.bfloat16, torch.device("cpu"), None, True)

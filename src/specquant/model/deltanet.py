@@ -56,7 +56,7 @@ DEFAULT_MAX_BLOCK = 64  # longest forward a cache can roll back into (Transforme
 
 
 class DeltaNetCache(Cache):
-    """Recurrent state [batch, value_heads, K, V] fp32 and conv state [batch, conv_dim, kernel-1], plus the rollback
+    """Recurrent state [batch, value_heads, K, V] fp32 and conv state [batch, kernel-1, conv_dim], plus the rollback
     record since the anchor, as non-persistent buffers (a module, as KVCache is, so .to() moves them). The record's
     buffers hold max_block tokens and are written in place. static: the state and conv state are fixed buffers too,
     updated in place (for compiled / graph-captured steps); otherwise they are rebound, never copied (the anchor
@@ -75,7 +75,7 @@ class DeltaNetCache(Cache):
         self.conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
         f32 = dict(dtype=torch.float32, device=device)
         buffers = dict(  # the record: conv state at the anchor then the pre-conv inputs, and per-token factors
-            hist=torch.zeros(batch, self.conv_dim, kernel - 1 + max_block, dtype=dtype, device=device),
+            hist=torch.zeros(batch, kernel - 1 + max_block, self.conv_dim, dtype=dtype, device=device),
             keys=torch.zeros(batch, max_block, key_heads, key_dim, **f32),
             delta=torch.zeros(batch, max_block, value_heads, value_dim, **f32),
             g=torch.zeros(batch, max_block, value_heads, **f32),
@@ -83,7 +83,7 @@ class DeltaNetCache(Cache):
             offset=torch.zeros(1, dtype=torch.long, device=device))  # the record slot of the next write (static)
         if static:
             buffers.update(state=self._zeros_state(), state0=self._zeros_state(),
-                           conv=torch.zeros(batch, self.conv_dim, kernel - 1, dtype=dtype, device=device))
+                           conv=torch.zeros(batch, kernel - 1, self.conv_dim, dtype=dtype, device=device))
         for name, value in buffers.items():
             self.register_buffer(name, value, persistent=False)
         self.reset()
@@ -109,8 +109,8 @@ class DeltaNetCache(Cache):
         else:
             self.state = self.state0 = zero_state(self.batch, self.key_dim, self.value_heads, self.value_dim,
                                                   self.device)
-            self.conv = torch.zeros(self.batch, self.conv_dim, self.kernel - 1, dtype=self.dtype, device=self.device)
-        self.hist[..., : self.kernel - 1].zero_()
+            self.conv = torch.zeros(self.batch, self.kernel - 1, self.conv_dim, dtype=self.dtype, device=self.device)
+        self.hist[:, : self.kernel - 1].zero_()
 
     def fits(self, batch: int, capacity: int, dtype, device, window: int | None, static: bool,
              max_block: int | None = None) -> bool:
@@ -124,11 +124,11 @@ class DeltaNetCache(Cache):
         return {
             "kind": self.kind, "static": self.static, "max_block": self.max_block,
             "state": [self.batch, self.value_heads, self.key_dim, self.value_dim], "state_dtype": "float32",
-            "conv": [self.batch, self.conv_dim, self.kernel - 1], "conv_dtype": str(self.dtype).removeprefix("torch."),
+            "conv": [self.batch, self.kernel - 1, self.conv_dim], "conv_dtype": str(self.dtype).removeprefix("torch."),
             "record": {"keys": [self.batch, record, self.key_heads, self.key_dim],
                        "delta": [self.batch, record, self.value_heads, self.value_dim],
                        "g": [self.batch, record, self.value_heads], "dtype": "float32",
-                       "pre_conv": [self.batch, self.conv_dim, self.kernel - 1 + record]},
+                       "pre_conv": [self.batch, self.kernel - 1 + record, self.conv_dim]},
             "offset": [1],
         }
 
@@ -150,7 +150,7 @@ class DeltaNetCache(Cache):
         record = t <= self.max_block
         if self.rolled_back or not self.has_factors or not record or self.block + t > self.max_block:
             self._set("state0", self.state)  # re-anchor at the state before this forward
-            self.hist[..., : self.kernel - 1].copy_(self.conv)
+            self.hist[:, : self.kernel - 1].copy_(self.conv)
             self.start, self.block, self.has_factors = self.length, 0, record
         self.at = self.block
         if self.static:
@@ -160,26 +160,26 @@ class DeltaNetCache(Cache):
         self.rolled_back = False
 
     def write(self, hist: torch.Tensor, state: torch.Tensor, keys=None, delta=None, g=None):
-        """Store the forward begin() announced: hist [batch, conv_dim, kernel-1+T] (conv state before, then the T
+        """Store the forward begin() announced: hist [batch, kernel-1+T, conv_dim] (conv state before, then the T
         pre-conv inputs), the state after it; keys [batch, T, key_heads, K], delta, g: its factors (None: T >
         max_block). Static: tensor operations only, at the offset buffer (traceable, capturable)."""
         k1 = self.kernel - 1
-        t = hist.shape[-1] - k1
+        t = hist.shape[1] - k1
         if delta is not None:  # append this forward's inputs and factors to the record
             if self.static:  # the slot is a device tensor: one graph serves every offset
                 slots = self.offset + torch.arange(t, device=hist.device)
-                self.hist.index_copy_(2, slots + k1, hist[..., k1:])
+                self.hist.index_copy_(1, slots + k1, hist[:, k1:])
                 self.keys.index_copy_(1, slots, keys)
                 self.delta.index_copy_(1, slots, delta)
                 self.g.index_copy_(1, slots, g)
             else:
                 b0 = self.at
-                self.hist[..., k1 + b0 : k1 + b0 + t].copy_(hist[..., k1:])
+                self.hist[:, k1 + b0 : k1 + b0 + t].copy_(hist[:, k1:])
                 self.keys[:, b0 : b0 + t].copy_(keys)
                 self.delta[:, b0 : b0 + t].copy_(delta)
                 self.g[:, b0 : b0 + t].copy_(g)
         self._set("state", state)
-        self._set("conv", hist[..., t:] if self.static else hist[..., t:].clone())  # no view of a prefill's inputs
+        self._set("conv", hist[:, t:] if self.static else hist[:, t:].clone())  # no view of a prefill's inputs
 
     def rollback(self, length: int):
         """Keep positions < length: the state and conv state become those after position length-1.
@@ -207,7 +207,7 @@ class DeltaNetCache(Cache):
         else:
             state = state_after(self.state0, self.keys, self.delta, self.g, j)
         self._set("state", state)
-        self._set("conv", self.hist[..., j : j + self.kernel - 1].clone())
+        self._set("conv", self.hist[:, j : j + self.kernel - 1].clone())
         self.length, self.block, self.rolled_back = length, j, True
 
     def snapshot(self, length: int | None = None) -> Snapshot:
@@ -225,7 +225,7 @@ class DeltaNetCache(Cache):
         self._set("state", state.clone())  # clones: the snapshot outlives this sequence
         self._set("state0", self.state)  # the anchor, as advance() sets it
         self._set("conv", conv.to(self.dtype).clone())
-        self.hist[..., : self.kernel - 1].copy_(conv)
+        self.hist[:, : self.kernel - 1].copy_(conv)
         self.length = self.start = snapshot.length
         self.block, self.has_factors, self.rolled_back = 0, True, False
 
@@ -277,19 +277,21 @@ class GatedDeltaNet(nn.Module):
                 cache.begin(start_pos, t)
             prev_conv, state = cache.conv, cache.state
         else:
-            prev_conv = torch.zeros(b, self.conv_dim, self.kernel - 1, dtype=x.dtype, device=x.device)
+            prev_conv = torch.zeros(b, self.kernel - 1, self.conv_dim, dtype=x.dtype, device=x.device)
             state = zero_state(b, self.key_dim, self.value_heads, self.value_dim, x.device)
-        hist = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x).transpose(1, 2)], -1)  # [b, conv_dim, k-1+t]
+        # time-major [b, k-1+t, conv_dim]: a token's inputs are one contiguous row, so the cache appends, slices
+        # and rolls back whole rows (channel-major, each of these was a strided copy: ~45 us per layer and step)
+        hist = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x)], 1)
         kt = self.key_heads * self.key_dim
         if self.fast:  # fp32 from the conv to the norm: one rounding back to x's dtype, at the end
             # [b, t, conv_dim] fp32, contiguous: l2_normalize's sum then runs over contiguous rows, alike for any t
-            # (over the transposed view, its order depended on t, and a verify row's q, k differed in the last bit)
-            mixed = F.silu(self._conv_taps(hist)).transpose(1, 2).contiguous()
+            mixed = F.silu(self._conv_taps(hist))
             qk = l2_normalize(mixed[..., : 2 * kt].reshape(b, t, 2 * self.key_heads, self.key_dim))
             q, k = qk[:, :, : self.key_heads], qk[:, :, self.key_heads :]
-        else:  # the reference: transformers' casts (conv and SiLU in x's dtype)
+        else:  # the reference: transformers' casts (conv and SiLU in x's dtype), on its channel-major layout
             w = self.conv1d.weight
-            mixed = F.silu(F.conv1d(hist.to(w.dtype), w, groups=self.conv_dim)).to(x.dtype).transpose(1, 2)
+            mixed = F.silu(F.conv1d(hist.transpose(1, 2).to(w.dtype), w, groups=self.conv_dim))
+            mixed = mixed.to(x.dtype).transpose(1, 2)
             q = l2_normalize(mixed[..., :kt].reshape(b, t, self.key_heads, self.key_dim))
             k = l2_normalize(mixed[..., kt : 2 * kt].reshape(b, t, self.key_heads, self.key_dim))
         v = mixed[..., 2 * kt :].reshape(b, t, self.value_heads, self.value_dim)
@@ -310,13 +312,30 @@ class GatedDeltaNet(nn.Module):
 
     def _conv_taps(self, hist: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv in fp32 (at least) as kernel multiply-adds:
-        hist [b, conv_dim, k-1+t] -> [b, conv_dim, t].
+        hist [b, k-1+t, conv_dim] -> [b, t, conv_dim].
         Why not F.conv1d: oneDNN's depthwise conv costs several times its arithmetic at decode sizes (one output
         per channel), and a bf16 one rounds its output; the reference path runs it (fast=False)."""
-        t = hist.shape[-1] - self.kernel + 1
+        t = hist.shape[1] - self.kernel + 1
         dtype = torch.promote_types(hist.dtype, torch.float32)  # fp32, or float64 for a double model (AWQ checks)
-        h, w = hist.to(dtype), self.conv1d.weight.to(dtype)[:, 0]  # w [conv_dim, kernel]
-        out = h[..., :t] * w[:, :1]
+        h, w = hist.to(dtype), self._tap_weights(dtype)  # w [kernel, conv_dim]
+        out = h[:, :t] * w[0]
         for j in range(1, self.kernel):
-            out = out.addcmul_(h[..., j : j + t], w[:, j : j + 1])
+            out = out.addcmul_(h[:, j : j + t], w[j])
         return out
+
+    def _tap_weights(self, dtype: torch.dtype) -> torch.Tensor:
+        """conv1d's weight as [kernel, conv_dim] rows in dtype, contiguous (each tap one contiguous vector: a
+        strided one doubles the multiply-adds' time). Kept while the weight's storage and version are those it was
+        made from; rebuilt when they change (a load, an optimizer step) and never kept while it needs gradients."""
+        weight = self.conv1d.weight
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad):
+            return weight[:, 0].t().to(dtype)  # a traced step fuses the taps itself; training differentiates them
+        try:
+            key = (weight.data_ptr(), weight._version, dtype)
+        except RuntimeError:  # an inference tensor has no version counter: nothing to key a kept copy on
+            return weight[:, 0].t().to(dtype)
+        kept = self.__dict__.get("_taps")
+        if kept is None or kept[0] != key:
+            kept = (key, weight.detach()[:, 0].t().to(dtype).contiguous())
+            self.__dict__["_taps"] = kept
+        return kept[1]
