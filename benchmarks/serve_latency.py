@@ -41,6 +41,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from specquant.runtime import child_env
 from specquant.util.flags import print_json
 
 ROWS = ("specquant+w4", "specquant", "llama-server")
@@ -56,7 +57,7 @@ def free_port() -> int:
 
 def call(cmd: list, log) -> str:
     log("$ " + shlex.join(map(str, cmd)))
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=child_env())
     if proc.returncode:
         raise SystemExit(f"error: {cmd[0]} ... exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
     return proc.stdout
@@ -67,7 +68,7 @@ def server(cmd: list, url: str, log_path: Path, log):
     """cmd started with its output in log_path; yields once url/health answers 200; stopped (SIGTERM) after."""
     log("$ " + shlex.join(map(str, cmd)) + f"   (log: {log_path})")
     with open(log_path, "w") as out:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=child_env())
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

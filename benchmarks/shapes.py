@@ -79,6 +79,7 @@ from specquant.model.gated_delta import gated_delta_rule, l2_normalize
 from specquant.model.modules import Linear
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
 from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
+from specquant.runtime import child_env, openmp_wait
 
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -387,7 +388,7 @@ def llama_bench(root: Path | None, shape: str, mode: str, rows: list[int]) -> di
     cmd = [str(exe), "-m", str(gguf), "-t", str(torch.get_num_threads()), "-o", "json", "-r", "3",
            "-p", ",".join(str(t) for t in rows if t > 1), "-n", "32"]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True, env=child_env()).stdout
     except (subprocess.SubprocessError, OSError) as e:
         return f"failed: {str(e).splitlines()[0][:80]}"
     res = {}
@@ -438,7 +439,7 @@ def main():
     bw = streamed_bandwidth()
     kernels = {name: f.why() for name, f in LIBRARIES.items()}  # SPECQUANT_NATIVE=avx2,portable: an AVX2 CPU's choice
     print(f"streamed read bandwidth: {bw:.1f} GB/s, {args.threads} threads, context {args.context}, "
-          f"load average {os.getloadavg()[0]:.1f}; native kernels: "
+          f"load average {os.getloadavg()[0]:.1f}; OpenMP wait: {openmp_wait()}; native kernels: "
           + ", ".join(f"{k} {v}" for k, v in kernels.items()), flush=True)
     head = (f"{'shape':<12} {'mode':<5} {'tok/s':>7} {'floor':>7} "
             + " ".join(f"{'v' + str(t):>6}" for t in rows if t > 1)
@@ -509,7 +510,7 @@ def main():
           "lin/attn/rule/head/rest = 1-row ms; v4 = the same parts at 4 rows; 'beside': hybrid / Qwen3 step time "
           "in ms (below 1: the hybrid step is cheaper)")
     print(json.dumps({"benchmark": "shapes", "bandwidth_gb_s": bw, "threads": args.threads, "context": args.context,
-                      "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0],
+                      "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0], "openmp_wait": openmp_wait(),
                       "kernels": kernels,
                       "torch": torch.__version__,
                       "results": results, "beside": comparisons}))

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from specquant.errors import SpecquantError
+from specquant.runtime import child_env
 from specquant.export.gguf import source_from_checkpoint, write_gguf
 from specquant.export.llama_cpp import find_tool  # noqa: F401  (re-exported for the bench CLI)
 
@@ -64,7 +65,7 @@ def run_tool(cmd: list, timeout: float = 900) -> subprocess.CompletedProcess:
     try:
         # stdin closed: llama-completion reads an inherited stdin's EOF as "stop" and exits before its timings
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL, errors="replace")
+                              stdin=subprocess.DEVNULL, errors="replace", env=child_env())
     except subprocess.TimeoutExpired:
         raise SpecquantError(f"{Path(str(cmd[0])).name} ran past {timeout:.0f} s: {' '.join(map(str, cmd))}") from None
     if proc.returncode != 0:

@@ -23,6 +23,7 @@ import torch
 
 from specquant.decode.result import tokens_per_s, tpot_s
 from specquant.decode.sampling import SamplingConfig
+from specquant.runtime import openmp_wait
 from specquant.spec_decode.engine import generate
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.util.device import sync
@@ -44,7 +45,7 @@ def environment(device: torch.device) -> dict:
 
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "platform": platform.platform(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
-           "threads": torch.get_num_threads(), "device": str(device),
+           "threads": torch.get_num_threads(), "openmp_wait": openmp_wait(), "device": str(device),
            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
