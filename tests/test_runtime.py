@@ -61,6 +61,13 @@ def test_a_fresh_process_gets_the_defaults_or_keeps_the_users():
     assert _child({"SPECQUANT_OMP_WAIT": "off"}).startswith("None None | ")
 
 
-def test_openmp_wait_names_the_setting():
-    line = openmp_wait()
-    assert "(" in line and line.endswith(")")
+def test_openmp_wait_names_the_setting_and_who_chose_it(state, monkeypatch):
+    for k, v in SPIN_ENV.items():
+        monkeypatch.setenv(k, v)
+    state["applied"] = "specquant"
+    assert openmp_wait() == ("OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=1000000, KMP_BLOCKTIME=20 "
+                             "(specquant's defaults)")
+    for k in SPIN_ENV:
+        monkeypatch.delenv(k)
+    state["applied"] = "late"
+    assert openmp_wait() == "OpenMP's defaults (torch was imported before specquant)"

@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from specquant.errors import SpecquantError
-from specquant.runtime import child_env
 from specquant.export.gguf import source_from_checkpoint, write_gguf
 from specquant.export.llama_cpp import find_tool  # noqa: F401  (re-exported for the bench CLI)
+from specquant.runtime import child_env
 
 
 @dataclass(frozen=True)

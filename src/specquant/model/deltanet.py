@@ -317,25 +317,10 @@ class GatedDeltaNet(nn.Module):
         per channel), and a bf16 one rounds its output; the reference path runs it (fast=False)."""
         t = hist.shape[1] - self.kernel + 1
         dtype = torch.promote_types(hist.dtype, torch.float32)  # fp32, or float64 for a double model (AWQ checks)
-        h, w = hist.to(dtype), self._tap_weights(dtype)  # w [kernel, conv_dim]
+        # w [kernel, conv_dim], a transposed view: each tap is a strided vector (a kept contiguous copy measured
+        # ~2 us faster per multiply-add, 0.2 ms of a 4B step: not worth a cache that must follow the weight)
+        h, w = hist.to(dtype), self.conv1d.weight.to(dtype)[:, 0].t()
         out = h[:, :t] * w[0]
         for j in range(1, self.kernel):
             out = out.addcmul_(h[:, j : j + t], w[j])
         return out
-
-    def _tap_weights(self, dtype: torch.dtype) -> torch.Tensor:
-        """conv1d's weight as [kernel, conv_dim] rows in dtype, contiguous (each tap one contiguous vector: a
-        strided one doubles the multiply-adds' time). Kept while the weight's storage and version are those it was
-        made from; rebuilt when they change (a load, an optimizer step) and never kept while it needs gradients."""
-        weight = self.conv1d.weight
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad):
-            return weight[:, 0].t().to(dtype)  # a traced step fuses the taps itself; training differentiates them
-        try:
-            key = (weight.data_ptr(), weight._version, dtype)
-        except RuntimeError:  # an inference tensor has no version counter: nothing to key a kept copy on
-            return weight[:, 0].t().to(dtype)
-        kept = self.__dict__.get("_taps")
-        if kept is None or kept[0] != key:
-            kept = (key, weight.detach()[:, 0].t().to(dtype).contiguous())
-            self.__dict__["_taps"] = kept
-        return kept[1]
