@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Train the bundled tiny-block-draft (DFlash-style block drafter for tiny-target) on a CPU; every step resumes.
+# Train a bundled block drafter (DFlash-style) on a CPU; every step resumes.
 #
 #   bash scripts/train_block_draft.sh [RUN_DIR] [EXPORT_DIR]      (defaults: runs/block-draft, no export)
+#   PAIR=hybrid bash scripts/train_block_draft.sh runs/hybrid-block-draft2 src/specquant/models/tiny-hybrid-block-draft
+#
+# PAIR=qwen3 (default): tiny-block-draft for tiny-target, taps 1,3,5,6. PAIR=hybrid: tiny-hybrid-block-draft for
+# tiny-hybrid, taps by DFlash's rule for a hybrid (model/block_draft.py: [1, 2, 3, 4, 5] at 8 layers), stage 2
+# against the demo hybrid section's W4 + QAD tiny-hybrid. Same recipe, same schedule for both.
 #
 # Rerun the same command after an interruption (even a SIGKILL): regen skips the prompts it has written, the W4
 # target is reused from its cache, and `distill draft --resume` continues whichever stage stopped.
-#  1. regen: tiny-target continues each of the 526 bundled calib prompts (32 tokens) for 224 tokens, once sampled
+#  1. regen: the target continues each of the 526 bundled calib prompts (32 tokens) for 224 tokens, once sampled
 #     (T=0.7, top-p 0.8, the reference's settings) and once greedily; the two files together are the training
 #     text (the target's own generations, the reference recipe's data; labels = the data tokens).
 #  2. the W4 target the demo's draft rows run against: `specquant demo`'s full preset (AWQ, then QAD), built by the
@@ -21,21 +26,28 @@ PY=${PY:-.venv/bin/python}
 SQ=(${PY} -m specquant.cli)
 STAGE1_STEPS=${STAGE1_STEPS:-1600}
 STAGE2_STEPS=${STAGE2_STEPS:-250}
+case "${PAIR:-qwen3}" in
+  qwen3) TARGET=tiny-target; TAPS=(--target-layer-ids 1,3,5,6) ;;
+  hybrid) TARGET=tiny-hybrid; TAPS=() ;;
+  *) echo "PAIR=${PAIR} is not a bundled pair; use PAIR=qwen3 or PAIR=hybrid" >&2; exit 2 ;;
+esac
 mkdir -p "$RUN"
 
-"${SQ[@]}" regen --model tiny-target --out "$RUN/regen_t07.jsonl" --max-new-tokens 224 --temperature 0.7 \
+"${SQ[@]}" regen --model "$TARGET" --out "$RUN/regen_t07.jsonl" --max-new-tokens 224 --temperature 0.7 \
     --top-p 0.8 --batch 64 --json
-"${SQ[@]}" regen --model tiny-target --out "$RUN/regen_greedy.jsonl" --max-new-tokens 224 --temperature 0 \
+"${SQ[@]}" regen --model "$TARGET" --out "$RUN/regen_greedy.jsonl" --max-new-tokens 224 --temperature 0 \
     --batch 64 --json
 cat "$RUN/regen_t07.jsonl" "$RUN/regen_greedy.jsonl" > "$RUN/regen_all.jsonl.tmp"
 mv "$RUN/regen_all.jsonl.tmp" "$RUN/regen_all.jsonl"
 
-W4=$("$PY" - "$RUN/demo-out" <<'PYEOF'
+W4=$("$PY" - "$RUN/demo-out" "$TARGET" <<'PYEOF'
 import sys
-from specquant.bench.demo import demo_config
+from specquant.bench.demo import demo_config, hybrid_config
 from specquant.bench.prepare import check_inputs, prepare_quantized
-paths = check_inputs("tiny-target", "tiny-draft")
-prepare_quantized(demo_config(sys.argv[1], quick=False), paths, log=lambda m: print(m, file=sys.stderr))
+out, target = sys.argv[1], sys.argv[2]
+cfg = hybrid_config(out, False, {}) if target == "tiny-hybrid" else demo_config(out, quick=False)
+paths = check_inputs(target, "tiny-draft")
+prepare_quantized(cfg, paths, log=lambda m: print(m, file=sys.stderr))
 print(paths["qad_target"])
 PYEOF
 )
@@ -47,10 +59,10 @@ if [ -d "$RUN/draft/stage1/checkpoints" ]; then
 elif [ -d "$RUN/draft" ]; then
     RESUME=(--overwrite)
 fi
-"${SQ[@]}" distill draft --kind block --stage1-target tiny-target --target "$W4" --data "$RUN/regen_all.jsonl" \
+"${SQ[@]}" distill draft --kind block --stage1-target "$TARGET" --target "$W4" --data "$RUN/regen_all.jsonl" \
     --out "$RUN/draft" --steps "$STAGE1_STEPS" --stage2-steps "$STAGE2_STEPS" --seq-len 256 --batch 4 \
     --num-anchors 32 --lr "${LR:-1e-3}" --warmup 50 --eval-every 250 --save-every 100 --layers 2 \
-    --target-layer-ids 1,3,5,6 --no-progress --json "${RESUME[@]}"
+    "${TAPS[@]}" --no-progress --json "${RESUME[@]}"
 
 if [ -n "$EXPORT" ]; then
     rm -rf "$EXPORT.tmp" && cp -r "$RUN/draft/stage2/model" "$EXPORT.tmp" && rm -f "$EXPORT.tmp/.specquant-out"

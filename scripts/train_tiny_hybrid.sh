@@ -13,28 +13,22 @@
 # The MTP layer is trained afterwards against the frozen exported target (`mtp` below), not jointly.
 #
 #   scripts/train_tiny_hybrid.sh              the target -> src/specquant/models/tiny-hybrid
-#   scripts/train_tiny_hybrid.sh block-draft  its block drafter, stage 1 (against the fp32 target) ->
+#   scripts/train_tiny_hybrid.sh block-draft  its block drafter in the two stages (scripts/train_block_draft.sh
+#                                             with PAIR=hybrid: regen of tiny-hybrid's own text, stage 1 against the
+#                                             fp32 target, stage 2 against the demo's W4 + QAD tiny-hybrid) ->
 #                                             src/specquant/models/tiny-hybrid-block-draft
 #   scripts/train_tiny_hybrid.sh mtp          its MTP layer (distill draft --kind mtp), written into
-#                                             src/specquant/models/tiny-hybrid (mtp.* tensors; run block-draft first:
-#                                             it writes the training text)
-# Stage 2 of the drafter trains against the W4 + QAD form of tiny-hybrid (hybrid QAD: `specquant distill target`
-# on a hybrid W4 student), warm-started from stage 1 with a fresh schedule:
-#   specquant quantize --model tiny-hybrid --method awq --out runs/hybrid-w4
-#   specquant distill target --teacher tiny-hybrid --student runs/hybrid-w4 --out runs/hybrid-qad
-#   specquant distill draft --kind block --init runs/hybrid-block-draft/model --target runs/hybrid-qad/model \
-#       --data runs/hybrid-block-draft.txt --labels target --out runs/hybrid-block-draft-stage2 \
-#       --steps 250 --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 --warmup 50 --save-every 100
+#                                             src/specquant/models/tiny-hybrid (mtp.* tensors)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 if [ "${1:-target}" = block-draft ]; then
-  # Stage 1 on corpus text (every document but the held-out ones), labelled with the target's own greedy
-  # predictions (--labels target): the labels a regen of the target's generations would give, without the regen.
-  # Taps: DFlash's rule for a hybrid (5 layers from 1 to N-3: [1, 2, 3, 4, 5] at 8 layers).
-  RUN=runs/hybrid-block-draft
-  TEXT=runs/hybrid-block-draft.txt  # beside the run, not in it: distill's --out must hold only its own files
+  PAIR=hybrid exec bash scripts/train_block_draft.sh runs/hybrid-block-draft src/specquant/models/tiny-hybrid-block-draft
+fi
+if [ "${1:-target}" = mtp ]; then
+  # corpus text (every document but the held-out ones; the file name is the one the shipped layer was trained from)
   mkdir -p runs
+  TEXT=runs/hybrid-block-draft.txt  # beside the run, not in it: distill's --out must hold only its own files
   if [ ! -f $TEXT ]; then
     $PY - $TEXT <<'PYEOF'
 import sys
@@ -42,31 +36,19 @@ from pathlib import Path
 held = set(Path("src/specquant/data/heldout.txt").read_text().split("\n\n\n"))
 docs, size = [], 0
 for d in Path("data/corpus/train.txt").read_text().split("\n\n\n"):
-    if d not in held and size < 3_000_000:  # ~0.9M tokens: more than stage 1 reads (500 x 4 x 256), so no block repeats
+    if d not in held and size < 3_000_000:  # ~0.9M tokens: more than the run reads (400 x 8 x 128)
         docs.append(d)
         size += len(d)
 Path(sys.argv[1]).write_text("\n\n\n".join(docs))
 PYEOF
   fi
-  RESUME=()
-  if [ -d $RUN/checkpoints ]; then RESUME=(--resume); elif [ -d $RUN/model ]; then RESUME=(--overwrite); fi
-  $PY -m specquant.cli distill draft --kind block --target src/specquant/models/tiny-hybrid --data $TEXT \
-      --labels target --out $RUN --steps ${STAGE1_STEPS:-500} --seq-len 256 --batch 4 --num-anchors 32 --lr 1e-3 \
-      --warmup 50 --eval-every 100 --save-every 100 --layers 2 --no-progress --json "${RESUME[@]}"
-  EXPORT=src/specquant/models/tiny-hybrid-block-draft
-  rm -rf $EXPORT.tmp && cp -r $RUN/model $EXPORT.tmp && rm -f $EXPORT.tmp/.specquant-out
-  rm -rf $EXPORT && mv $EXPORT.tmp $EXPORT
-  echo "exported $EXPORT" >&2
-  exit 0
-fi
-if [ "${1:-target}" = mtp ]; then
   # KL to the frozen target over the full vocabulary, 3 chained drafts per position; the first run writes a copy
   # of the target with the trained mtp.* tensors, whose weights and config then replace the bundled ones
   RUN=runs/tiny-hybrid-mtp
   RESUME=()
   if [ -d $RUN/checkpoints ]; then RESUME=(--resume); elif [ -d $RUN/model ]; then RESUME=(--overwrite); fi
   $PY -m specquant.cli distill draft --kind mtp --target src/specquant/models/tiny-hybrid \
-      --data runs/hybrid-block-draft.txt --out $RUN --steps ${MTP_STEPS:-400} --seq-len 128 --batch 8 --lr 1e-3 \
+      --data $TEXT --out $RUN --steps ${MTP_STEPS:-400} --seq-len 128 --batch 8 --lr 1e-3 \
       --warmup 40 --eval-every 100 --save-every 50 --mtp-steps 3 --mtp-into-target runs/tiny-hybrid-with-mtp \
       --no-progress --json "${RESUME[@]}"
   cp runs/tiny-hybrid-with-mtp/config.json runs/tiny-hybrid-with-mtp/model.safetensors src/specquant/models/tiny-hybrid/
