@@ -2,7 +2,7 @@
 # Train a bundled block drafter (DFlash-style) on a CPU; every step resumes.
 #
 #   bash scripts/train_block_draft.sh [RUN_DIR] [EXPORT_DIR]      (defaults: runs/block-draft, no export)
-#   PAIR=hybrid bash scripts/train_block_draft.sh runs/hybrid-block-draft2 src/specquant/models/tiny-hybrid-block-draft
+#   PAIR=hybrid bash scripts/train_block_draft.sh runs/hybrid-block-draft src/specquant/models/tiny-hybrid-block-draft
 #
 # PAIR=qwen3 (default): tiny-block-draft for tiny-target, taps 1,3,5,6. PAIR=hybrid: tiny-hybrid-block-draft for
 # tiny-hybrid, taps by DFlash's rule for a hybrid (model/block_draft.py: [1, 2, 3, 4, 5] at 8 layers), stage 2
@@ -26,7 +26,8 @@ PY=${PY:-.venv/bin/python}
 SQ=(${PY} -m specquant.cli)
 STAGE1_STEPS=${STAGE1_STEPS:-1600}
 STAGE2_STEPS=${STAGE2_STEPS:-250}
-case "${PAIR:-qwen3}" in
+PAIR=${PAIR:-qwen3}
+case "$PAIR" in
   qwen3) TARGET=tiny-target; TAPS=(--target-layer-ids 1,3,5,6) ;;
   hybrid) TARGET=tiny-hybrid; TAPS=() ;;
   *) echo "PAIR=${PAIR} is not a bundled pair; use PAIR=qwen3 or PAIR=hybrid" >&2; exit 2 ;;
@@ -40,12 +41,12 @@ mkdir -p "$RUN"
 cat "$RUN/regen_t07.jsonl" "$RUN/regen_greedy.jsonl" > "$RUN/regen_all.jsonl.tmp"
 mv "$RUN/regen_all.jsonl.tmp" "$RUN/regen_all.jsonl"
 
-W4=$("$PY" - "$RUN/demo-out" "$TARGET" <<'PYEOF'
+W4=$("$PY" - "$RUN/demo-out" "$PAIR" "$TARGET" <<'PYEOF'
 import sys
 from specquant.bench.demo import demo_config, hybrid_config
 from specquant.bench.prepare import check_inputs, prepare_quantized
-out, target = sys.argv[1], sys.argv[2]
-cfg = hybrid_config(out, False, {}) if target == "tiny-hybrid" else demo_config(out, quick=False)
+out, pair, target = sys.argv[1:4]
+cfg = hybrid_config(out, False, {}) if pair == "hybrid" else demo_config(out, quick=False)
 paths = check_inputs(target, "tiny-draft")
 prepare_quantized(cfg, paths, log=lambda m: print(m, file=sys.stderr))
 print(paths["qad_target"])
