@@ -9,6 +9,7 @@ from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.drafters.block import BlockDrafter
+from specquant.decode.sampling import SamplingConfig
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.engine import SpecEngine
 
@@ -80,6 +81,8 @@ def test_context_holds_exactly_the_verified_prefix(pair):
     eng = engine(target, draft, draft_len=4)
     prompt = PROMPTS[2]
     out = eng.generate(prompt, 30, stop_on_eos=False).token_ids[0]
+    assert eng.drafter.context_len == prompt.shape[1] + len(out) - 1
+    eng.drafter.flush()  # the last steps' features are pending until a propose (drafters/block.py)
     n = draft.context_len
     assert n == prompt.shape[1] + len(out) - 1  # every committed position but the last emitted token
     seq = torch.cat([prompt, torch.tensor([out])], 1)[:, :n]
@@ -93,3 +96,59 @@ def test_context_holds_exactly_the_verified_prefix(pair):
     k, v = attn.context_cache.read(0, n)
     torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_lazy_context_equals_projecting_every_accept(pair, window):
+    """BlockDrafter projects accepted features at the next propose, in one batch (the fast path). Driven through
+    the same prefill / accept / rollback / propose calls, its proposals and context K/V equal those of the plain
+    path, which appends every accept's features to the model as they come. Steps are skipped between proposes
+    (as the hybrid drafter's undrafted and suffix steps do) and rolled back across pending and projected ones."""
+    target, draft = pair
+    cfg = SpecConfig(draft_len=5, draft_window=window)
+    seq = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(7))
+    target.clear_cache()
+    with torch.no_grad():
+        _, hidden = target(seq, hidden_layers=tuple(draft.config.target_layer_ids))  # [1, 120, taps, hidden]
+    feats = hidden.flatten(2)
+    lazy = BlockDrafter(draft, target, cfg)
+    lazy.setup(1, 256)
+    # (accepted length after the step, rollback to before it or None, propose before it?)
+    plan = [(12, None, True), (15, None, False), (19, None, False), (23, 21, False), (30, None, True),
+            (34, None, False), (33 + 60, None, False), (96, 94, True), (100, None, True), (104, 99, False),
+            (110, None, True)]
+    got, want = [], []
+    with torch.no_grad():
+        lazy.prefill(seq[:, :10], hidden[:, :10])
+        ref_k, ref_v, ref_logits = [], [], []
+        # the plain path on a second copy of the model's cache: append as features come
+        n = 10
+        for end, back, propose in plan:
+            if propose:
+                got.append(lazy.propose(seq[:, : n + 1], 5, SamplingConfig(), None).tokens)
+            lazy.accept(end, hidden[:, n:end])
+            if back is not None:
+                lazy.rollback(back)
+                end = back
+            n = end
+        lazy.flush()
+        k_lazy, v_lazy = draft.layers[0].self_attn.context_cache.read(max(0, n - 16) if window else 0, n)
+        k_lazy, v_lazy = k_lazy.clone(), v_lazy.clone()
+        draft.setup_cache(256, window=window)  # the plain path
+        draft.append_context(feats[:, :10])
+        n = 10
+        for end, back, propose in plan:
+            if propose:
+                logits = draft.propose(seq[0, n], 5)
+                want.append(logits.argmax(-1)[None])
+            draft.append_context(feats[:, n:end])
+            if back is not None:
+                draft.rollback(back)
+                end = back
+            n = end
+        k_ref, v_ref = draft.layers[0].self_attn.context_cache.read(max(0, n - 16) if window else 0, n)
+    assert lazy.context_len == draft.context_len == n
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(k_lazy, k_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_lazy, v_ref, rtol=1e-5, atol=1e-5)

@@ -377,6 +377,12 @@ class BlockDraftModel(nn.Module):
 
     def append_context(self, features: torch.Tensor):
         """Add the target features [1, T, taps*hidden] of positions context_len .. context_len+T-1."""
+        if self.window is not None and self.layers:
+            # a ring keeps the last `capacity` positions: earlier ones would be overwritten by this same call, so
+            # they are not projected at all (the ring ends up holding the same K/V)
+            skip = max(0, features.shape[1] - self.layers[0].self_attn.context_cache.capacity)
+            self.context_len += skip
+            features = features[:, skip:]
         step = APPEND_CHUNK if self.window is not None else features.shape[1]
         for i in range(0, features.shape[1], max(step, 1)):
             chunk = features[:, i : i + step]

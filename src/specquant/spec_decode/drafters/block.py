@@ -1,8 +1,12 @@
 """The block drafter (DFlash-style): one forward proposes up to block_size - 1 tokens from the target's features
 (kind "block": one forward per step).
 
-Its context is the target's hidden states of verified positions only (drafter.py's call order): `prefill` projects
-the prompt's, `accept` the accepted ones', both taken from forwards the target runs anyway. `propose` runs the
+Its context is the target's hidden states of verified positions only (drafter.py's call order): `prefill` and
+`accept` hand it the prompt's and the accepted positions' features, both taken from forwards the target runs anyway.
+They are projected into the context cache lazily, at the next `propose`, in one batch: under the hybrid drafter
+most steps are suffix-drafted or undrafted, and projecting each step's few rows as it came cost a small forward per
+step that nothing read (`flush` projects them now; the context K/V are the same either way, test_block_spec.py).
+`propose` runs the
 block [last committed token, MASK x (B-1)] at positions n-1 .. n+B-2 against that context: the drafted tokens
 for positions n .. n+k-1 all come from one forward, so a step costs one drafter forward whatever k is.
 
@@ -41,6 +45,42 @@ class BlockDrafter:
         # window: SpecConfig.draft_window when set, else the checkpoint's own serve-time window (or none)
         self.window = config.draft_window if config.draft_window else -1
         self.max_draft_len = model.config.block_size - 1  # the block's mask positions
+        # features of positions model.context_len .. context_len + pending_len - 1, not yet projected (module doc)
+        self._pending: list[torch.Tensor] = []
+        self._pending_len = 0
+
+    @property
+    def context_len(self) -> int:
+        """Verified positions the drafter holds: projected into its cache, or pending."""
+        return self.model.context_len + self._pending_len
+
+    def flush(self) -> None:
+        """Project the pending features into the context cache (propose does this first)."""
+        if self._pending:
+            features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, 1)
+            self._pending, self._pending_len = [], 0
+            self.model.append_context(features)
+
+    def _truncate(self, length: int) -> None:
+        """Forget positions >= length, pending or projected."""
+        if length < self.model.context_len:
+            self._pending, self._pending_len = [], 0
+            self.model.rollback(length)
+            return
+        keep = length - self.model.context_len
+        if keep < self._pending_len:
+            kept, n = [], 0
+            for f in self._pending:
+                if n >= keep:
+                    break
+                kept.append(f[:, : keep - n])
+                n += kept[-1].shape[1]
+            self._pending, self._pending_len = kept, keep
+
+    def _append(self, hidden: torch.Tensor) -> None:
+        # a copy: the target may hand out a view of a buffer its next forward overwrites (static-buffer steps)
+        self._pending.append(self._features(hidden).clone())
+        self._pending_len += hidden.shape[1]
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         pass  # its context is the target's; the engine checks the target
@@ -58,12 +98,13 @@ class BlockDrafter:
     def prefill(self, prompt_ids: torch.Tensor, target_hidden: torch.Tensor | None) -> None:
         if target_hidden is None:
             raise SpecquantError("the block drafter needs the target's hidden states; the target returned none")
-        self.model.rollback(0)
-        self.model.append_context(self._features(target_hidden))
+        self._truncate(0)
+        self._append(target_hidden)
 
     def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         n = tokens.shape[1]
+        self.flush()
         assert self.model.context_len == n - 1, (self.model.context_len, n)  # context = verified prefix
         k = min(k, self.max_draft_len)
         logits = self.model.propose(tokens[0, n - 1], k)  # [k, vocab], or [k, N] through a pruned head
@@ -79,12 +120,12 @@ class BlockDrafter:
         if target_hidden is None:
             raise SpecquantError("the block drafter needs the target's hidden states; the target returned none")
         t = target_hidden.shape[1]
-        self.model.rollback(min(self.model.context_len, length - t))
-        self.model.append_context(self._features(target_hidden))
-        assert self.model.context_len == length
+        self._truncate(min(self.context_len, length - t))
+        self._append(target_hidden)
+        assert self.context_len == length
 
     def rollback(self, length: int) -> None:
-        self.model.rollback(min(self.model.context_len, length))
+        self._truncate(min(self.context_len, length))
 
 
 def _detect(hf: dict) -> bool:
