@@ -389,6 +389,9 @@ def llama_bench(root: Path | None, shape: str, mode: str, rows: list[int]) -> di
            "-p", ",".join(str(t) for t in rows if t > 1), "-n", "32"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True, env=child_env()).stdout
+    except subprocess.CalledProcessError as e:  # the tool's own last words, not the (long) command line
+        tail = (e.stderr or e.stdout or "").strip().splitlines()[-1:] or ["no output"]
+        return f"failed: {exe.name} exit {e.returncode}: {tail[0][:160]}"
     except (subprocess.SubprocessError, OSError) as e:
         return f"failed: {str(e).splitlines()[0][:80]}"
     res = {}

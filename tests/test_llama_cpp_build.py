@@ -170,7 +170,7 @@ def test_find_tool_builds_on_first_use_then_reuses(cache, monkeypatch):
     calls = []
     monkeypatch.setattr(lb, "build", fake_build(calls))
     path = find_tool("llama-quantize")
-    assert path == cache / f"llama.cpp-{lb.VERSION}" / "bin" / "llama-quantize" and os.access(path, os.X_OK)
+    assert path == lb.install_dir(cache) / "bin" / "llama-quantize" and os.access(path, os.X_OK)
     assert calls == [cache]
     assert find_tool("llama-completion").parent == path.parent and calls == [cache]  # built once
 
@@ -369,3 +369,39 @@ def test_module_main_prints_the_bin_directory(cache, monkeypatch, capsys):
     assert lb.main([]) == 0
     assert capsys.readouterr().out.strip() == str(lb.install_dir() / "bin")
     assert lb.main(["--jobs", "0"]) == 2 and "--jobs 0" in capsys.readouterr().err
+
+
+# --- which flags the build configures with ---------------------------------------------------------------------
+
+ZEN3 = {"sse4_2", "f16c", "fma", "bmi2", "avx", "avx2"}
+SPR = ZEN3 | {"avx_vnni", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi", "avx512_vnni",
+              "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}
+
+
+def test_cpu_without_amx_builds_native():
+    assert lb.cmake_options(ZEN3) == (lb.CMAKE_OPTIONS, "")
+    assert "-DGGML_NATIVE=ON" in lb.CMAKE_OPTIONS
+    assert lb.cmake_options(set()) == (lb.CMAKE_OPTIONS, "")  # no /proc/cpuinfo: nothing assumed
+
+
+def test_cpu_with_amx_names_its_extensions_and_leaves_amx_out():
+    options, suffix = lb.cmake_options(SPR)
+    assert suffix == "-noamx"
+    assert "-DGGML_NATIVE=OFF" in options and "-DGGML_NATIVE=ON" not in options
+    for on in ("GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_AVX512", "GGML_AVX512_VNNI", "GGML_AVX512_BF16",
+               "GGML_AVX512_VBMI", "GGML_AVX_VNNI"):
+        assert f"-D{on}=ON" in options, on
+    for off in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"):
+        assert f"-D{off}=OFF" in options, off
+    # every other configure option is the native build's
+    assert set(lb.CMAKE_OPTIONS) - {"-DGGML_NATIVE=ON"} <= set(options)
+    # an AMX CPU without the full AVX-512 base does not get GGML_AVX512
+    options, _ = lb.cmake_options(SPR - {"avx512vl"})
+    assert "-DGGML_AVX512=OFF" in options
+
+
+def test_install_dir_names_the_amx_free_build(monkeypatch, tmp_path):
+    monkeypatch.setattr(lb, "cpu_flags", lambda: SPR)
+    assert lb.install_dir(tmp_path).name == f"llama.cpp-{lb.VERSION}-noamx"
+    monkeypatch.setattr(lb, "cpu_flags", lambda: ZEN3)
+    assert lb.install_dir(tmp_path).name == f"llama.cpp-{lb.VERSION}"
