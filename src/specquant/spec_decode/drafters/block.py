@@ -99,7 +99,9 @@ class BlockDrafter:
         if target_hidden is None:
             raise SpecquantError("the block drafter needs the target's hidden states; the target returned none")
         self._truncate(0)
-        self._append(target_hidden)
+        # projected now, not kept pending: a long prompt's features would be a large copy, and the first propose
+        # needs them anyway
+        self.model.append_context(self._features(target_hidden))
 
     def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
