@@ -1,14 +1,14 @@
 """The block drafter (DFlash-style): one forward proposes up to block_size - 1 tokens from the target's features
 (kind "block": one forward per step).
 
-Its context is the target's hidden states of verified positions only (drafter.py's call order): `prefill` and
-`accept` hand it the prompt's and the accepted positions' features, both taken from forwards the target runs anyway.
-They are projected into the context cache lazily, at the next `propose`, in one batch: under the hybrid drafter
-most steps are suffix-drafted or undrafted, and projecting each step's few rows as it came cost a small forward per
-step that nothing read (`flush` projects them now; the context K/V are the same either way, test_block_spec.py).
-`propose` runs the
-block [last committed token, MASK x (B-1)] at positions n-1 .. n+B-2 against that context: the drafted tokens
-for positions n .. n+k-1 all come from one forward, so a step costs one drafter forward whatever k is.
+Its context is the target's hidden states of verified positions only (drafter.py's call order), taken from
+forwards the target runs anyway: `prefill` projects the prompt's into the context cache; `accept` keeps the
+accepted positions' features pending, and the next `propose` projects them in one batch. Under the hybrid drafter
+most steps are suffix-drafted or undrafted, and projecting each step's few rows as they came cost a small forward
+per step that nothing read (`flush` projects them now; the context K/V are the same either way,
+test_block_spec.py). `propose` runs the block [last committed token, MASK x (B-1)] at positions n-1 .. n+B-2
+against that context: the drafted tokens for positions n .. n+k-1 all come from one forward, so a step costs one
+drafter forward whatever k is.
 
 Sampling: token j is drawn from the drafter's marginal q_j at block position j, independently of the tokens drawn
 before it. Rejection sampling stays exact: conditional on the prefix it was drawn from q_j, which is what the
