@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from specquant.errors import SpecquantError
+from specquant.util.cpu import cpu_flags
 from specquant.util.files import cache_root
 
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built; gguf-py in pyproject.toml matches it
@@ -60,21 +61,9 @@ X86_SWITCHES = (("sse4_2", "GGML_SSE42"), ("f16c", "GGML_F16C"), ("fma", "GGML_F
 AVX512_BASE = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")  # what GGML_AVX512 compiles for
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: then nothing is assumed)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cmake_options(flags: set[str] | None = None) -> tuple[tuple[str, ...], str]:
+def cmake_options(flags: frozenset[str] | set[str] | None = None) -> tuple[tuple[str, ...], str]:
     """(the configure options, the install directory's suffix) for a CPU with these flags (AMX_FLAGS above)."""
-    flags = cpu_flags() if flags is None else flags
+    flags = (cpu_flags() or frozenset()) if flags is None else flags  # None: no /proc/cpuinfo, nothing assumed
     if not flags & set(AMX_FLAGS):
         return CMAKE_OPTIONS, ""
     switches = [f"-D{name}={'ON' if flag in flags else 'OFF'}" for flag, name in X86_SWITCHES]

@@ -17,7 +17,6 @@ only those variants, so a CPU with AVX-512 can run, test and time what an AVX2-o
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import shutil
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specquant.errors import SpecquantError
+from specquant.util.cpu import cpu_flags
 from specquant.util.files import cache_root
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -77,18 +77,6 @@ def restriction(known: set[str]) -> frozenset[str] | None:
 
 def cache_dir() -> Path:
     return cache_root() / "kernels"
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo, or None where it cannot be read (not Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    # x86 says "flags", ARM "Features"
-    line = next((ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("flags", "Features")), "")
-    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
 def cpu_problem(needed: tuple[str, ...]) -> str | None:
