@@ -4,12 +4,12 @@ tested for both drafter kinds in test_spec.py)."""
 import pytest
 import torch
 
+from specquant.decode.sampling import SamplingConfig
 from specquant.spec_decode.engine import generate
 from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.drafters.block import BlockDrafter
-from specquant.decode.sampling import SamplingConfig
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.engine import SpecEngine
 
@@ -120,8 +120,6 @@ def test_lazy_context_equals_projecting_every_accept(pair, window):
     got, want = [], []
     with torch.no_grad():
         lazy.prefill(seq[:, :10], hidden[:, :10])
-        ref_k, ref_v, ref_logits = [], [], []
-        # the plain path on a second copy of the model's cache: append as features come
         n = 10
         for end, back, propose in plan:
             if propose:
@@ -134,7 +132,7 @@ def test_lazy_context_equals_projecting_every_accept(pair, window):
         lazy.flush()
         k_lazy, v_lazy = draft.layers[0].self_attn.context_cache.read(max(0, n - 16) if window else 0, n)
         k_lazy, v_lazy = k_lazy.clone(), v_lazy.clone()
-        draft.setup_cache(256, window=window)  # the plain path
+        draft.setup_cache(256, window=window)  # the plain path, on the same model afresh: append as features come
         draft.append_context(feats[:, :10])
         n = 10
         for end, back, propose in plan:
