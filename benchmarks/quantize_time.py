@@ -12,8 +12,15 @@ Quality: random weights say nothing about what calibration buys, so the same met
 applied to tiny-target (trained, bundled) and compared with it on held-out text (quant/quality.py): KL(fp || W4)
 per position, perplexity, top-1 agreement, and the seconds quantize() took there.
 
+Shape KL (--shape-kl N): each timed run's output is also compared with the random checkpoint itself, in fp32, on N
+held-out sequences of 256 tokens (KL, top-1 agreement). The fp32 model's log-probabilities are computed once and the
+model freed before the first quantize process starts, so at the 4B shape the parent holds ~N GB of them and never
+two models at once. On random weights this measures how far each method's rounding moves the output
+distribution, not what calibration buys (that is the quality part's question).
+
 Usage: python benchmarks/quantize_time.py [--shape qwen3-0.6b] [--methods rtn,awq,gptq] [--calib-samples 8,32]
        [--threads 1] [--ckpt-dir runs/quantize_time] [--skip-time] [--skip-quality] [--eval-samples 16]
+       [--shape-kl 0]
 A table, then one JSON line.
 """
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import resource
@@ -35,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/shapes.py: the shapes' configs
 from shapes import SHAPES, random_model  # noqa: E402
 
+from specquant.loader import load_model  # noqa: E402
 from specquant.model.checkpoint import BUNDLED_DIR, load_dense, load_tokenizer, save_model  # noqa: E402
 from specquant.quant import QuantConfig, quantize  # noqa: E402
 from specquant.quant.config import BUNDLED_CALIB  # noqa: E402
@@ -51,8 +60,9 @@ def random_checkpoint(shape: str, root: Path) -> Path:
     return path
 
 
-def time_cli(ckpt: Path, argv: list[str], threads: int) -> dict:
-    """One `specquant quantize` process: wall and CPU seconds, and the seconds its report gives quantize()."""
+def time_cli(ckpt: Path, argv: list[str], threads: int, evaluate=None) -> dict:
+    """One `specquant quantize` process: wall and CPU seconds, and the seconds its report gives quantize();
+    evaluate(output dir) -> dict adds its keys (after the timing, before the output is deleted)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with tempfile.TemporaryDirectory(dir=ckpt.parent) as tmp:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -62,11 +72,32 @@ def time_cli(ckpt: Path, argv: list[str], threads: int) -> dict:
                               text=True)
         wall = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise SystemExit(f"specquant quantize {' '.join(argv)} failed:\n{proc.stderr[-2000:]}")
+        if proc.returncode != 0:
+            raise SystemExit(f"specquant quantize {' '.join(argv)} failed:\n{proc.stderr[-2000:]}")
+        extra = evaluate(Path(tmp) / "q") if evaluate is not None else {}
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "quantize_s": report["seconds"]}
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "quantize_s": report["seconds"], **extra}
+
+
+def shape_kl(ckpt: Path, samples: int, threads: int):
+    """evaluate() for time_cli: KL(fp32 checkpoint || quantized output) on `samples` held-out sequences of 256."""
+    tokens = heldout_tokens(load_tokenizer(ckpt), BUNDLED_CALIB.with_name("heldout.txt"), samples, 256)
+    t0 = time.perf_counter()
+    fp = load_model(ckpt, "float32")
+    reference = logprobs(fp, tokens, batch_size=1)
+    del fp
+    gc.collect()
+    print(f"shape reference: {samples} x 256 tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    def evaluate(out: Path) -> dict:
+        t0 = time.perf_counter()
+        model = load_model(out, "float32")
+        r = compare(reference, model, tokens, batch_size=1)
+        return {"shape_kl": r["kl"], "shape_kl_sem": r["kl_sem"], "shape_top1_agree": r["top1_agree"],
+                "shape_eval_s": round(time.perf_counter() - t0, 1)}
+
+    return evaluate
 
 
 def runs(methods: list[str], calib: list[int]) -> list[tuple[str, dict]]:
@@ -105,6 +136,8 @@ def main():
     ap.add_argument("--eval-samples", type=int, default=16, help="held-out sequences of 256 tokens (quality)")
     ap.add_argument("--skip-time", action="store_true")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--shape-kl", type=int, default=0, metavar="N",
+                    help="also KL of each timed output to the fp32 random checkpoint on N sequences of 256 (0: off)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     plan = runs(args.methods.split(","), [int(n) for n in args.calib_samples.split(",")])
@@ -120,17 +153,20 @@ def main():
             print(f"quality {label}: {rows[label]}", file=sys.stderr, flush=True)
     if not args.skip_time:
         ckpt = random_checkpoint(args.shape, Path(args.ckpt_dir))
+        evaluate = shape_kl(ckpt, args.shape_kl, args.threads) if args.shape_kl else None
         for label, overrides in plan:
-            rows[label].update(time_cli(ckpt, flags(overrides), args.threads))
+            rows[label].update(time_cli(ckpt, flags(overrides), args.threads, evaluate))
             print(f"time {label}: {rows[label]}", file=sys.stderr, flush=True)
     result["load_avg_end"] = os.getloadavg()[0]
     result["runs"] = rows
-    print(f"{'run':<14} {args.shape + ' wall s':>16} {'CPU s':>8} {'quantize() s':>13} | tiny-target: "
+    print(f"{'run':<14} {args.shape + ' wall s':>16} {'CPU s':>8} {'quantize() s':>13} {'KL':>9} {'top-1':>7} | "
+          f"tiny-target: "
           f"{'KL':>9} {'ppl':>8} {'top-1':>7} {'s':>6}")
     for label, r in rows.items():
         def fmt(key, spec):
             return format(r[key], spec) if key in r else format("-", ">" + spec.split(".")[0])
-        print(f"{label:<14} {fmt('wall_s', '16.1f')} {fmt('cpu_s', '8.1f')} {fmt('quantize_s', '13.1f')} | "
+        print(f"{label:<14} {fmt('wall_s', '16.1f')} {fmt('cpu_s', '8.1f')} {fmt('quantize_s', '13.1f')} "
+              f"{fmt('shape_kl', '9.2e')} {fmt('shape_top1_agree', '7.2%')} | "
               f"{'':12} {fmt('kl', '9.2e')} {fmt('ppl', '8.3f')} {fmt('top1_agree', '7.2%')} "
               f"{fmt('tiny_quantize_s', '6.1f')}")
     if not args.skip_quality:
