@@ -77,6 +77,7 @@ from specquant.model.deltanet import GatedDeltaNet
 from specquant.model.fuse import fuse_projections
 from specquant.model.gated_delta import gated_delta_rule, l2_normalize
 from specquant.model.modules import Linear
+from specquant.model.norms import ZeroCentredRMSNorm
 from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
 from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
 from specquant.runtime import child_env, openmp_wait
@@ -142,10 +143,11 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transf
     if cfg.tie_word_embeddings:  # to_empty gave the head its own storage; tied before the fill, it is never touched
         model.lm_head.weight = model.model.embed_tokens.weight  # (the head is the last parameter: values unchanged)
     gen = torch.Generator().manual_seed(0)
+    zero_centred = {id(m.weight) for m in model.modules() if isinstance(m, ZeroCentredRMSNorm)}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name.split(".")[-2]:
-                p.fill_(1.0)
+            if "norm" in name.split(".")[-2]:  # unit scale: y = w·x̂, or (1 + w)·x̂ for Qwen3.5's zero-centred norms
+                p.fill_(0.0 if id(p) in zero_centred else 1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     model._set_rope(cfg.max_position_embeddings)
