@@ -2,7 +2,7 @@
 the same on the bundled Qwen3.5-style hybrid pair, with its MTP drafter beside the block drafter.
 
 The main job on both architectures, end to end, in one report (out/report.md, a section per architecture; each
-pair's own files: out/ and out/hybrid/). Budget on 2 CPU cores: ≤ 10 minutes, `--quick` ≤ 2 minutes.
+pair's own files: out/ and out/hybrid/). Budget on 2 CPU cores: ≤ 6 minutes, `--quick` ≤ 90 s (docs/BENCH.md).
 """
 
 from __future__ import annotations
