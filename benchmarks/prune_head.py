@@ -41,10 +41,11 @@ from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafters import kind_of_checkpoint
-from specquant.spec_decode.drafters.pruned_head import ATTRIBUTE, PrunedHead, build_token_map
+from specquant.spec_decode.drafters.pruned_head import ATTRIBUTE, PrunedHead
 from specquant.spec_decode.engine import SpecEngine, generate
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.spec_decode.runtime import RuntimeConfig
+from specquant.train.prune_head import build_token_map
 from specquant.util.files import atomic_write, claim_out_dir
 
 FILLER = "The quick brown fox jumps over the lazy dog. "

@@ -289,7 +289,8 @@ def _engine(cfg: BenchConfig, runtime: RuntimeConfig, row: Row, models: dict, to
 def _pruned_block(cfg: BenchConfig, paths: dict, runtime: RuntimeConfig):
     """Row (p)'s drafter: the W4 block drafter loaded again, its head keeping the most frequent
     pruned_head_fraction of the vocabulary, counted on the calibration text (spec_decode/drafters/pruned_head.py)."""
-    from specquant.spec_decode.drafters.pruned_head import ATTRIBUTE, build_token_map
+    from specquant.spec_decode.drafters.pruned_head import ATTRIBUTE
+    from specquant.train.prune_head import build_token_map
 
     model = KINDS[BLOCK].load(paths["quantized_block_draft"], runtime)
     keep = max(1, round(cfg.pruned_head_fraction * model.config.vocab_size))

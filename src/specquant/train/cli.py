@@ -156,7 +156,7 @@ def add_prune_head(p: argparse.ArgumentParser):
 
 
 def run_prune_head(args) -> int:
-    from specquant.spec_decode.drafters.pruned_head import build_token_map, write_pruned_checkpoint
+    from specquant.train.prune_head import build_token_map, write_pruned_checkpoint
     from specquant.util.files import check_out_dir
 
     check_out_dir(args.out, args.overwrite)

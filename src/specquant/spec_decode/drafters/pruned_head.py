@@ -6,7 +6,8 @@ a large vocabulary. A drafter only proposes; the target verifies over its full v
 proposes a pruned id changes acceptance, never the output.
 
 The map. `token_ids` [N] int64, ascending: the kept ids of the full vocabulary, stored in the drafter checkpoint's
-config.json under CONFIG_KEY ({"token_ids": [...], "source": "..."}; `specquant distill prune-head` writes it).
+config.json under CONFIG_KEY ({"token_ids": [...], "source": "..."}; `specquant distill prune-head`
+(train/prune_head.py) writes it).
 Engines that do not read the key (vLLM, llama.cpp) run the checkpoint's full head as before.
 
 Drafting through a PrunedHead: logits [.., N] over the kept ids; a drafted index i maps back to token_ids[i]
@@ -19,10 +20,6 @@ with it in tests/test_pruned_head.py.
 """
 
 from __future__ import annotations
-
-import json
-import shutil
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -85,12 +82,7 @@ def reference_logits(head: nn.Module, token_ids: torch.Tensor, x: torch.Tensor) 
     return head(x)[..., token_ids]
 
 
-# --- the map: counting, config.json ----------------------------------------------------------------------------
-
-
-def count_tokens(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Occurrences [vocab] of each id in a token stream [T]."""
-    return torch.bincount(stream.flatten(), minlength=vocab_size)[:vocab_size]
+# --- the map in config.json (train/prune_head.py builds and writes it) ----------------------------------------------------------------------------
 
 
 def read_token_map(hf: dict, vocab_size: int) -> torch.Tensor | None:
@@ -118,49 +110,6 @@ def load_token_map(model: nn.Module, checkpoint_dir, vocab_size: int) -> nn.Modu
 
 def token_map_of(model: nn.Module) -> torch.Tensor | None:
     return getattr(model, ATTRIBUTE, None)
-
-
-def write_pruned_checkpoint(src, out, token_ids: torch.Tensor, source: str, overwrite: bool = False) -> Path:
-    """A copy of the draft checkpoint src in out (the --out policy, written atomically) with the map in its
-    config.json; the weights are untouched: the head is cut when the drafter is built. Returns out."""
-    from specquant.model.checkpoint import resolve
-    from specquant.util.files import atomic_dir
-
-    src, out = Path(resolve(src)), Path(out).expanduser()
-    if out.exists() and out.resolve() == src.resolve():
-        raise SpecquantError(f"--out {str(out)!r} is the draft checkpoint itself; write the pruned copy elsewhere")
-    hf = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    hf[CONFIG_KEY] = {"token_ids": [int(t) for t in token_ids], "source": source}
-    with atomic_dir(out, overwrite) as tmp:
-        for f in src.iterdir():
-            if f.is_file() and f.name != "config.json":
-                shutil.copy2(f, tmp / f.name)
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
-    return out
-
-
-def build_token_map(draft, keep: int, data=None, tokenizer_from=None) -> tuple[torch.Tensor, dict]:
-    """The `keep` most frequent ids of data (a .txt file or `specquant regen` .jsonl; default the bundled
-    calibration text), tokenized with tokenizer_from's tokenizer (default: the draft checkpoint's own), plus every
-    special token. Returns (ids [keep] ascending, a summary: tokens counted, coverage of the kept ids on data)."""
-    from specquant.model.checkpoint import load_tokenizer, read_hf_config, resolve
-    from specquant.quant.config import BUNDLED_CALIB
-    from specquant.train.data import load_blocks
-
-    hf = read_hf_config(resolve(draft))
-    vocab = int(hf["vocab_size"])
-    path = Path(data).expanduser() if data else BUNDLED_CALIB
-    tokenizer = load_tokenizer(tokenizer_from or draft)
-    stream = load_blocks(path, tokenizer, 1, vocab)  # [T, 1]: every token of the file, in order
-    counts = count_tokens(stream, vocab)
-    eos = hf.get("eos_token_id")
-    always = (*([] if eos is None else [eos] if isinstance(eos, int) else eos), *tokenizer.all_special_ids)
-    from specquant.quant.prune_vocab import most_frequent  # lazily: see PrunedHead
-
-    ids = most_frequent(counts, keep, always)
-    total = int(counts.sum())
-    return ids, {"vocab_size": vocab, "kept": int(ids.numel()), "tokens_counted": total, "data": str(path),
-                 "coverage": float(counts[ids].sum()) / total, "distinct_seen": int((counts > 0).sum())}
 
 
 def prune_lm_head(model, token_ids: torch.Tensor):
