@@ -20,7 +20,7 @@ distribution, not what calibration buys (that is the quality part's question).
 
 Usage: python benchmarks/quantize_time.py [--shape qwen3-0.6b] [--methods rtn,awq,gptq] [--calib-samples 8,32]
        [--threads 1] [--ckpt-dir runs/quantize_time] [--skip-time] [--skip-quality] [--eval-samples 16]
-       [--shape-kl 0]
+       [--shape-kl 0] [--awq-grid N]
 A table, then one JSON line.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -100,15 +101,17 @@ def shape_kl(ckpt: Path, samples: int, threads: int):
     return evaluate
 
 
-def runs(methods: list[str], calib: list[int]) -> list[tuple[str, dict]]:
-    """(label, QuantConfig overrides as CLI flags) for every method and calibration size."""
+def runs(methods: list[str], calib: list[int], awq_grid: int | None = None) -> list[tuple[str, dict]]:
+    """(label, QuantConfig overrides as CLI flags) for every method and calibration size (awq_grid: AWQ's alpha
+    grid, None: its default)."""
     out = []
     for method in methods:
         if method == "rtn":
             out += [("rtn", {"method": "rtn", "report_samples": 0}), ("rtn +report", {"method": "rtn",
                                                                                       "report_samples": 1})]
         else:
-            out += [(f"{method} n={n}", {"method": method, "calib_samples": n}) for n in calib]
+            grid = {"awq_grid": awq_grid} if method == "awq" and awq_grid else {}
+            out += [(f"{method} n={n}", {"method": method, "calib_samples": n, **grid}) for n in calib]
     return out
 
 
@@ -118,8 +121,13 @@ def flags(overrides: dict) -> list[str]:
 
 def quality(label: str, overrides: dict, fp, tok, heldout, reference) -> dict:
     model = copy.deepcopy(fp)
+    overrides = dict(overrides)
+    grid = overrides.pop("awq_grid", None)
+    cfg = QuantConfig(**overrides)
+    if grid is not None:
+        cfg.method = dataclasses.replace(cfg.method, grid=grid)
     t0 = time.perf_counter()
-    quantize(model, QuantConfig(**overrides), tok)
+    quantize(model, cfg, tok)
     seconds = time.perf_counter() - t0
     r = compare(reference, model, heldout)
     return {"kl": r["kl"], "kl_sem": r["kl_sem"], "ppl": r["ppl"], "ppl_ref": r["ppl_ref"],
@@ -131,6 +139,8 @@ def main():
     ap.add_argument("--shape", default="qwen3-0.6b", choices=[s for s in SHAPES if s != "tiny-target"])
     ap.add_argument("--methods", default="rtn,awq,gptq")
     ap.add_argument("--calib-samples", default="8,32", help="calibration sizes for AWQ and GPTQ (comma-separated)")
+    ap.add_argument("--awq-grid", type=int, default=None, help="AWQ's alpha grid (default: quantize's); its time "
+                    "is proportional to it, and the demo uses 10")
     ap.add_argument("--threads", type=int, default=1, help="threads of each quantize process (default: 1)")
     ap.add_argument("--ckpt-dir", default="runs/quantize_time", help="where the random checkpoint is built once")
     ap.add_argument("--eval-samples", type=int, default=16, help="held-out sequences of 256 tokens (quality)")
@@ -140,7 +150,7 @@ def main():
                     help="also KL of each timed output to the fp32 random checkpoint on N sequences of 256 (0: off)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    plan = runs(args.methods.split(","), [int(n) for n in args.calib_samples.split(",")])
+    plan = runs(args.methods.split(","), [int(n) for n in args.calib_samples.split(",")], args.awq_grid)
     result = {"shape": args.shape, "threads": args.threads, "load_avg_start": os.getloadavg()[0], "runs": {}}
     rows = {label: {} for label, _ in plan}
     if not args.skip_quality:
