@@ -170,6 +170,10 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
         def swap():
             for name, res in results.items():
                 _swap(layer, name, res, local[name], cfg.bits)
+                # the float Linear is out of the model now; dropped here too, its weight is freed with this layer
+                # (else every layer's float weight stays alive beside the packed codes until quantize returns:
+                # at the 4B shape that pushed AWQ's peak past 21 GB)
+                del targets[prefix + name]
 
         if capture is None:  # no stream to push through the layer: swap now
             swap()
