@@ -13,9 +13,9 @@ applied to tiny-target (trained, bundled) and compared with it on held-out text 
 per position, perplexity, top-1 agreement, and the seconds quantize() took there.
 
 Shape KL (--shape-kl N): each timed run's output is also compared with the random checkpoint itself, in fp32, on N
-held-out sequences of 256 tokens (KL, top-1 agreement). The fp32 model's log-probabilities are computed once and the
-model freed before the first quantize process starts, so at the 4B shape the parent holds ~N GB of them and never
-two models at once. On random weights this measures how far each method's rounding moves the output
+held-out sequences of 256 tokens (KL, top-1 agreement). The fp32 model's log-probabilities are computed once, in a
+child process, into a file beside the checkpoint, and each comparison is a child process too (shape_kl), so no
+model is held here while a quantize process runs. On random weights this measures how far each method's rounding moves the output
 distribution, not what calibration buys (that is the quality part's question).
 
 Usage: python benchmarks/quantize_time.py [--shape qwen3-0.6b] [--methods rtn,awq,gptq] [--calib-samples 8,32]
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
 import json
 import os
 import resource
@@ -81,24 +80,55 @@ def time_cli(ckpt: Path, argv: list[str], threads: int, evaluate=None) -> dict:
     return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "quantize_s": report["seconds"], **extra}
 
 
-def shape_kl(ckpt: Path, samples: int, threads: int):
-    """evaluate() for time_cli: KL(fp32 checkpoint || quantized output) on `samples` held-out sequences of 256."""
-    tokens = heldout_tokens(load_tokenizer(ckpt), BUNDLED_CALIB.with_name("heldout.txt"), samples, 256)
-    t0 = time.perf_counter()
-    fp = load_model(ckpt, "float32")
-    reference = logprobs(fp, tokens, batch_size=1)
-    del fp
-    gc.collect()
-    print(f"shape reference: {samples} x 256 tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+def shape_kl(ckpt: Path, samples: int):
+    """evaluate() for time_cli: KL(fp32 checkpoint || quantized output) on `samples` held-out sequences of 256.
+
+    Each side runs in its own process (this script with --kl-reference / --kl-eval): the fp32 reference's
+    log-probabilities are written once to a safetensors file beside the checkpoint, and each evaluation loads the
+    quantized model and that file. So this process never holds a model or the log-probabilities while a quantize
+    process runs: at the 4B shape AWQ alone peaks near 21 GB of a 24 GiB machine."""
+    ref = ckpt.parent / f"{ckpt.name}-reference-{samples}x256.safetensors"
+    if not ref.exists():
+        t0 = time.perf_counter()
+        _child(["--kl-reference", str(ckpt), str(ref), str(samples)])
+        print(f"shape reference: {samples} x 256 tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+              flush=True)
 
     def evaluate(out: Path) -> dict:
         t0 = time.perf_counter()
-        model = load_model(out, "float32")
-        r = compare(reference, model, tokens, batch_size=1)
-        return {"shape_kl": r["kl"], "shape_kl_sem": r["kl_sem"], "shape_top1_agree": r["top1_agree"],
-                "shape_eval_s": round(time.perf_counter() - t0, 1)}
+        r = json.loads(_child(["--kl-eval", str(out), str(ref)]).strip().splitlines()[-1])
+        return {**r, "shape_eval_s": round(time.perf_counter() - t0, 1)}
 
     return evaluate
+
+
+def _child(argv: list[str]) -> str:
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"quantize_time {' '.join(argv)} failed:\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def kl_reference(ckpt: Path, out: Path, samples: int) -> None:
+    """--kl-reference: the held-out tokens and the fp32 checkpoint's log-probabilities, one tensor per sequence."""
+    from safetensors.torch import save_file
+
+    tokens = heldout_tokens(load_tokenizer(ckpt), BUNDLED_CALIB.with_name("heldout.txt"), samples, 256)
+    reference = logprobs(load_model(ckpt, "float32"), tokens, batch_size=1)
+    tmp = out.with_suffix(".tmp")
+    save_file({"tokens": tokens, **{f"logp.{i}": t for i, t in enumerate(reference)}}, str(tmp))
+    tmp.rename(out)
+
+
+def kl_eval(model_dir: Path, ref: Path) -> None:
+    """--kl-eval: KL(reference || model) and top-1 agreement as one JSON line."""
+    from safetensors.torch import load_file
+
+    data = load_file(str(ref))
+    tokens = data.pop("tokens")
+    reference = [data[f"logp.{i}"] for i in range(len(data))]
+    r = compare(reference, load_model(model_dir, "float32"), tokens, batch_size=1)
+    print(json.dumps({"shape_kl": r["kl"], "shape_kl_sem": r["kl_sem"], "shape_top1_agree": r["top1_agree"]}))
 
 
 def runs(methods: list[str], calib: list[int], awq_grid: int | None = None) -> list[tuple[str, dict]]:
@@ -148,8 +178,14 @@ def main():
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--shape-kl", type=int, default=0, metavar="N",
                     help="also KL of each timed output to the fp32 random checkpoint on N sequences of 256 (0: off)")
+    ap.add_argument("--kl-reference", nargs=3, metavar=("CKPT", "OUT", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--kl-eval", nargs=2, metavar=("MODEL", "REF"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kl_reference:  # the child processes of --shape-kl (shape_kl)
+        return kl_reference(Path(args.kl_reference[0]), Path(args.kl_reference[1]), int(args.kl_reference[2]))
+    if args.kl_eval:
+        return kl_eval(Path(args.kl_eval[0]), Path(args.kl_eval[1]))
     plan = runs(args.methods.split(","), [int(n) for n in args.calib_samples.split(",")], args.awq_grid)
     result = {"shape": args.shape, "threads": args.threads, "load_avg_start": os.getloadavg()[0], "runs": {}}
     rows = {label: {} for label, _ in plan}
@@ -163,7 +199,7 @@ def main():
             print(f"quality {label}: {rows[label]}", file=sys.stderr, flush=True)
     if not args.skip_time:
         ckpt = random_checkpoint(args.shape, Path(args.ckpt_dir))
-        evaluate = shape_kl(ckpt, args.shape_kl, args.threads) if args.shape_kl else None
+        evaluate = shape_kl(ckpt, args.shape_kl) if args.shape_kl else None
         for label, overrides in plan:
             rows[label].update(time_cli(ckpt, flags(overrides), args.threads, evaluate))
             print(f"time {label}: {rows[label]}", file=sys.stderr, flush=True)
