@@ -17,8 +17,11 @@ from specquant.bench.config import BenchConfig
 # The full preset's AWQ: 16 calibration sequences and a 10-point alpha grid (a subset of the 20-point one, so never
 # worse than RTN on its loss) gave the bundled target the same held-out KL to fp32 as 32 and 20, within its
 # standard error, in under half the time (docs/BENCH.md, "specquant demo"); the W4 draft keeps GPTQ's 32 sequences.
+# Two timed rounds, not the bench's 3: the latency runs were 57% of the demo, and the first two of a full demo's
+# three rounds gave every row's speedup within 1% of the three rounds' on the Qwen3 pair, with the rows' order
+# unchanged on both pairs (docs/BENCH.md, "specquant demo").
 PRESETS = {
-    "full": dict(prompts_per_length=2, prompts_per_set=2, cost_reps=10,
+    "full": dict(runs=2, prompts_per_length=2, prompts_per_set=2, cost_reps=10,
                  curve_fractions=(1 / 16, 1 / 4, 1 / 2, 3 / 4),
                  quant_overrides={"calib_samples": 16, "awq": {"grid": 10}},
                  draft_quant_overrides={**BenchConfig().draft_quant_overrides, "calib_samples": 32},
