@@ -12,6 +12,20 @@ from specquant.quant.awq import apply_scale
 from specquant.quant.quality import compare, logprobs
 
 
+def test_gptq_warns_when_calibration_has_fewer_tokens_than_input_features(caplog):
+    model = gaussian_model(intermediate_size=512, hidden_size=256, head_dim=64)
+    few = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))  # 256 tokens < down_proj's 512
+    with caplog.at_level("WARNING", logger="specquant.quant.pipeline"):
+        quantize(copy.deepcopy(model), QuantConfig(method="gptq", group_size=128), calib_tokens=few)
+    assert any("rank-deficient" in r.getMessage() and "down_proj" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    enough = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))  # 512 tokens
+    with caplog.at_level("WARNING", logger="specquant.quant.pipeline"):
+        quantize(copy.deepcopy(model), QuantConfig(method="gptq", group_size=128), calib_tokens=enough)
+        quantize(copy.deepcopy(model), QuantConfig(method="rtn", group_size=128), calib_tokens=few)
+    assert not any("rank-deficient" in r.getMessage() for r in caplog.records)
+
+
 def test_rtn_gaussian_per_layer_sqnr_and_bytes():
     model = gaussian_model(intermediate_size=512, hidden_size=256, head_dim=64)
     calib = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))

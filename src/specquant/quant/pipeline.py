@@ -110,6 +110,18 @@ def _error_row(name: str, res: QuantizedWeight, deq: torch.Tensor, x: torch.Tens
 
 
 @torch.no_grad()
+def _warn_rank_deficient(tokens: int, targets: dict[str, nn.Linear], cfg: QuantConfig) -> None:
+    """GPTQ's Hessian of a Linear is XᵀX over the calibration tokens: with fewer tokens than input features it is
+    rank-deficient, only the dampening regularizes it, and the column updates fit the calibration text's subspace
+    (at the random Qwen3.5-4B shape, 8 x 256 tokens gave a higher KL than RTN: docs/BENCH.md)."""
+    name, widest = max(((n, lin.in_features) for n, lin in targets.items()), key=lambda t: t[1], default=("", 0))
+    if tokens < widest:
+        need = -(-widest // cfg.seq_len)
+        log.warning("GPTQ calibrates on %d tokens, fewer than the %d input features of %s: its Hessians are "
+                    "rank-deficient; use --calib-samples %d or more (at --seq-len %d)", tokens, widest, name,
+                    need, cfg.seq_len)
+
+
 def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.Tensor | None = None,
              scale_dtype: torch.dtype | None = None, progress: bool = False) -> dict:
     """Quantize model's Linears in place with config.method; returns a report (per-layer error, bytes).
@@ -140,6 +152,8 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
     if calib_tokens is not None and int(calib_tokens.max()) >= model.config.vocab_size:
         raise SpecquantError(f"calibration token id {int(calib_tokens.max())} >= vocab_size "
                              f"{model.config.vocab_size}; the tokenizer does not match the model")
+    if calib_tokens is not None and cfg.method_name == "gptq":
+        _warn_rank_deficient(calib_tokens.numel(), targets, cfg)
     # Every input is checked; from here on the model is modified.
     untied = "lm_head" in targets and model.config.tie_word_embeddings
     if untied:
