@@ -113,7 +113,8 @@ def _error_row(name: str, res: QuantizedWeight, deq: torch.Tensor, x: torch.Tens
 def _warn_rank_deficient(tokens: int, targets: dict[str, nn.Linear], cfg: QuantConfig) -> None:
     """GPTQ's Hessian of a Linear is XᵀX over the calibration tokens: with fewer tokens than input features it is
     rank-deficient, only the dampening regularizes it, and the column updates fit the calibration text's subspace
-    (at the random Qwen3.5-4B shape, 8 x 256 tokens gave a higher KL than RTN: docs/BENCH.md)."""
+    (at the random Qwen3.5-4B shape, 8 x 256 tokens gave GPTQ a higher KL than RTN, likely for this reason:
+    docs/BENCH.md)."""
     name, widest = max(((n, lin.in_features) for n, lin in targets.items()), key=lambda t: t[1], default=("", 0))
     if tokens < widest:
         need = -(-widest // cfg.seq_len)
