@@ -26,6 +26,21 @@ def test_gptq_warns_when_calibration_has_fewer_tokens_than_input_features(caplog
     assert not any("rank-deficient" in r.getMessage() for r in caplog.records)
 
 
+def test_quantize_runs_without_autograd(monkeypatch):
+    from specquant.quant import rtn
+
+    seen, original = [], rtn.quantize_layer
+    def recording(*args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(rtn, "quantize_layer", recording)
+    model = gaussian_model(intermediate_size=512, hidden_size=256, head_dim=64)
+    with torch.enable_grad():
+        quantize(model, QuantConfig(method="rtn", group_size=128))
+    assert seen and not any(seen)
+
+
 def test_rtn_gaussian_per_layer_sqnr_and_bytes():
     model = gaussian_model(intermediate_size=512, hidden_size=256, head_dim=64)
     calib = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))

@@ -109,7 +109,6 @@ def _error_row(name: str, res: QuantizedWeight, deq: torch.Tensor, x: torch.Tens
     return row
 
 
-@torch.no_grad()
 def _warn_rank_deficient(tokens: int, targets: dict[str, nn.Linear], cfg: QuantConfig) -> None:
     """GPTQ's Hessian of a Linear is XᵀX over the calibration tokens: with fewer tokens than input features it is
     rank-deficient, only the dampening regularizes it, and the column updates fit the calibration text's subspace
@@ -123,6 +122,7 @@ def _warn_rank_deficient(tokens: int, targets: dict[str, nn.Linear], cfg: QuantC
                     need, cfg.seq_len)
 
 
+@torch.no_grad()
 def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.Tensor | None = None,
              scale_dtype: torch.dtype | None = None, progress: bool = False) -> dict:
     """Quantize model's Linears in place with config.method; returns a report (per-layer error, bytes).
