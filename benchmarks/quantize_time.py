@@ -15,8 +15,8 @@ per position, perplexity, top-1 agreement, and the seconds quantize() took there
 Shape KL (--shape-kl N): each timed run's output is also compared with the random checkpoint itself, in fp32, on N
 held-out sequences of 256 tokens (KL, top-1 agreement). The fp32 model's log-probabilities are computed once, in a
 child process, into a file beside the checkpoint, and each comparison is a child process too (shape_kl), so no
-model is held here while a quantize process runs. On random weights this measures how far each method's rounding moves the output
-distribution, not what calibration buys (that is the quality part's question).
+model is held here while a quantize process runs. On random weights this measures how far each method's rounding
+moves the output distribution, not what calibration buys (that is the quality part's question).
 
 Usage: python benchmarks/quantize_time.py [--shape qwen3-0.6b] [--methods rtn,awq,gptq] [--calib-samples 8,32]
        [--threads 1] [--ckpt-dir runs/quantize_time] [--skip-time] [--skip-quality] [--eval-samples 16]
@@ -80,7 +80,7 @@ def time_cli(ckpt: Path, argv: list[str], threads: int, evaluate=None) -> dict:
     return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "quantize_s": report["seconds"], **extra}
 
 
-def shape_kl(ckpt: Path, samples: int):
+def shape_kl(ckpt: Path, samples: int, threads: int):
     """evaluate() for time_cli: KL(fp32 checkpoint || quantized output) on `samples` held-out sequences of 256.
 
     Each side runs in its own process (this script with --kl-reference / --kl-eval): the fp32 reference's
@@ -90,13 +90,13 @@ def shape_kl(ckpt: Path, samples: int):
     ref = ckpt.parent / f"{ckpt.name}-reference-{samples}x256.safetensors"
     if not ref.exists():
         t0 = time.perf_counter()
-        _child(["--kl-reference", str(ckpt), str(ref), str(samples)])
+        _child(["--kl-reference", str(ckpt), str(ref), str(samples), "--threads", str(threads)])
         print(f"shape reference: {samples} x 256 tokens in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
               flush=True)
 
     def evaluate(out: Path) -> dict:
         t0 = time.perf_counter()
-        r = json.loads(_child(["--kl-eval", str(out), str(ref)]).strip().splitlines()[-1])
+        r = json.loads(_child(["--kl-eval", str(out), str(ref), "--threads", str(threads)]).strip().splitlines()[-1])
         return {**r, "shape_eval_s": round(time.perf_counter() - t0, 1)}
 
     return evaluate
@@ -199,7 +199,7 @@ def main():
             print(f"quality {label}: {rows[label]}", file=sys.stderr, flush=True)
     if not args.skip_time:
         ckpt = random_checkpoint(args.shape, Path(args.ckpt_dir))
-        evaluate = shape_kl(ckpt, args.shape_kl) if args.shape_kl else None
+        evaluate = shape_kl(ckpt, args.shape_kl, args.threads) if args.shape_kl else None
         for label, overrides in plan:
             rows[label].update(time_cli(ckpt, flags(overrides), args.threads, evaluate))
             print(f"time {label}: {rows[label]}", file=sys.stderr, flush=True)

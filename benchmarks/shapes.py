@@ -146,7 +146,8 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transf
     zero_centred = {id(m.weight) for m in model.modules() if isinstance(m, ZeroCentredRMSNorm)}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name.split(".")[-2]:  # unit scale: y = w·x̂, or (1 + w)·x̂ for Qwen3.5's zero-centred norms
+            # unit scale: y = w·x̂, or (1 + w)·x̂ for Qwen3.5's zero-centred norms
+            if "norm" in name.split(".")[-2]:
                 p.fill_(0.0 if id(p) in zero_centred else 1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
