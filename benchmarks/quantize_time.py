@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import resource
@@ -48,6 +47,7 @@ from specquant.model.checkpoint import BUNDLED_DIR, load_dense, load_tokenizer, 
 from specquant.quant import QuantConfig, quantize  # noqa: E402
 from specquant.quant.config import BUNDLED_CALIB  # noqa: E402
 from specquant.quant.quality import compare, heldout_tokens, logprobs  # noqa: E402
+from specquant.util.files import atomic_write  # noqa: E402
 
 
 def random_checkpoint(shape: str, root: Path) -> Path:
@@ -111,13 +111,11 @@ def _child(argv: list[str]) -> str:
 
 def kl_reference(ckpt: Path, out: Path, samples: int) -> None:
     """--kl-reference: the held-out tokens and the fp32 checkpoint's log-probabilities, one tensor per sequence."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tokens = heldout_tokens(load_tokenizer(ckpt), BUNDLED_CALIB.with_name("heldout.txt"), samples, 256)
     reference = logprobs(load_model(ckpt, "float32"), tokens, batch_size=1)
-    tmp = out.with_suffix(".tmp")
-    save_file({"tokens": tokens, **{f"logp.{i}": t for i, t in enumerate(reference)}}, str(tmp))
-    tmp.rename(out)
+    atomic_write(out, save({"tokens": tokens, **{f"logp.{i}": t for i, t in enumerate(reference)}}))
 
 
 def kl_eval(model_dir: Path, ref: Path) -> None:
@@ -140,24 +138,23 @@ def runs(methods: list[str], calib: list[int], awq_grid: int | None = None) -> l
             out += [("rtn", {"method": "rtn", "report_samples": 0}), ("rtn +report", {"method": "rtn",
                                                                                       "report_samples": 1})]
         else:
-            grid = {"awq_grid": awq_grid} if method == "awq" and awq_grid else {}
+            grid = {"awq": {"grid": awq_grid}} if method == "awq" and awq_grid else {}
             out += [(f"{method} n={n}", {"method": method, "calib_samples": n, **grid}) for n in calib]
     return out
 
 
 def flags(overrides: dict) -> list[str]:
-    return [x for k, v in overrides.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    """QuantConfig.from_json-style overrides as `specquant quantize` flags (a method's section: --awq-grid ...)."""
+    flat = {}
+    for k, v in overrides.items():
+        flat.update({f"{k}_{f}": x for f, x in v.items()} if isinstance(v, dict) else {k: v})
+    return [x for k, v in flat.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def quality(label: str, overrides: dict, fp, tok, heldout, reference) -> dict:
     model = copy.deepcopy(fp)
-    overrides = dict(overrides)
-    grid = overrides.pop("awq_grid", None)
-    cfg = QuantConfig(**overrides)
-    if grid is not None:
-        cfg.method = dataclasses.replace(cfg.method, grid=grid)
     t0 = time.perf_counter()
-    quantize(model, cfg, tok)
+    quantize(model, QuantConfig.from_json(overrides), tok)
     seconds = time.perf_counter() - t0
     r = compare(reference, model, heldout)
     return {"kl": r["kl"], "kl_sem": r["kl_sem"], "ppl": r["ppl"], "ppl_ref": r["ppl_ref"],

@@ -30,6 +30,7 @@ def test_quantize_runs_without_autograd(monkeypatch):
     from specquant.quant import rtn
 
     seen, original = [], rtn.quantize_layer
+
     def recording(*args, **kwargs):
         seen.append(torch.is_grad_enabled())
         return original(*args, **kwargs)

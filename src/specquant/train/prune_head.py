@@ -59,5 +59,3 @@ def build_token_map(draft, keep: int, data=None, tokenizer_from=None) -> tuple[t
     total = int(counts.sum())
     return ids, {"vocab_size": vocab, "kept": int(ids.numel()), "tokens_counted": total, "data": str(path),
                  "coverage": float(counts[ids].sum()) / total, "distinct_seen": int((counts > 0).sum())}
-
-

@@ -82,7 +82,7 @@ def reference_logits(head: nn.Module, token_ids: torch.Tensor, x: torch.Tensor) 
     return head(x)[..., token_ids]
 
 
-# --- the map in config.json (train/prune_head.py builds and writes it) ----------------------------------------------------------------------------
+# --- the map in config.json (train/prune_head.py builds and writes it) ------------------------------------------------
 
 
 def read_token_map(hf: dict, vocab_size: int) -> torch.Tensor | None:
