@@ -40,3 +40,8 @@ fi
 if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_LLAMA_CPP:-0}" != 1 ]; then
   .venv/bin/python -m specquant.export.llama_cpp_build >/dev/null
 fi
+# --test: vLLM's CPU build in .venv-vllm for tests/test_vllm.py (scripts/setup_vllm.sh; SPECQUANT_SKIP_VLLM=1 skips
+# it deliberately, and those tests then skip saying so)
+if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_VLLM:-0}" != 1 ]; then
+  bash scripts/setup_vllm.sh
+fi

