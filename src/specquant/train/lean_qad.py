@@ -384,5 +384,6 @@ def export(student: Streamed, root: Path, model_dir: Path, s_dir: Path, meta: di
         assert not stale, f"layer {i}: the block export lacks {stale[:3]}"
         tensors.update(block)
     hf = read_hf_config(s_dir)
-    extra = {"torch_dtype": hf.get("torch_dtype") or "float32", "quantization_config": hf["quantization_config"], "specquant_qad": meta}
+    extra = {"torch_dtype": hf.get("torch_dtype") or "float32", "quantization_config": hf["quantization_config"],
+             "specquant_qad": meta}
     save_model(student.skeleton, model_dir, tokenizer_from=s_dir, extra_config=extra, tensors=tensors)
