@@ -112,11 +112,21 @@ def one_layer(cfg, i: int):
     return dataclasses.replace(cfg, num_hidden_layers=1, layer_types=(kinds[i],), vocab_size=64)
 
 
-def write_random_pair(shape: str, root: Path, group: int) -> tuple[Path, Path]:
-    """root/<shape>-teacher (bf16, random as shapes.random_model) and root/<shape>-w4g<group> (its RTN W4), each a
-    shard per layer, built one layer at a time."""
+def shape_config(shape: str, layers: int):
+    """The shape's config, cut to its first `layers` layers when layers > 0 (every block keeps the shape's size)."""
     cfg = SHAPES[shape]()
-    teacher, student = root / f"{shape}-teacher", root / f"{shape}-w4g{group}"
+    if layers and layers < cfg.num_hidden_layers:
+        kinds = cfg.layer_types[:layers] if cfg.layer_types else None
+        cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=kinds)
+    return cfg
+
+
+def write_random_pair(shape: str, root: Path, group: int, layers: int) -> tuple[Path, Path]:
+    """root/<shape>[-Nl]-teacher (bf16, random as shapes.random_model) and its RTN W4 student, each a shard per
+    layer, built one layer at a time."""
+    cfg = shape_config(shape, layers)
+    name = f"{shape}-{cfg.num_hidden_layers}l"
+    teacher, student = root / f"{name}-teacher", root / f"{name}-w4g{group}"
     if (teacher / "config.json").exists() and (student / "config.json").exists():
         return teacher, student
     maps, ignore, qc = ({}, {}), ["lm_head"], None
@@ -169,11 +179,11 @@ def mem_available_gb() -> float:
 
 
 def shape_run(shape: str, root: Path, a) -> dict:
-    cfg = SHAPES[shape]()
+    cfg = shape_config(shape, a.shape_layers)
     t0 = time.perf_counter()
-    teacher, student = write_random_pair(shape, root, a.shape_group)
+    teacher, student = write_random_pair(shape, root, a.shape_group, a.shape_layers)
     written = time.perf_counter() - t0
-    out = root / f"{shape}-lean"
+    out = root / f"{shape}-{cfg.num_hidden_layers}l-lean"
     cmd = [sys.executable, "-m", "specquant.cli", "distill", "target", "--teacher", str(teacher), "--student",
            str(student), "--out", str(out), "--overwrite", "--lean", "--steps", str(a.shape_steps), "--batch", "1",
            "--seq-len", str(a.shape_seq_len), "--lean-forward-batch", "1", "--eval-samples", "2", "--eval-seq-len",
@@ -199,6 +209,8 @@ def shape_run(shape: str, root: Path, a) -> dict:
     layer_params = sum(p.numel() for p in random_model(one_layer(cfg, 0)).model.layers.parameters())
     return {"shape": shape, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "params_layer0": layer_params, "peak_rss_mb": r["peak_memory_mb"],
+            "peak_rss_blocks_mb": r["peak_rss_blocks_mb"], "peak_rss_start_mb": r["peak_rss_start_mb"],
+            "peak_rss_end_mb": r["peak_rss_end_mb"],
             "children_maxrss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
             "seconds_per_step": r["seconds_per_step"], "seconds_per_block": r["seconds_per_block"],
             "wall_s": wall, "write_s": written, "steps_per_block": a.shape_steps, "seq_len": a.shape_seq_len,
@@ -220,6 +232,8 @@ def main() -> int:
     p.add_argument("--shape-steps", type=int, default=2, help="training steps per block at a shape")
     p.add_argument("--shape-seq-len", type=int, default=256)
     p.add_argument("--shape-group", type=int, default=128)
+    p.add_argument("--shape-layers", type=int, default=0,
+                   help="only the shape's first N layers (0 = all): per-block figures at full size, fewer blocks")
     p.add_argument("--min-available", type=float, default=2.0, help="GB; kill the shape run below this")
     a = p.parse_args()
     run_dir = claim_out_dir(a.run_dir, overwrite=True, flag="--run-dir")
@@ -242,8 +256,10 @@ def main() -> int:
         if "stopped" in s:
             print(f"{s['shape']}: {s['stopped']}")
         else:
-            print(f"{s['shape']}: peak RSS {s['peak_rss_mb']:.0f} MB, {s['seconds_per_step']:.2f} s/step, "
-                  f"{s['seconds_per_block']:.1f} s/block, {s['layers']} blocks, {s['wall_s']:.0f} s in all")
+            print(f"{s['shape']} ({s['layers']} layers): peak RSS {s['peak_rss_mb']:.0f} MB (blocks "
+                  f"{s['peak_rss_blocks_mb']:.0f}, start eval {s['peak_rss_start_mb']:.0f}, end eval + export "
+                  f"{s['peak_rss_end_mb']:.0f}), {s['seconds_per_step']:.2f} s/step, {s['seconds_per_block']:.1f} "
+                  f"s/block, {s['wall_s']:.0f} s in all")
     print(json.dumps(result, default=float))
     return 0
 

@@ -151,6 +151,42 @@ def stream_eval(teacher: Streamed, student: Streamed, tokens: torch.Tensor, batc
     return head_eval(teacher, student, t_x, s_x, tokens)
 
 
+class PeakRSS:
+    """Peak resident memory per phase of the run (the ends' evaluation, each block), so a block's own peak is seen
+    under the evaluation's: Linux's VmHWM, reset between phases through /proc/self/clear_refs ("5"). Elsewhere (or
+    where the reset is refused) every phase reports the process peak so far (ru_maxrss)."""
+
+    def __init__(self):
+        self.overall = 0.0
+        self.reset()
+
+    @staticmethod
+    def _hwm_mb() -> float | None:
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return None
+
+    def reset(self):
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+    def phase(self) -> float:
+        """Peak MB since the last phase() (or the process peak where that cannot be told); starts the next."""
+        from specquant.train.trainer import peak_memory_mb
+
+        hwm = self._hwm_mb()
+        peak = hwm if hwm is not None else peak_memory_mb(torch.device("cpu"))
+        self.overall = max(self.overall, peak)
+        self.reset()
+        return peak
+
+
 # --- one block through the shared loop ------------------------------------------------------------------------
 
 
@@ -205,7 +241,7 @@ def _block_tensors(block_dir: Path, index: int) -> dict[str, torch.Tensor]:
 
 
 def train_block(i: int, teacher: Streamed, student: Streamed, acts: dict, train: TrainConfig, qad: QADConfig,
-                lean: LeanConfig, root: Path, progress: bool) -> tuple[dict, dict]:
+                lean: LeanConfig, root: Path, progress: bool, peaks: PeakRSS) -> tuple[dict, dict]:
     """Train block i on acts (teacher / student inputs of the pool and of the held-out set); returns (the
     activations entering block i + 1, a summary row)."""
     from specquant.train.data import BlockOrder
@@ -242,7 +278,7 @@ def train_block(i: int, teacher: Streamed, student: Streamed, acts: dict, train:
            else "full_attention", "mse_start": evals[0]["mse"], "mse_best": result["best"]["value"],
            "best_step": result["best"]["step"], "steps": result["steps"],
            "seconds_per_step": result["seconds_per_step"], "seconds": time.perf_counter() - t0,
-           "peak_memory_mb": result["peak_memory_mb"], "optimizer": result["optimizer"]}
+           "peak_rss_block_mb": peaks.phase(), "optimizer": result["optimizer"]}
     return nxt, row
 
 
@@ -328,6 +364,7 @@ def run_lean_qad(teacher: str, student: str, out, train: TrainConfig, qad: QADCo
     if state is not None and state["meta"] != meta:
         raise SpecquantError(f"--resume with different settings or checkpoints than the run in {str(out)!r}; "
                              "resume with the original flags or start a new --out")
+    peaks = PeakRSS()
     if state is None:
         start = stream_eval(t_model, s_model, eval_tokens, lean.lean_forward_batch)
         if start["kl"] > qad.max_start_kl:  # the gate runs before anything is written
@@ -342,14 +379,14 @@ def run_lean_qad(teacher: str, student: str, out, train: TrainConfig, qad: QADCo
         pool = BlockOrder(blocks, train.seed).rows(0, n_pool)  # [n_pool, seq_len]: full QAD's rows, in its order
         acts = {"teacher": t_model.embed(pool), "student": s_model.embed(pool),
                 "teacher_eval": t_model.embed(eval_tokens), "student_eval": s_model.embed(eval_tokens)}
-        state = {"meta": meta, "start_eval": start, "blocks": []}
+        state = {"meta": meta, "start_eval": start, "blocks": [], "peak_rss_start_mb": peaks.phase()}
         _log(out, {"step": 0, "event": "eval", **start})
         _save_state(root, 0, acts, state)
     else:
         _log(out, {"event": "resume", "next_block": state["next_block"]})
         acts = {k: v.to(dev) for k, v in load_file(_acts_path(root, state["next_block"])).items()}
     for i in range(state["next_block"], cfg.num_hidden_layers):
-        acts, row = train_block(i, t_model, s_model, acts, train, qad, lean, root, progress)
+        acts, row = train_block(i, t_model, s_model, acts, train, qad, lean, root, progress, peaks)
         state["blocks"].append(row)
         _save_state(root, i + 1, acts, state)
         _log(out, row)
@@ -357,12 +394,11 @@ def run_lean_qad(teacher: str, student: str, out, train: TrainConfig, qad: QADCo
     if "final_eval" not in state:
         final = head_eval(t_model, s_model, acts["teacher_eval"], acts["student_eval"], eval_tokens)
         export(s_model, root, out / "model", s_dir, meta)
-        state["final_eval"] = final
+        state["final_eval"], state["peak_rss_end_mb"] = final, peaks.phase()
         atomic_write(root / STATE, json.dumps(state, indent=1) + "\n")
         _log(out, {"step": train.steps, "event": "eval", **final})
     rows = state["blocks"]
     per_step = sorted(r["seconds_per_step"] for r in rows if r["seconds_per_step"] is not None)
-    from specquant.train.trainer import peak_memory_mb
 
     return {"mode": "lean", "start_eval": state["start_eval"], "best_eval": state["final_eval"],
             "best": {"step": train.steps, "value": state["final_eval"]["kl"]}, "model": str(out / "model"),
@@ -370,7 +406,10 @@ def run_lean_qad(teacher: str, student: str, out, train: TrainConfig, qad: QADCo
             "seconds_per_step": per_step[len(per_step) // 2] if per_step else None,
             "seconds_per_block": sorted(r["seconds"] for r in rows)[len(rows) // 2] if rows else None,
             "optimizer": rows[0]["optimizer"] if rows else None,
-            "peak_memory_mb": peak_memory_mb(dev), "train_blocks": len(blocks),
+            "peak_memory_mb": max(peaks.overall, peaks.phase()), "train_blocks": len(blocks),
+            **({"peak_cuda_mb": torch.cuda.max_memory_allocated(dev) / 2**20} if dev.type == "cuda" else {}),
+            "peak_rss_blocks_mb": max((r["peak_rss_block_mb"] for r in rows), default=None),
+            "peak_rss_start_mb": state.get("peak_rss_start_mb"), "peak_rss_end_mb": state.get("peak_rss_end_mb"),
             "eval_samples": len(eval_tokens)}
 
 
