@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -211,7 +210,6 @@ def shape_run(shape: str, root: Path, a) -> dict:
             "params_layer0": layer_params, "peak_rss_mb": r["peak_memory_mb"],
             "peak_rss_blocks_mb": r["peak_rss_blocks_mb"], "peak_rss_start_mb": r["peak_rss_start_mb"],
             "peak_rss_end_mb": r["peak_rss_end_mb"],
-            "children_maxrss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
             "seconds_per_step": r["seconds_per_step"], "seconds_per_block": r["seconds_per_block"],
             "wall_s": wall, "write_s": written, "steps_per_block": a.shape_steps, "seq_len": a.shape_seq_len,
             "kl_start": r["start_eval"]["kl"], "kl_end": r["best_eval"]["kl"]}
