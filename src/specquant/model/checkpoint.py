@@ -113,6 +113,77 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+class TensorReader:
+    """A checkpoint's tensors read one at a time, under the decoder's names (text_name): for work that holds one
+    layer of a model at a time. Each read opens the file and closes it again, so no mapping of the whole file stays
+    in the process (its resident size counts mapped pages: a 17 GB teacher read over a run would show up there)."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._where: dict[str, tuple[Path, str]] = {}
+        for f in _safetensors_files(path):
+            try:
+                with safe_open(str(f), framework="pt") as handle:
+                    names = list(handle.keys())
+            except (SafetensorError, OSError) as e:
+                raise SpecquantError(f"corrupt safetensors file {f}: {e}; re-download or re-save the checkpoint") \
+                    from None
+            for name in names:
+                if not name.startswith(IGNORED_PREFIXES):
+                    self._where[text_name(name)] = (f, name)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise SpecquantError(f"tensor {name!r} is missing from the checkpoint")
+        return self._read([name])[name]
+
+    def under(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor whose name starts with prefix, the prefix removed."""
+        found = self._read([n for n in self._where if n.startswith(prefix)])
+        return {n[len(prefix):]: t for n, t in found.items()}
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self._where[n][0], []).append(n)
+        out = {}
+        for f, ns in by_file.items():
+            with safe_open(str(f), framework="pt") as handle:
+                for n in ns:
+                    out[n] = handle.get_tensor(self._where[n][1])
+        return out
+
+
+def load_submodule(module: torch.nn.Module, tensors: dict[str, torch.Tensor], device, dtype: torch.dtype):
+    """Materialize a meta-device submodule on device in dtype (floating tensors; integer buffers keep theirs) and
+    fill every parameter and persistent buffer from tensors ({name relative to module: tensor}), with
+    load_dense_into's name, shape and integer-dtype checks."""
+    module.to_empty(device=device)
+    module.to(dtype)
+    expected = module.state_dict(keep_vars=True)
+    for name, p in expected.items():
+        if name not in tensors:
+            raise SpecquantError(f"tensor {name!r} is missing from the checkpoint (shape {list(p.shape)} expected)")
+        t = tensors[name]
+        if tuple(t.shape) != tuple(p.shape):
+            raise SpecquantError(f"tensor {name!r} has shape {list(t.shape)}; the config implies {list(p.shape)}")
+        if not p.is_floating_point() and t.dtype != p.dtype:
+            raise SpecquantError(f"tensor {name!r} has dtype {t.dtype}; this layer needs {p.dtype}")
+        with torch.no_grad():
+            p.data.copy_(t)
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise SpecquantError(f"checkpoint has {len(unexpected)} tensors this module does not use, e.g. "
+                             f"{unexpected[0]!r}")
+    return module
+
+
 def text_name(name: str) -> str:
     """A wrapped checkpoint's tensor or module name (model.language_model.*) -> the decoder's (model.*)."""
     prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)

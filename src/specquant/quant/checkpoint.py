@@ -207,6 +207,22 @@ def load_quantized_into(model: nn.Module, tensors: dict[str, torch.Tensor], qc: 
     return model
 
 
+def quantized_skeleton(hf: dict, dtype: torch.dtype) -> nn.Module:
+    """The decoder of a compressed-tensors config.json on the meta device (no memory), its planned Linears already
+    QuantLinear: parts of it are materialized one at a time (model.checkpoint.load_submodule), e.g. by lean QAD."""
+    from specquant.model.config import ModelConfig
+    from specquant.model.decoder import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_hf(hf))
+    plan = _plan(model, hf["quantization_config"])
+    if not plan:
+        raise SpecquantError("quantization_config matches no Linear of this model; check its targets/ignore")
+    _swap_meta(model, plan, dtype)
+    model.quantization = hf["quantization_config"]
+    return model
+
+
 def load_quantized_model(path: Path, hf: dict, dtype, device, w4_activations: str = "float"):
     """A compressed-tensors decoder checkpoint as a Transformer: the half of specquant.loader.load_model that quant/
     owns, as model/checkpoint.load_dense is the dense half."""

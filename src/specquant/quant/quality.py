@@ -16,13 +16,14 @@ def logprobs(model, tokens: torch.Tensor, batch_size: int = 4) -> list[torch.Ten
 
 
 @torch.no_grad()
-def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4, kept: torch.Tensor | None = None) -> dict:
+def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4, kept: torch.Tensor | None = None,
+            per_sample: bool = False) -> dict:
     """KL(reference ‖ model) per position (nats, mean over samples·T), perplexity of both on next-token
     prediction, and the fraction of positions whose argmax agrees. `reference` is a model or logprobs(...) of
     one on the same tokens and batch_size. `nll_tokens` (a tensor, per predicted token, model minus reference)
     is there for paired significance tests. `kl_sem` is the standard error of `kl` with the samples (sequences)
     as the independent units: positions inside one sequence are correlated, so a per-position SEM would be too
-    small.
+    small. per_sample: also `kl_per_sample` [samples] (float64), for paired comparisons of models on these tokens.
 
     kept [N'] (a vocabulary-pruned model, specquant/quant/prune_vocab.py): model reads and predicts indices of kept
     (tokens are such indices; the reference reads kept[tokens]). Its distribution is zero off the kept ids, so
@@ -37,11 +38,28 @@ def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4, kept: t
     else:  # one batch at a time, so memory does not grow with the number of samples
         ref_batches = (F.log_softmax(reference(tokens[i : i + batch_size]).float(), dim=-1)
                        for i in range(0, len(tokens), batch_size))
+    model_batches = (F.log_softmax(model(tokens[i : i + batch_size]).float(), dim=-1)
+                     for i in range(0, len(tokens), batch_size))
+    return _score(tokens, batch_size, ref_batches, model_batches, per_sample)
+
+
+@torch.no_grad()
+def compare_rows(reference_rows, model_rows, tokens: torch.Tensor, batch_size: int = 4) -> dict:
+    """compare() for logits that come from somewhere other than a model's forward on the tokens: reference_rows(i,
+    j) and model_rows(i, j) return the logits [j - i, T, vocab] of tokens[i:j] (lean QAD applies each head to
+    final hidden states it streamed through the layers). Same keys, same arithmetic."""
+    starts = range(0, len(tokens), batch_size)
+    ref_batches = (F.log_softmax(reference_rows(i, i + batch_size).float(), dim=-1) for i in starts)
+    model_batches = (F.log_softmax(model_rows(i, i + batch_size).float(), dim=-1) for i in starts)
+    return _score(tokens, batch_size, ref_batches, model_batches)
+
+
+def _score(tokens: torch.Tensor, batch_size: int, ref_batches, model_batches, per_sample: bool = False) -> dict:
+    """compare's arithmetic over batches of log-probabilities [b, T, vocab] of tokens[i : i + batch_size]."""
     kl_sum, agree, n_pos, kl_per_sample = 0.0, 0, 0, []
     nll_ref, nll_model = [], []
-    for i, ref_logp in zip(range(0, len(tokens), batch_size), ref_batches):
+    for i, ref_logp, logp in zip(range(0, len(tokens), batch_size), ref_batches, model_batches):
         batch = tokens[i : i + batch_size]
-        logp = F.log_softmax(model(batch).float(), dim=-1)  # [b, T, vocab]
         kl_rows = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [b, T]
         kl_sum += float(kl_rows.sum())
         kl_per_sample.append(kl_rows.double().mean(-1))
@@ -50,7 +68,8 @@ def compare(reference, model, tokens: torch.Tensor, batch_size: int = 4, kept: t
         target = batch[:, 1:].unsqueeze(-1)
         nll_ref.append(-ref_logp[:, :-1].gather(-1, target).flatten())
         nll_model.append(-logp[:, :-1].gather(-1, target).flatten())
-    return _summary(kl_sum, kl_per_sample, agree, n_pos, nll_ref, nll_model)
+    extra = {"kl_per_sample": torch.cat(kl_per_sample)} if per_sample else {}
+    return {**_summary(kl_sum, kl_per_sample, agree, n_pos, nll_ref, nll_model), **extra}
 
 
 def _compare_pruned(reference, model, tokens: torch.Tensor, batch_size: int, kept: torch.Tensor) -> dict:

@@ -11,7 +11,7 @@ import json
 
 from specquant.errors import SpecquantError
 from specquant.util.flags import add_config_flags, config_from_args
-from specquant.train.config import QADConfig, TrainConfig
+from specquant.train.config import LeanConfig, QADConfig, TrainConfig
 from specquant.train.outdir import OUR_OUTPUTS
 
 def add_train_flags(p: argparse.ArgumentParser, **defaults):
@@ -44,23 +44,28 @@ def add_target(p: argparse.ArgumentParser):
     p.add_argument("--data", default=None, help="training text (.txt) or `specquant regen` output (.jsonl); "
                                                  "default: the bundled calibration text")
     add_config_flags(p, QADConfig)
+    add_config_flags(p, LeanConfig)
     add_train_flags(p)
 
 
 def run_target(args) -> int:
+    from specquant.train.lean_qad import run_lean_qad
     from specquant.train.qad import run_qad
 
-    result = run_qad(teacher=args.teacher, student=args.student, data=args.data, out=args.out,
-                     train=train_config_from_args(args), qad=config_from_args(QADConfig, args).validate(),
-                     resume=args.resume, overwrite=args.overwrite, device=args.device, dtype=args.dtype,
-                     progress=args.progress and not args.json)
+    common = dict(teacher=args.teacher, student=args.student, data=args.data, out=args.out,
+                  train=train_config_from_args(args), qad=config_from_args(QADConfig, args).validate(),
+                  resume=args.resume, overwrite=args.overwrite, device=args.device, dtype=args.dtype,
+                  progress=args.progress and not args.json)
+    lean = config_from_args(LeanConfig, args).validate()
+    result = run_lean_qad(**common, lean=lean) if lean.lean else run_qad(**common)
     if result is None:  # not rank 0
         return 0
     if args.json:
         print(json.dumps(result, default=float))
     else:
         first, best = result["start_eval"], result["best_eval"]
-        print(f"held-out KL(teacher || student): step 0 {first['kl']:.5f} -> best step {result['best']['step']} "
+        where = "after every block" if result.get("mode") == "lean" else f"best step {result['best']['step']}"
+        print(f"held-out KL(teacher || student): step 0 {first['kl']:.5f} -> {where} "
               f"{best['kl']:.5f} (± {best['kl_sem']:.5f}); ppl {first['ppl']:.2f} -> {best['ppl']:.2f} "
               f"(teacher {best['ppl_ref']:.2f}); top-1 {first['top1_agree']:.2%} -> {best['top1_agree']:.2%}")
         print(f"model: {result['model']}  log: {result['log']}  ({_per_step(result['seconds_per_step'])}, "

@@ -102,6 +102,30 @@ class QADConfig:
 
 
 @dataclass
+class LeanConfig:
+    """Lean QAD (train/lean_qad.py): the student trained one decoder block at a time against the teacher's block
+    outputs, the teacher read layer by layer from its files, so memory holds one block, not the model."""
+
+    lean: bool = field(default=False, metadata={
+        "help": "block-wise QAD whose memory does not grow with the model (docs/QAD.md: which mode for which "
+                "hardware); single process", "store_true": True})
+    lean_samples: int = field(default=0, metadata={
+        "help": "training sequences whose activations each block trains on (0 = steps x batch x grad-accum: the "
+                "rows full QAD reads, so both see the same tokens)"})
+    lean_forward_batch: int = field(default=8, metadata={
+        "help": "sequences per no-grad pass when the teacher's blocks and the trained blocks map activations on"})
+
+    def validate(self) -> "LeanConfig":
+        if self.lean_samples < 0:
+            raise SpecquantError(f"lean_samples={self.lean_samples} must be >= 0 (0 = steps x batch x grad-accum)")
+        require_positive(self, ("lean_forward_batch",))
+        return self
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class RegenConfig:
     """`specquant regen`: teacher-written continuations as distillation data (train/regen.py)."""
 

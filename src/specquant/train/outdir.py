@@ -13,7 +13,7 @@ from specquant.errors import SpecquantError
 from specquant.train.trainer import checkpoints
 from specquant.util.files import MARKER, check_out_dir
 
-OUR_OUTPUTS = ("checkpoints", "model", "log.jsonl")  # what a distill run writes into --out (and --overwrite clears)
+OUR_OUTPUTS = ("checkpoints", "model", "log.jsonl", "lean")  # what a distill run writes into --out (and --overwrite clears)
 
 
 def prepare_out(out: Path, resume: bool, overwrite: bool) -> bool:

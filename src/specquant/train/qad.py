@@ -95,17 +95,24 @@ def set_trainable(model: Transformer, cfg: QADConfig) -> list[str]:
     """Latent weights of the fake-quant Linears train; norms / embeddings only when cfg says so. Everything else
     stays frozen: the Linears the checkpoint keeps dense (a hybrid's in_proj_a / in_proj_b) and Gated DeltaNet's
     conv1d, A_log and dt_bias, which the grid does not cover. Returns the trained parameters' names."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for m in model.modules():
-        if isinstance(m, FakeQuantLinear):
-            m.weight.requires_grad_(True)
-        elif isinstance(m, NORMS) and cfg.train_norms:
-            m.weight.requires_grad_(True)
+    set_trainable_part(model, cfg.train_norms)
     if cfg.train_embeddings:
         model.model.embed_tokens.weight.requires_grad_(True)
         model.lm_head.weight.requires_grad_(True)  # the same tensor when tied
     return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def set_trainable_part(module: nn.Module, train_norms: bool) -> list[str]:
+    """set_trainable's rule for any part of a model (lean QAD trains one decoder layer): latent weights train,
+    norms when train_norms, nothing else."""
+    for p in module.parameters():
+        p.requires_grad_(False)
+    for m in module.modules():
+        if isinstance(m, FakeQuantLinear):
+            m.weight.requires_grad_(True)
+        elif isinstance(m, NORMS) and train_norms:
+            m.weight.requires_grad_(True)
+    return [n for n, p in module.named_parameters() if p.requires_grad]
 
 
 # --- loss -----------------------------------------------------------------------------------------------------
@@ -201,25 +208,34 @@ def fingerprint(model_dir: Path) -> str:
 def export_tensors(student: Transformer, state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
     """The compressed-tensors state dict of the student, from its full state dict `state` (latent weights rounded
     onto the frozen grid; every other tensor cast to dtype)."""
+    out = grid_export(student, state, dtype)
+    if student.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def grid_export(module: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+    """export_tensors for any module (a whole student, or one decoder layer in lean QAD): its FakeQuantLinears'
+    latent weights in `state` as packed codes on their frozen grid with the unchanged scales, every other tensor of
+    `state` cast to dtype; names as in `state`."""
     out: dict[str, torch.Tensor] = {}
-    fq = {n: m for n, m in student.named_modules() if isinstance(m, FakeQuantLinear)}
+    fq = {n: m for n, m in module.named_modules() if isinstance(m, FakeQuantLinear)}
     for name, t in state.items():
         if name.rpartition(".")[0] in fq:
             continue
         out[name] = t.detach().to(dtype) if t.is_floating_point() else t.detach()
     for name, m in fq.items():
-        latent = state[f"{name}.weight"].detach().to(m.weight.device)
+        prefix = f"{name}." if name else ""
+        latent = state[f"{prefix}weight"].detach().to(m.weight.device)
         scale = m.scale.to(dtype)
         assert torch.equal(scale.to(m.scale.dtype), m.scale), f"{name}: scales do not survive the {dtype} round trip"
-        out[f"{name}.weight_packed"] = pack_codes(m.codes(latent), m.bits)
-        out[f"{name}.weight_scale"] = scale
-        out[f"{name}.weight_shape"] = torch.tensor([m.out_features, m.in_features], dtype=torch.int64)
+        out[f"{prefix}weight_packed"] = pack_codes(m.codes(latent), m.bits)
+        out[f"{prefix}weight_scale"] = scale
+        out[f"{prefix}weight_shape"] = torch.tensor([m.out_features, m.in_features], dtype=torch.int64)
         if m.zero is not None:
-            out[f"{name}.weight_zero_point"] = pack_codes(m.zero, m.bits, dim=0)
+            out[f"{prefix}weight_zero_point"] = pack_codes(m.zero, m.bits, dim=0)
         if m.bias is not None:
-            out[f"{name}.bias"] = state[f"{name}.bias"].detach().to(dtype)
-    if student.config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
+            out[f"{prefix}bias"] = state[f"{prefix}bias"].detach().to(dtype)
     return {k: v.cpu().contiguous() for k, v in out.items()}
 
 
@@ -295,6 +311,19 @@ def load_pair(teacher: str, student: str, device: str = "cpu", dtype: torch.dtyp
     return t_model, s_model, t_dir, s_dir, s_hf
 
 
+def text_inputs(qad: QADConfig, data: str | None) -> tuple[Path, Path]:
+    """(held-out text, training data) after the checks every QAD mode makes before --out is touched."""
+    from specquant.quant.config import BUNDLED_CALIB
+
+    heldout = Path(qad.heldout).expanduser() if qad.heldout else BUNDLED_HELDOUT
+    data_path = Path(data).expanduser() if data else BUNDLED_CALIB
+    if not heldout.is_file():
+        raise SpecquantError(f"held-out text {str(heldout)!r} does not exist; pass a text file (--heldout)")
+    if data_path.exists() and data_path.resolve() == heldout.resolve():
+        raise SpecquantError(f"--data {str(data_path)!r} is the held-out evaluation text; train on other text")
+    return heldout, data_path
+
+
 # --- the run --------------------------------------------------------------------------------------------------
 
 
@@ -303,7 +332,6 @@ def run_qad(teacher: str, student: str, out, train, qad: QADConfig, data: str | 
     """`specquant distill target` as a function. Every input is checked before --out is touched. Returns the
     result dict on rank 0 (None on other ranks)."""
     from specquant.model.checkpoint import load_tokenizer
-    from specquant.quant.config import BUNDLED_CALIB
     from specquant.quant.quality import heldout_tokens
     from specquant.train.outdir import clear_our_outputs, prepare_out
     from specquant.train.data import BlockOrder, load_blocks
@@ -311,12 +339,7 @@ def run_qad(teacher: str, student: str, out, train, qad: QADConfig, data: str | 
 
     out = Path(out).expanduser()
     resuming = prepare_out(out, resume, overwrite)
-    heldout = Path(qad.heldout).expanduser() if qad.heldout else BUNDLED_HELDOUT
-    data_path = Path(data).expanduser() if data else BUNDLED_CALIB
-    if not heldout.is_file():
-        raise SpecquantError(f"held-out text {str(heldout)!r} does not exist; pass a text file (--heldout)")
-    if data_path.exists() and data_path.resolve() == heldout.resolve():
-        raise SpecquantError(f"--data {str(data_path)!r} is the held-out evaluation text; train on other text")
+    heldout, data_path = text_inputs(qad, data)
     rank, world, dev = setup_distributed(device)
     t_model, s_model, t_dir, s_dir, s_hf = load_pair(teacher, student, str(dev), DTYPES[dtype])
     tokenizer = load_tokenizer(s_dir)
