@@ -45,8 +45,8 @@ def run_vllm(engines: list[dict], prompts: list[list[int]], max_tokens: int, tim
         env = child_env()
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         with open(log, "w") as f:
-            try:
-                proc = subprocess.run([str(python), str(RUNNER), str(job), str(out)], stdout=f, stderr=f,
+            try:  # -I: the runner's folder (export/, which has a vllm.py of ours) must not shadow the vllm package
+                proc = subprocess.run([str(python), "-I", str(RUNNER), str(job), str(out)], stdout=f, stderr=f,
                                       stdin=subprocess.DEVNULL, timeout=timeout, env=env)
             except subprocess.TimeoutExpired:
                 raise SpecquantError(f"vLLM ran past {timeout:.0f} s on {len(engines)} engines") from None
