@@ -368,3 +368,53 @@ def test_tree_errors():
     drafter = OracleTreeDrafter([], 96, 0)
     with pytest.raises(SpecquantError, match="eager"):
         SpecEngine(target, drafter, SpecConfig(tree_nodes=4), compile=True)
+
+
+def test_suffix_continuation_tree_holds_the_chain_and_only_continuations_that_occurred():
+    from specquant.spec_decode.suffix_automaton import SuffixAutomaton
+    from specquant.spec_decode.suffix_tree import continuation_tree
+
+    rng = random.Random(7)
+    for trial in range(60):
+        text = [rng.randrange(4) for _ in range(rng.randint(20, 80))]  # 4 symbols: many repeats, many branches
+        sam = SuffixAutomaton(text, recency_depth=None)
+        match = sam.match
+        if match.length == 0:
+            continue
+        chain = sam.continuation(match, rng.randint(1, 6))
+        nodes = rng.randint(1, 16)
+        tokens, parents = continuation_tree(sam, sam.link[sam.last], chain, nodes)
+        tree = layout(parents)
+        assert tokens[: min(nodes, len(chain))] == chain[:nodes] and len(tokens) <= nodes
+        assert max(tree.depth) <= len(chain)
+        suffix = text[len(text) - match.length :]
+        for node in range(min(nodes, len(chain)) + 1, len(tree)):  # every branch off the chain occurred after it
+            path = [tokens[c - 1] for c in tree.path(node)[1:]]
+            want = suffix + path
+            assert any(text[i : i + len(want)] == want for i in range(len(text) - len(want) + 1)), (want, text)
+        for kids in tree.children:
+            toks = [tokens[c - 1] for c in kids]
+            assert len(set(toks)) == len(toks)  # siblings differ: a repeated sibling could never be accepted
+
+
+def test_suffix_and_block_trees_are_lossless_end_to_end():
+    """Greedy speculation with the real tree drafters equals target-only decoding, on repetitive prompts (the
+    suffix drafter drafts) and with a random block drafter."""
+    from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
+    from specquant.spec_decode.drafters.block import BlockDrafter
+    from specquant.spec_decode.suffix_drafter import SuffixConfig, SuffixDrafter
+
+    target = peaky_model(3, 0)
+    dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=6, target_layer_ids=[1, 2],
+                                       mask_token_id=5)
+    torch.manual_seed(2)
+    block = BlockDraftModel(dcfg).eval()
+    for nodes in (4, 12):
+        cfg = SpecConfig(draft_len=5, tree_nodes=nodes)
+        for prompt in (torch.tensor([[7, 8, 9, 10, 7, 8, 11, 7, 8, 9, 12, 7, 8]]),
+                       torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))):
+            ref = generate(target, prompt, 30, stop_on_eos=False).token_ids[0]
+            for drafter in (SuffixDrafter(SuffixConfig(max_draft_len=5, min_match=1)), BlockDrafter(block, target, cfg)):
+                engine = SpecEngine(target, drafter, cfg)
+                assert engine.generate(prompt, 30, stop_on_eos=False).token_ids[0] == ref
+                assert engine.metrics.num_drafts > 0
