@@ -349,7 +349,7 @@ class GatedDeltaNet(nn.Module):
         inputs = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x)], 1)  # [b, kernel-1+N, conv_dim]
         windows = tree.conv_windows(self.kernel).to(x.device)  # [N, kernel]
         if self.fast:
-            mixed = self._conv_taps([inputs[:, windows[:, j]] for j in range(self.kernel)])
+            mixed = self._conv_taps([inputs.index_select(1, windows[:, j]) for j in range(self.kernel)])
         else:  # each node's window as its own sequence of kernel inputs: one output each
             w = self.conv1d.weight
             cols = inputs[:, windows].reshape(b * n, self.kernel, self.conv_dim).transpose(1, 2).to(w.dtype)

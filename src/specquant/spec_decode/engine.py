@@ -52,6 +52,8 @@ class SpecEngine:
             target = given_step.model
         if graphs and aot != "off":
             raise SpecquantError("CUDA-graph steps and AOT packages do not combine; use one")
+        if self.config.tree_nodes and aot == "cached":
+            aot = "off"  # packages are used when there and suit the step; a tree's steps are eager (model/tree.py)
         drafter = self._drafter(draft, target, compile=compile, graphs=graphs, aot=aot,
                                 target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)
         bad = [i for i in drafter.target_layers if not 0 <= i < target.config.num_hidden_layers]
