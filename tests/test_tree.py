@@ -418,3 +418,28 @@ def test_suffix_and_block_trees_are_lossless_end_to_end():
                 engine = SpecEngine(target, drafter, cfg)
                 assert engine.generate(prompt, 30, stop_on_eos=False).token_ids[0] == ref
                 assert engine.metrics.num_drafts > 0
+
+
+def test_tree_benchmark_verify_cost_at_a_tiny_hybrid_shape(monkeypatch, capsys):
+    """benchmarks/tree.py --shape at a tiny Qwen3.5 shape, one repetition: what it prints (times are noise here)."""
+    import json
+    import sys
+
+    from conftest import BENCHMARKS, load_benchmark
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import shapes
+
+    monkeypatch.setitem(shapes.SHAPES, "qwen3.5-tiny", lambda: shapes._hybrid(
+        4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        linear_num_key_heads=2, linear_num_value_heads=4, vocab_size=300))
+    tree_bench = load_benchmark("tree.py")
+    monkeypatch.setattr(sys, "argv", ["tree.py", "--shape", "qwen3.5-tiny", "--layers", "4", "--mode", "fp32",
+                                      "--nodes", "4,8", "--context", "16", "--reps", "1"])
+    tree_bench.main()
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+    rows = res["verify_cost"]
+    assert [r["rows"] for r in rows] == [5, 9] and all(r["chain_ms"] > 0 and r["star_ms"] > 0 for r in rows)
+    assert all(1 <= r["ddtree_segments"] <= r["nodes"] for r in rows)
+    assert "ddtree/chain" in out
