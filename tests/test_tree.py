@@ -443,3 +443,20 @@ def test_tree_benchmark_verify_cost_at_a_tiny_hybrid_shape(monkeypatch, capsys):
     assert [r["rows"] for r in rows] == [5, 9] and all(r["chain_ms"] > 0 and r["star_ms"] > 0 for r in rows)
     assert all(1 <= r["ddtree_segments"] <= r["nodes"] for r in rows)
     assert "ddtree/chain" in out
+
+
+def test_suffix_tree_from_an_earlier_request():
+    """A match found in the drafter's cache of earlier requests drafts its tree from that document's automaton."""
+    from specquant.spec_decode.suffix_drafter import SuffixConfig, SuffixDrafter
+
+    drafter = SuffixDrafter(SuffixConfig(max_draft_len=4, min_match=2, cache_tokens=1000))
+    greedy = SamplingConfig()
+    drafter.prefill(torch.tensor([[5, 6, 7, 8, 9, 5, 6, 3, 4]]), None)
+    drafter.propose_tree(torch.tensor([[5, 6, 7, 8, 9, 5, 6, 3, 4]]), 8, 4, greedy, None)
+    prompt = torch.tensor([[1, 2, 5, 6]])  # "5 6" is followed by 7 and by 3 in the earlier request
+    drafter.prefill(prompt, None)
+    draft = drafter.propose_tree(prompt, 8, 4, greedy, None)
+    assert drafter.last.source == "cache"
+    tree = layout(draft.parents)
+    first = sorted(int(draft.tokens[0, c - 1]) for c in tree.children[0])
+    assert first == [3, 7] and len(tree) - 1 <= 8
