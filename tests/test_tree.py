@@ -414,7 +414,8 @@ def test_suffix_and_block_trees_are_lossless_end_to_end():
         for prompt in (torch.tensor([[7, 8, 9, 10, 7, 8, 11, 7, 8, 9, 12, 7, 8]]),
                        torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))):
             ref = generate(target, prompt, 30, stop_on_eos=False).token_ids[0]
-            for drafter in (SuffixDrafter(SuffixConfig(max_draft_len=5, min_match=1)), BlockDrafter(block, target, cfg)):
+            suffix = SuffixDrafter(SuffixConfig(max_draft_len=5, min_match=1))
+            for drafter in (suffix, BlockDrafter(block, target, cfg)):
                 engine = SpecEngine(target, drafter, cfg)
                 assert engine.generate(prompt, 30, stop_on_eos=False).token_ids[0] == ref
                 assert engine.metrics.num_drafts > 0
