@@ -461,3 +461,12 @@ def test_suffix_tree_from_an_earlier_request():
     tree = layout(draft.parents)
     first = sorted(int(draft.tokens[0, c - 1]) for c in tree.children[0])
     assert first == [3, 7] and len(tree) - 1 <= 8
+
+
+def test_bench_rows_draft_trees_only_where_the_drafter_does():
+    from specquant.bench.ablation import ROW_SPECS
+    from specquant.bench.config import BenchConfig
+
+    cfg = BenchConfig(spec=SpecConfig(draft_window=128, tree_nodes=8))
+    nodes = {kind: spec(cfg, False, None).tree_nodes for kind, spec in ROW_SPECS.items()}
+    assert nodes == {"lm": 0, "block": 8, "suffix": 8, "hybrid": 0, "mtp": 0}
