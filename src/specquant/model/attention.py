@@ -150,13 +150,16 @@ class Attention(nn.Module):
         b, _, n, d = q.shape
         cache.begin_tree(start_pos, k, v)
         if n <= NATIVE_MAX_ROWS and ops.usable(q, cache.k, cache.v):
-            out = q.new_empty(b, n, self.n_heads, d)
-            for seg in tree.segments:
-                idx = torch.tensor(seg, device=q.device)
-                lo = start_pos + tree.depth[seg[0]]
-                cache.k[:, :, lo : lo + len(seg)] = k.index_select(2, idx)
-                cache.v[:, :, lo : lo + len(seg)] = v.index_select(2, idx)
-                out[:, idx] = ops.attention(q.index_select(2, idx), cache.k, cache.v, lo, 0, None)
+            order = torch.tensor(tree.order, device=q.device)  # segments as contiguous runs
+            qs, ks, vs = (t.index_select(2, order) for t in (q, k, v))
+            outs = []
+            for seg, at in zip(tree.segments, tree.segment_starts):
+                lo, m = start_pos + tree.depth[seg[0]], len(seg)
+                cache.k[:, :, lo : lo + m] = ks[:, :, at : at + m]
+                cache.v[:, :, lo : lo + m] = vs[:, :, at : at + m]
+                outs.append(ops.attention(qs[:, :, at : at + m], cache.k, cache.v, lo, 0, None))
+            out = torch.empty(b, n, self.n_heads, d, dtype=q.dtype, device=q.device)
+            out[:, order] = torch.cat(outs, 1)
             return out.view(b, n, self.n_heads * d)
         end = start_pos + n
         cache.k[:, :, start_pos:end] = k

@@ -338,9 +338,9 @@ class GatedDeltaNet(nn.Module):
     def forward_tree(self, x, start_pos: int, tree: TreeLayout):
         """A tree forward (model/tree.py): x [b, N, hidden] of the nodes -> [b, N, hidden], each node computed
         from its parent's state and its root path's conv window, as the chain along that path computes it. The
-        rule runs segment by segment (TreeLayout.segments), each from its parent's state, replayed from the root's
-        with the path's factors (`replay`: bit-equal to the stepped state on the native path). The cache keeps
-        the inputs and factors for commit_tree."""
+        rule runs segment by segment (TreeLayout.segments), each from its parent's state, replayed from the start
+        state of the parent's segment with its factors (`replay`: bit-equal to the stepped state on the native
+        path). The cache keeps the inputs and factors for commit_tree."""
         b, n, _ = x.shape
         cache = self.cache
         if cache is None:
@@ -355,18 +355,28 @@ class GatedDeltaNet(nn.Module):
             cols = inputs[:, windows].reshape(b * n, self.kernel, self.conv_dim).transpose(1, 2).to(w.dtype)
             mixed = F.conv1d(cols, w, groups=self.conv_dim).reshape(b, n, self.conv_dim)
         q, k, v, g, beta = self._inputs(x, mixed)
-        out = torch.empty(b, n, self.value_heads, self.value_dim, dtype=torch.float32, device=x.device)
-        delta = torch.empty_like(out)
-        for seg in tree.segments:
-            idx = torch.tensor(seg, device=x.device)
-            above = torch.tensor(tree.path(tree.parents[seg[0]]) if seg[0] else [], dtype=torch.long,
-                                 device=x.device)
-            start_state = replay(state, k.index_select(1, above), delta.index_select(1, above),
-                                 g.index_select(1, above))
+        # segment order (TreeLayout.order): each segment a contiguous run, each start state replayed from its
+        # parent segment's start state over the parent's offset + 1 tokens (no gathers per segment)
+        order = torch.tensor(tree.order, device=x.device)
+        q, k, v, g, beta = (t.index_select(1, order) for t in (q, k, v, g, beta))
+        outs, deltas, starts = [], [], []
+        for seg, lo in zip(tree.segments, tree.segment_starts):
+            if seg[0] == 0:
+                start_state = state
+            else:
+                s, j = tree.place[tree.parents[seg[0]]]
+                at = tree.segment_starts[s]
+                start_state = replay(starts[s], k[:, at : at + j + 1], deltas[s][:, : j + 1], g[:, at : at + j + 1])
+            hi = lo + len(seg)
             seg_out, _, seg_delta = gated_delta_rule(
-                *(t.index_select(1, idx) for t in (q, k, v, g, beta)), start_state, self.key_dim ** -0.5,
-                self.chunk_size, need_delta=True, allow_fla=False, fast=self.fast)
-            out[:, idx], delta[:, idx] = seg_out.float(), seg_delta
+                q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], start_state,
+                self.key_dim ** -0.5, self.chunk_size, need_delta=True, allow_fla=False, fast=self.fast)
+            outs.append(seg_out.float())
+            deltas.append(seg_delta)
+            starts.append(start_state)
+        back = torch.tensor(sorted(range(n), key=lambda i: tree.order[i]), device=x.device)  # inverse of order
+        out, delta = torch.cat(outs, 1).index_select(1, back), torch.cat(deltas, 1).index_select(1, back)
+        k, g = k.index_select(1, back), g.index_select(1, back)
         cache.keep_tree(inputs, k, delta, g)
         return self._output(x, out)
 

@@ -75,6 +75,29 @@ class TreeLayout:
             out.append(tuple(seg))
         return tuple(out)
 
+    @cached_property
+    def order(self) -> tuple[int, ...]:
+        """The nodes segment by segment: in this order every segment is a contiguous run."""
+        return tuple(i for seg in self.segments for i in seg)
+
+    @cached_property
+    def segment_starts(self) -> tuple[int, ...]:
+        """Where each segment starts in `order`."""
+        out, at = [], 0
+        for seg in self.segments:
+            out.append(at)
+            at += len(seg)
+        return tuple(out)
+
+    @cached_property
+    def place(self) -> tuple[tuple[int, int], ...]:
+        """Per node: (its segment's index, its offset in that segment)."""
+        out = [(0, 0)] * len(self.parents)
+        for s, seg in enumerate(self.segments):
+            for j, node in enumerate(seg):
+                out[node] = (s, j)
+        return tuple(out)
+
     def positions(self, start: int, device=None) -> torch.Tensor:
         """[N] long: each node's position, start + its depth."""
         return torch.tensor(self.depth, device=device) + start
