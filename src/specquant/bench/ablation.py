@@ -257,14 +257,20 @@ def row_spec(cfg: BenchConfig, row: Row, draft_len: int | None = None) -> SpecCo
     return ROW_SPECS[row.drafter](cfg, row.window, draft_len)
 
 
+def _chain(spec: SpecConfig) -> SpecConfig:
+    """A row whose drafter drafts chains only runs --tree-nodes 0 (spec_decode/tree.py: block and suffix trees)."""
+    return dataclasses.replace(spec, tree_nodes=0)
+
+
 # per drafter kind: how its rows set k (the block drafter's one forward drafts any k up to its block; the suffix
-# drafter's k is its own, SuffixConfig.max_draft_len; the hybrid's block drafter drafts block_draft_len)
-ROW_SPECS = {LM: lambda cfg, window, draft_len: cfg.spec_for(window),
+# drafter's k is its own, SuffixConfig.max_draft_len; the hybrid's block drafter drafts block_draft_len); with
+# --tree-nodes, the block and suffix rows draft trees and the others stay chains
+ROW_SPECS = {LM: lambda cfg, window, draft_len: _chain(cfg.spec_for(window)),
              BLOCK: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len),
              SUFFIX: lambda cfg, window, draft_len: dataclasses.replace(
                  cfg.spec_for(window), draft_len=cfg.suffix.max_draft_len, adaptive=False),
-             HYBRID: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len),
-             MTP: lambda cfg, window, draft_len: cfg.spec_for(window)}
+             HYBRID: lambda cfg, window, draft_len: _chain(cfg.block_spec_for(window, draft_len)),
+             MTP: lambda cfg, window, draft_len: _chain(cfg.spec_for(window))}
 PREDICTED = (LM, BLOCK, MTP)  # the kinds whose forwards measure_costs probes (rows with a pruned head excepted)
 
 

@@ -92,5 +92,14 @@ class Stepper:
         out = self(tokens, start, last_only, hidden_layers)
         return out if hidden_layers else (out, None)
 
+    def step_tree(self, tokens: torch.Tensor, start: int, tree, hidden_layers: tuple[int, ...] = ()
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A tree forward (model/tree.py; eager: tokens [batch, N] are the nodes of tree at start) -> as step."""
+        out = self.model(tokens, start, hidden_layers=hidden_layers, tree=tree)
+        return out if hidden_layers else (out, None)
+
+    def commit_tree(self, start: int, path: list[int]):
+        self.model.commit_tree(start, path)
+
     def rollback(self, length: int):
         self.model.rollback(length)

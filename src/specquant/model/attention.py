@@ -15,6 +15,7 @@ from specquant.model.cache import KVCache
 from specquant.model.config import ModelConfig
 from specquant.model.modules import Linear, RMSNorm
 from specquant.model.rope import apply_rope
+from specquant.model.tree import TreeLayout
 
 
 FOLD_MAX_ROWS = 16  # Attention: cached CPU steps of up to this many queries fold the GQA group into the queries,
@@ -107,7 +108,7 @@ class Attention(nn.Module):
         return attention_mask(start_pos, t, k_start, k_len, self.window, device, groups), folded
 
     def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None,
-                plan: tuple[torch.Tensor | None, bool] | None = None):
+                plan: tuple[torch.Tensor | None, bool] | None = None, tree: TreeLayout | None = None):
         b, t, _ = x.shape
         if self.qkv_proj is not None:  # fused: q and k are normalized and rotated together, as one tensor
             y, d, nqk = self.qkv_proj(x), self.head_dim, self.n_heads + self.n_kv
@@ -129,7 +130,44 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
             k = apply_rope(k.transpose(1, 2), cos, sin)
+        if tree is not None:
+            return self.o_proj(self.attend_tree(q, k, v, start_pos, tree))
         return self.o_proj(self.attend_cached(q, k, v, start_pos, input_pos, plan))
+
+    def attend_tree(self, q, k, v, start_pos: int, tree: TreeLayout) -> torch.Tensor:
+        """A tree forward's attention (model/tree.py): q [b, heads, N, d], k, v [b, kv_heads, N, d] of the nodes,
+        at positions start_pos + depth; node i sees the cache's positions < start_pos, its ancestors and itself.
+        -> [b, N, heads * d]. The cache keeps every node's k, v for commit_tree.
+
+        fp32 CPU (ops.usable): segment by segment (TreeLayout.segments), the segment's nodes are written at their
+        depths' slots, where the earlier segments left its ancestors, and the native kernel attends them as the
+        chain verify of that root path does, row for row: a node's row equals the one-query decode step's bit for
+        bit, so greedy tree speculation stays exact. Otherwise every node at slot start_pos + i, under the
+        ancestor mask, in one SDPA (equal up to rounding)."""
+        cache = self.cache
+        if cache is None:
+            raise ValueError("a tree forward needs a cache (Transformer.setup_cache)")
+        b, _, n, d = q.shape
+        cache.begin_tree(start_pos, k, v)
+        if n <= NATIVE_MAX_ROWS and ops.usable(q, cache.k, cache.v):
+            order = torch.tensor(tree.order, device=q.device)  # segments as contiguous runs
+            qs, ks, vs = (t.index_select(2, order) for t in (q, k, v))
+            outs = []
+            for seg, at in zip(tree.segments, tree.segment_starts):
+                lo, m = start_pos + tree.depth[seg[0]], len(seg)
+                cache.k[:, :, lo : lo + m] = ks[:, :, at : at + m]
+                cache.v[:, :, lo : lo + m] = vs[:, :, at : at + m]
+                outs.append(ops.attention(qs[:, :, at : at + m], cache.k, cache.v, lo, 0, None))
+            out = torch.empty(b, n, self.n_heads, d, dtype=q.dtype, device=q.device)
+            out[:, order] = torch.cat(outs, 1)
+            return out.view(b, n, self.n_heads * d)
+        end = start_pos + n
+        cache.k[:, :, start_pos:end] = k
+        cache.v[:, :, start_pos:end] = v
+        mask = torch.cat([torch.ones(n, start_pos, dtype=torch.bool, device=q.device),
+                          tree.ancestor_mask(q.device)], 1)
+        out = self.attend(q, cache.k[:, :, :end], cache.v[:, :, :end], mask, folded=False)
+        return out.transpose(1, 2).reshape(b, n, self.n_heads * d)
 
     def attend_cached(self, q, k, v, start_pos: int, input_pos: torch.Tensor | None,
                       plan: tuple[torch.Tensor | None, bool] | None) -> torch.Tensor:

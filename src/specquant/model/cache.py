@@ -93,6 +93,12 @@ class Cache(nn.Module, abc.ABC):
     def fits(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, window: int | None,
              static: bool, max_block: int | None = None) -> bool: ...
 
+    def commit_tree(self, start: int, path: list[int]) -> None:
+        """After a tree forward of nodes at positions start + depth (model/tree.py): keep the nodes on `path` (the
+        root and its accepted descendants, in order) as positions start .. start + len(path) - 1, and forget the
+        rest of the tree."""
+        raise NotImplementedError(f"{type(self).__name__} cannot verify a token tree")
+
     # not abstract: a cache kind without them still decodes; only serve's prefix cache needs them (and says so)
     def snapshot(self, length: int | None = None) -> Snapshot:
         raise NotImplementedError(f"{type(self).__name__} cannot snapshot its state")
@@ -127,6 +133,7 @@ class KVCache(Cache):
         self.window = window
         self.static = static
         self.length = 0  # positions written and not rolled back (sliced path; the static path takes tensors)
+        self.tree_kv = None  # (k, v) of the last tree forward's nodes, until commit_tree (begin_tree)
         if static:  # which position each slot holds (-1: empty); lets attention run over the whole buffer
             self.register_buffer("slot_pos", torch.full((capacity,), -1, dtype=torch.long, device=device),
                                  persistent=False)
@@ -197,6 +204,27 @@ class KVCache(Cache):
     def rollback(self, length: int):
         """Forget positions >= length: nothing to undo, later writes overwrite them."""
         self.length = min(self.length, length)
+
+    def begin_tree(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A tree forward at start with every node's k, v [batch, kv_heads, N, head_dim]: kept until
+        commit_tree picks the accepted path. Full sliced caches only (a ring's slots and a static cache's mask
+        follow positions, which a tree's branches share)."""
+        if self.window is not None or self.static:
+            raise ValueError("a token tree is verified on a full, sliced K/V cache (no window, not static)")
+        assert start <= self.length, f"tree at position {start} leaves a gap after {self.length} cached positions"
+        if start + k.shape[2] > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; a tree of {k.shape[2]} nodes at {start} "
+                             "does not fit")
+        self.length = start
+        self.tree_kv = (k, v)
+
+    def commit_tree(self, start: int, path: list[int]) -> None:
+        k, v = self.tree_kv
+        idx = torch.tensor(path, device=k.device)
+        end = start + len(path)
+        self.k[:, :, start:end] = k.index_select(2, idx)
+        self.v[:, :, start:end] = v.index_select(2, idx)
+        self.length, self.tree_kv = end, None
 
     @property
     def snapshot_cuttable(self) -> bool:

@@ -30,6 +30,7 @@ from specquant.model.config import DEFAULT_LAYER_TYPE, ModelConfig
 from specquant.model.layers import LAYER_KINDS, layer_kinds
 from specquant.model.modules import MLP, SMALL_MIN_WEIGHT, SMALL_ROWS, Linear, RMSNorm, add_norm, make_norm
 from specquant.model.rope import rope_tables
+from specquant.model.tree import TreeLayout
 
 __all__ = ["FOLD_MAX_ROWS", "FOLD_MIN_ROWS", "MLP", "SMALL_MIN_WEIGHT", "SMALL_ROWS", "Attention", "Body", "Cache",
            "DecoderLayer", "KVCache", "Linear", "RMSNorm", "Transformer", "attention_mask"]
@@ -52,10 +53,12 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self._modules[self.mixer_attr]
 
-    def forward(self, x, cos, sin, start_pos, input_pos=None, plan=None):
+    def forward(self, x, cos, sin, start_pos, input_pos=None, plan=None, tree: TreeLayout | None = None):
         # the residual add and the second norm in one call where kernels.ops runs them (modules.add_norm)
-        x, h = add_norm(self.post_attention_layernorm, x,
-                        self.mixer(self.input_layernorm(x), cos, sin, start_pos, input_pos, plan))
+        h = self.input_layernorm(x)
+        mixed = (self.mixer(h, cos, sin, start_pos, input_pos, plan) if tree is None
+                 else self.mixer(h, cos, sin, start_pos, tree=tree))
+        x, h = add_norm(self.post_attention_layernorm, x, mixed)
         return x + self.mlp(h)
 
 
@@ -203,6 +206,13 @@ class Transformer(nn.Module):
             if cache is not None:
                 cache.rollback(length)
 
+    def commit_tree(self, start: int, path: list[int]):
+        """After a tree forward at start (forward's tree): the sequence continues from the root path `path`
+        (node ids, the root first), at length start + len(path); every other node is forgotten."""
+        for cache in self.caches():
+            if cache is not None:
+                cache.commit_tree(start, path)
+
     def clear_cache(self):
         """Drop every cache: forwards are cache-free again (training, scoring whole sequences)."""
         self.static_cache = False
@@ -212,7 +222,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False,
                 input_pos: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
-                hidden_only: bool = False):
+                hidden_only: bool = False, tree: TreeLayout | None = None):
         """tokens [batch, T] at positions start_pos.. (or input_pos [T], static caches) -> logits [batch, T or 1, vocab].
 
         hidden_layers: ids of decoder layers (0-based) whose outputs to return as well, for drafters that read the
@@ -220,8 +230,14 @@ class Transformer(nn.Module):
         hidden_size]), every position even with last_only. Empty (default): logits only, no extra work.
         hidden_only: return the final-norm hidden states [batch, T, hidden] instead of logits, so a loss can apply
         lm_head in chunks of positions (train/qad.py's chunked KL) without ever holding [batch, T, vocab].
+        tree: the T tokens are the nodes of a token tree rooted at start_pos (model/tree.py), each scored as the end
+        of its root path; the caches keep the nodes until `commit_tree` picks a path. Full sliced caches only.
         """
         t = tokens.shape[1]
+        if tree is not None:
+            if self.static_cache or self.max_block is not None:
+                raise ValueError("a tree forward runs on full, sliced caches (setup_cache(window=None, static=False))")
+            assert len(tree) == t, f"{t} tokens for a tree of {len(tree)} nodes"
         if self.max_block is not None and t > self.max_block:  # ring cache: feed long prompts in blocks
             outs = [
                 self.forward(tokens[:, i : i + self.max_block], start_pos + i, last_only, hidden_layers=hidden_layers,
@@ -238,6 +254,9 @@ class Transformer(nn.Module):
                 self.begin_step(start_pos, t)
                 input_pos = torch.arange(start_pos, start_pos + t, device=tokens.device)
             cos, sin = self.rope_cos[input_pos].to(x.dtype), self.rope_sin[input_pos].to(x.dtype)
+        elif tree is not None:
+            pos = tree.positions(start_pos, tokens.device)
+            cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
         else:
             cos = self.rope_cos[start_pos : start_pos + t].to(x.dtype)
             sin = self.rope_sin[start_pos : start_pos + t].to(x.dtype)
@@ -248,9 +267,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             kind = layer.layer_type
             if kind not in plans:
-                plan = None if self.static_cache else getattr(layer.mixer, "plan", None)
+                plan = None if self.static_cache or tree is not None else getattr(layer.mixer, "plan", None)
                 plans[kind] = None if plan is None else plan(start_pos, t, x.dtype, x.device)
-            x = layer(x, cos, sin, start_pos, input_pos, plans[kind])
+            x = layer(x, cos, sin, start_pos, input_pos, plans[kind], tree)
             if i in hidden_layers:
                 hidden[i] = x
         if last_only:

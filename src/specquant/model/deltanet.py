@@ -51,8 +51,20 @@ from specquant.model.modules import Linear
 from specquant.model.gated_delta import (DEFAULT_CHUNK, gated_delta_rule, l2_normalize, native_rule, state_after,
                                          zero_state)
 from specquant.model.norms import GatedRMSNorm
+from specquant.model.tree import TreeLayout
 
 DEFAULT_MAX_BLOCK = 64  # longest forward a cache can roll back into (Transformer.setup_cache's max_block default)
+
+
+def replay(state0: torch.Tensor, keys: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The state after the tokens whose factors are given (keys [batch, j, key_heads, K], delta [batch, j,
+    value_heads, V], g [batch, j, value_heads]), from state0: on the native path the stepped state bit for bit
+    (the factors came from ops.delta_step: gated_delta_rule's same test), else gated_delta.state_after."""
+    if keys.shape[1] == 0:
+        return state0
+    if native_rule(delta.shape[-1], state0, keys, delta, g):
+        return ops.delta_replay(state0, keys, delta, g)
+    return state_after(state0, keys, delta, g, keys.shape[1])
 
 
 class DeltaNetCache(Cache):
@@ -103,6 +115,7 @@ class DeltaNetCache(Cache):
         self.has_factors = True  # the record holds every token's factors (False after a forward > max_block)
         self.rolled_back = False  # a rollback since the last forward: the next forward re-anchors
         self.at = 0  # record slot of the forward begin() announced last
+        self.tree_record = None  # the last tree forward's inputs and factors, until commit_tree (keep_tree)
         if self.static:
             for t in (self.state, self.state0, self.conv):
                 t.zero_()
@@ -199,16 +212,39 @@ class DeltaNetCache(Cache):
                 f"since its anchor ({'any' if self.has_factors else 'its start or end'}), or 0; a rollback may reach "
                 f"only back to the last forward, or to the start of several forwards of at most "
                 f"max_block={self.max_block} tokens in all since the last rollback")
-        if j == 0:
-            state = self.state0
-        elif native_rule(self.value_dim, self.state0, self.keys, self.delta, self.g):
-            # the stepped state bit for bit (the record came from ops.delta_step: gated_delta_rule's same test)
-            state = ops.delta_replay(self.state0, self.keys[:, :j], self.delta[:, :j], self.g[:, :j])
-        else:
-            state = state_after(self.state0, self.keys, self.delta, self.g, j)
+        state = replay(self.state0, self.keys[:, :j], self.delta[:, :j], self.g[:, :j])
         self._set("state", state)
         self._set("conv", self.hist[:, j : j + self.kernel - 1].clone())
         self.length, self.block, self.rolled_back = length, j, True
+
+    def begin_tree(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A tree forward at start (model/tree.py): rolls back there if needed and returns (conv state, state)
+        the root continues from. The cache itself changes only in commit_tree."""
+        if start < self.length:
+            self.rollback(start)
+        assert start == self.length, f"tree at {start} leaves a gap after {self.length} positions"
+        return self.conv, self.state
+
+    def keep_tree(self, inputs: torch.Tensor, keys: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> None:
+        """What commit_tree needs of the tree forward: inputs [batch, kernel-1+N, conv_dim] (the conv state, then
+        every node's pre-conv inputs) and every node's factors keys [batch, N, key_heads, K], delta, g."""
+        self.tree_record = (inputs, keys, delta, g)
+
+    def commit_tree(self, start: int, path: list[int]) -> None:
+        """The state after the chain `path` from the state before the tree (the path's factors replayed, as a
+        rollback replays a chain's), the conv state its last kernel-1 inputs; anchored there."""
+        inputs, keys, delta, g = self.tree_record
+        idx = torch.tensor(path, device=keys.device)
+        k1 = self.kernel - 1
+        state = replay(self.state, keys.index_select(1, idx), delta.index_select(1, idx), g.index_select(1, idx))
+        rows = torch.cat([torch.arange(k1, device=keys.device), idx + k1])[-k1:]
+        conv = inputs.index_select(1, rows)
+        self._set("state", state)
+        self._set("state0", self.state)
+        self._set("conv", conv)
+        self.hist[:, :k1].copy_(conv)
+        self.length = self.start = start + len(path)
+        self.block, self.has_factors, self.rolled_back, self.tree_record = 0, True, False, None
 
     def snapshot(self, length: int | None = None) -> Snapshot:
         """The state and conv state after `length` positions (not the rollback record: a restore re-anchors)."""
@@ -269,7 +305,10 @@ class GatedDeltaNet(nn.Module):
                              key_dim=self.key_dim, value_heads=self.value_heads, value_dim=self.value_dim,
                              kernel=self.kernel, max_block=max_block or DEFAULT_MAX_BLOCK)
 
-    def forward(self, x, cos=None, sin=None, start_pos: int = 0, input_pos=None, plan=None):
+    def forward(self, x, cos=None, sin=None, start_pos: int = 0, input_pos=None, plan=None,
+                tree: TreeLayout | None = None):
+        if tree is not None:
+            return self.forward_tree(x, start_pos, tree)
         b, t, _ = x.shape
         cache = self.cache
         if cache is not None:
@@ -282,16 +321,77 @@ class GatedDeltaNet(nn.Module):
         # time-major [b, k-1+t, conv_dim]: a token's inputs are one contiguous row, so the cache appends, slices
         # and rolls back whole rows (channel-major, each of these was a strided copy: ~45 us per layer and step)
         hist = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x)], 1)
+        if self.fast:
+            mixed = self._conv_taps([hist[:, j : j + t] for j in range(self.kernel)])
+        else:  # the reference: transformers' casts (conv and SiLU in x's dtype), on its channel-major layout
+            w = self.conv1d.weight
+            mixed = F.conv1d(hist.transpose(1, 2).to(w.dtype), w, groups=self.conv_dim).transpose(1, 2)
+        q, k, v, g, beta = self._inputs(x, mixed)
+        need_delta = cache is not None and t <= cache.max_block  # one-token steps too: an LM drafter rolls back
+        # over several of them
+        out, new_state, delta = gated_delta_rule(q, k, v, g, beta, state, self.key_dim ** -0.5, self.chunk_size,
+                                                 need_delta=need_delta, allow_fla=self.allow_fla, fast=self.fast)
+        if cache is not None:
+            cache.write(hist, new_state, *((k, delta, g) if need_delta else (None, None, None)))
+        return self._output(x, out)
+
+    def forward_tree(self, x, start_pos: int, tree: TreeLayout):
+        """A tree forward (model/tree.py): x [b, N, hidden] of the nodes -> [b, N, hidden], each node computed
+        from its parent's state and its root path's conv window, as the chain along that path computes it. The
+        rule runs segment by segment (TreeLayout.segments), each from its parent's state, replayed from the start
+        state of the parent's segment with its factors (`replay`: bit-equal to the stepped state on the native
+        path). The cache keeps the inputs and factors for commit_tree."""
+        b, n, _ = x.shape
+        cache = self.cache
+        if cache is None:
+            raise ValueError("a tree forward needs a cache (Transformer.setup_cache)")
+        prev_conv, state = cache.begin_tree(start_pos)
+        inputs = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x)], 1)  # [b, kernel-1+N, conv_dim]
+        windows = tree.conv_windows(self.kernel).to(x.device)  # [N, kernel]
+        if self.fast:
+            mixed = self._conv_taps([inputs.index_select(1, windows[:, j]) for j in range(self.kernel)])
+        else:  # each node's window as its own sequence of kernel inputs: one output each
+            w = self.conv1d.weight
+            cols = inputs[:, windows].reshape(b * n, self.kernel, self.conv_dim).transpose(1, 2).to(w.dtype)
+            mixed = F.conv1d(cols, w, groups=self.conv_dim).reshape(b, n, self.conv_dim)
+        q, k, v, g, beta = self._inputs(x, mixed)
+        # segment order (TreeLayout.order): each segment a contiguous run, each start state replayed from its
+        # parent segment's start state over the parent's offset + 1 tokens (no gathers per segment)
+        order = torch.tensor(tree.order, device=x.device)
+        q, k, v, g, beta = (t.index_select(1, order) for t in (q, k, v, g, beta))
+        outs, deltas, starts = [], [], []
+        for seg, lo in zip(tree.segments, tree.segment_starts):
+            if seg[0] == 0:
+                start_state = state
+            else:
+                s, j = tree.place[tree.parents[seg[0]]]
+                at = tree.segment_starts[s]
+                start_state = replay(starts[s], k[:, at : at + j + 1], deltas[s][:, : j + 1], g[:, at : at + j + 1])
+            hi = lo + len(seg)
+            seg_out, _, seg_delta = gated_delta_rule(
+                q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], start_state,
+                self.key_dim ** -0.5, self.chunk_size, need_delta=True, allow_fla=False, fast=self.fast)
+            outs.append(seg_out.float())
+            deltas.append(seg_delta)
+            starts.append(start_state)
+        back = torch.tensor(sorted(range(n), key=lambda i: tree.order[i]), device=x.device)  # inverse of order
+        out, delta = torch.cat(outs, 1).index_select(1, back), torch.cat(deltas, 1).index_select(1, back)
+        k, g = k.index_select(1, back), g.index_select(1, back)
+        cache.keep_tree(inputs, k, delta, g)
+        return self._output(x, out)
+
+    def _inputs(self, x, conv):
+        """(q, k, v, g, beta) of the rule from x [b, T, hidden] and the causal conv's output conv [b, T,
+        conv_dim] (fp32 on the fast path; the reference's in the conv weight's dtype)."""
+        b, t, _ = x.shape
         kt = self.key_heads * self.key_dim
         if self.fast:  # fp32 from the conv to the norm: one rounding back to x's dtype, at the end
             # [b, t, conv_dim] fp32, contiguous: l2_normalize's sum then runs over contiguous rows, alike for any t
-            mixed = F.silu(self._conv_taps(hist))
+            mixed = F.silu(conv)
             qk = l2_normalize(mixed[..., : 2 * kt].reshape(b, t, 2 * self.key_heads, self.key_dim))
             q, k = qk[:, :, : self.key_heads], qk[:, :, self.key_heads :]
-        else:  # the reference: transformers' casts (conv and SiLU in x's dtype), on its channel-major layout
-            w = self.conv1d.weight
-            mixed = F.silu(F.conv1d(hist.transpose(1, 2).to(w.dtype), w, groups=self.conv_dim))
-            mixed = mixed.to(x.dtype).transpose(1, 2)
+        else:  # the reference: SiLU in x's dtype, as transformers does
+            mixed = F.silu(conv).to(x.dtype)
             q = l2_normalize(mixed[..., :kt].reshape(b, t, self.key_heads, self.key_dim))
             k = l2_normalize(mixed[..., kt : 2 * kt].reshape(b, t, self.key_heads, self.key_dim))
         v = mixed[..., 2 * kt :].reshape(b, t, self.value_heads, self.value_dim)
@@ -300,27 +400,25 @@ class GatedDeltaNet(nn.Module):
             g, beta = ops.delta_gates(a_in, b_in, self.A_log, self.dt_bias)
         else:  # sigmoid in x's dtype, as transformers does
             g, beta = ops.delta_gates_reference(a_in, b_in, self.A_log, self.dt_bias)
-        need_delta = cache is not None and t <= cache.max_block  # one-token steps too: an LM drafter rolls back
-        # over several of them
-        out, new_state, delta = gated_delta_rule(q, k, v, g, beta, state, self.key_dim ** -0.5, self.chunk_size,
-                                                 need_delta=need_delta, allow_fla=self.allow_fla, fast=self.fast)
-        if cache is not None:
-            cache.write(hist, new_state, *((k, delta, g) if need_delta else (None, None, None)))
+        return q, k, v, g, beta
+
+    def _output(self, x, out):
+        """out_proj of the gated norm of the rule's output out [b, T, value_heads, V] (fp32, or x's dtype)."""
+        b, t, _ = x.shape
         z = self.in_proj_z(x).view(b, t, self.value_heads, self.value_dim)
         y = self.norm.fp32(out, z, x.dtype) if self.fast else self.norm(out.to(x.dtype), z)
         return self.out_proj(y.reshape(b, t, self.value_heads * self.value_dim))
 
-    def _conv_taps(self, hist: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise conv in fp32 (at least) as kernel multiply-adds:
-        hist [b, k-1+t, conv_dim] -> [b, t, conv_dim].
+    def _conv_taps(self, taps: list[torch.Tensor]) -> torch.Tensor:
+        """The causal depthwise conv in fp32 (at least) as kernel multiply-adds: taps, kernel tensors
+        [b, t, conv_dim] (tap j: the input j - kernel + 1 tokens before each token) -> [b, t, conv_dim].
         Why not F.conv1d: oneDNN's depthwise conv costs several times its arithmetic at decode sizes (one output
         per channel), and a bf16 one rounds its output; the reference path runs it (fast=False)."""
-        t = hist.shape[1] - self.kernel + 1
-        dtype = torch.promote_types(hist.dtype, torch.float32)  # fp32, or float64 for a double model (AWQ checks)
+        dtype = torch.promote_types(taps[0].dtype, torch.float32)  # fp32, or float64 for a double model (AWQ checks)
         # w [kernel, conv_dim], a transposed view: each tap is a strided vector (a kept contiguous copy measured
         # ~2 us faster per multiply-add, 0.2 ms of a 4B step: not worth a cache that must follow the weight)
-        h, w = hist.to(dtype), self.conv1d.weight.to(dtype)[:, 0].t()
-        out = h[:, :t] * w[0]
+        w = self.conv1d.weight.to(dtype)[:, 0].t()
+        out = taps[0].to(dtype) * w[0]
         for j in range(1, self.kernel):
-            out = out.addcmul_(h[:, j : j + t], w[j])
+            out = out.addcmul_(taps[j].to(dtype), w[j])
         return out

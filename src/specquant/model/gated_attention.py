@@ -43,7 +43,7 @@ class GatedAttention(Attention):
         self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None,
-                plan: tuple[torch.Tensor | None, bool] | None = None):
+                plan: tuple[torch.Tensor | None, bool] | None = None, tree=None):
         b, t, _ = x.shape
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
         if self.qkv_proj is not None:  # model.fuse: [query | gate] x heads, then k, then v, in one matmul
@@ -61,6 +61,7 @@ class GatedAttention(Attention):
             q = apply_partial_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
             k = apply_partial_rope(self.k_norm(k).transpose(1, 2), cos, sin)
         v = v.view(b, t, kv, d).transpose(1, 2)
-        out = self.attend_cached(q, k, v, start_pos, input_pos, plan)  # [b, t, h * d]
+        out = (self.attend_cached(q, k, v, start_pos, input_pos, plan) if tree is None  # [b, t, h * d]
+               else self.attend_tree(q, k, v, start_pos, tree))
         out = out * torch.sigmoid(gate.reshape(b, t, h * d))
         return self.o_proj(out)

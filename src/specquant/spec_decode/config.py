@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from specquant.errors import SpecquantError
 
 MAX_DRAFT_LEN = 32
+MAX_TREE_NODES = 63  # a tree's verify rows (nodes + root) within the native attention's 64 (model/attention.py)
 
 
 @dataclass
@@ -26,6 +27,11 @@ class SpecConfig:
     draft_prefill: str = field(default="window", metadata={
         "help": "what a windowed draft is prefilled with", "choices": ("full", "window")})
 
+    # off by default: on a CPU every verify row costs about as much as a decode step's (docs/BENCH.md, "Tree verify")
+    tree_nodes: int = field(default=0, metadata={
+        "help": "draft a token tree of up to N tokens per step (several continuations, verified in one target "
+                "forward of N + 1 rows; spec_decode/tree.py); 0 = a chain of --draft-len tokens"})
+
     def validate(self) -> "SpecConfig":
         if not 1 <= self.draft_len <= MAX_DRAFT_LEN:
             raise SpecquantError(f"draft length k={self.draft_len} is out of range; use 1..{MAX_DRAFT_LEN}")
@@ -37,6 +43,10 @@ class SpecConfig:
             raise SpecquantError(f"draft window {self.draft_window} must be at least 1 (or omit it for full attention)")
         if not 0.0 <= self.draft_confidence < 1.0:
             raise SpecquantError(f"draft_confidence {self.draft_confidence} must lie in [0, 1)")
+        if not 0 <= self.tree_nodes <= MAX_TREE_NODES:
+            raise SpecquantError(f"tree_nodes {self.tree_nodes} is out of range; use 0 (a chain) .. {MAX_TREE_NODES}")
+        if self.tree_nodes and self.adaptive:
+            raise SpecquantError("--adaptive sizes chains; a tree's size is --tree-nodes (drop one of them)")
         if self.draft_prefill not in ("full", "window"):
             raise SpecquantError(f"draft_prefill {self.draft_prefill!r} must be 'full' or 'window'")
         return self

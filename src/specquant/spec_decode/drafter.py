@@ -43,10 +43,13 @@ How a DFlash-style block drafter (Chen et al. 2025) plugs in — no change to th
 The engine sizes the target cache with `SpecConfig.longest_draft`; a block drafter sets draft_len to
 block_size - 1. Nothing in the loop refers to a particular drafter kind.
 
-Two optional members besides the protocol's (the engine reads them when present): `max_draft_len` (the most tokens
+Three optional members besides the protocol's (the engine reads them when present): `max_draft_len` (the most tokens
 one propose returns; absent or None: whatever k asks; 0 for the none drafter, whose steps are then plain one-token
-decode steps) and `check_request(prompt_len, max_new_tokens)`, which raises a SpecquantError when a request does
-not fit the drafter (its own context).
+decode steps), `check_request(prompt_len, max_new_tokens)`, which raises a SpecquantError when a request does
+not fit the drafter (its own context), and `propose_tree(tokens [B, n], nodes, depth, sampling, generator) ->
+Draft` with parents: a draft tree of at most `nodes` tokens, none deeper than `depth` (SpecConfig.tree_nodes;
+spec_decode/tree.py says what its probs must be in sampling mode). A tree drafter's accept gets the target's hidden
+states along the accepted path, as for a chain.
 
 Later uses this interface already allows: `specquant serve` streams each step's tokens from `SpecEngine.stream`;
 batch > 1 with drafts needs per-row accepted counts in `verify` and `accept(lengths [B])`, not a new protocol
@@ -71,6 +74,9 @@ from specquant.errors import SpecquantError
 class Draft:
     tokens: torch.Tensor  # [batch, k] int64, k >= 0
     probs: torch.Tensor | None = None  # [batch, k, vocab] float32: each token's draft distribution (sampling mode)
+    # a draft tree (spec_decode/tree.py): token i's parent node, 0 the root (the last committed token), j + 1 token j
+    # (parents[i] <= i); None: a chain
+    parents: tuple[int, ...] | None = None
 
     @classmethod
     def empty(cls, batch: int, device) -> "Draft":

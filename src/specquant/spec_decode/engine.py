@@ -52,6 +52,8 @@ class SpecEngine:
             target = given_step.model
         if graphs and aot != "off":
             raise SpecquantError("CUDA-graph steps and AOT packages do not combine; use one")
+        if self.config.tree_nodes and aot == "cached":
+            aot = "off"  # packages are used when there and suit the step; a tree's steps are eager (model/tree.py)
         drafter = self._drafter(draft, target, compile=compile, graphs=graphs, aot=aot,
                                 target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)
         bad = [i for i in drafter.target_layers if not 0 <= i < target.config.num_hidden_layers]
@@ -63,6 +65,9 @@ class SpecEngine:
         # the most draft tokens a step verifies; 0: no step has drafts (target only)
         self.longest = self.config.longest_draft if limit is None else min(self.config.longest_draft, limit)
         self.speculative = self.longest > 0
+        if self.config.tree_nodes:
+            _check_tree(drafter, target, given_step, compile, graphs, aot)
+            self.longest = max(self.longest, self.config.tree_nodes)  # a tree writes every node into the caches
         # graphs: the target's verify (and prefill, when short) steps replayed as CUDA graphs over a static cache
         # (decode/graphs.py; on CPU an eager stand-in over the same buffers); compile then covers the verify shape.
         # aot: a package of the full-length verify step (decode.aot); it returns logits only, so not for a
@@ -160,6 +165,20 @@ class SpecEngine:
         if times is not None:
             stats.update(times.to_dict())
         return GenerationResult(rows, stats, spec=spec)
+
+
+def _check_tree(drafter: Drafter, target: Transformer, given_step, compile: bool, graphs: bool, aot: str):
+    """Tree drafts need a drafter that drafts trees and an eager target on full caches (model/tree.py)."""
+    if not hasattr(drafter, "propose_tree"):
+        raise SpecquantError(f"the {type(drafter).__name__} drafts chains only; use --tree-nodes 0, or a suffix or "
+                             "block drafter")
+    given_eager = given_step is None or (type(given_step) is Stepper and not given_step.compile
+                                         and given_step.aot == "off")
+    if compile or graphs or aot != "off" or not given_eager:
+        raise SpecquantError("tree verify runs eager steps; drop --compile / --graphs / --aot, or use --tree-nodes 0")
+    if target.config.sliding_window:
+        raise SpecquantError(f"tree verify needs full attention; this target has a sliding window of "
+                             f"{target.config.sliding_window} (use --tree-nodes 0)")
 
 
 def _until_eos(tokens: list[list[int]], eos: set[int], done: list[bool]) -> list[list[int]]:

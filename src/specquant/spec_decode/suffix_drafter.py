@@ -160,6 +160,22 @@ class SuffixDrafter:
         drafted = self.peek(tokens, k).tokens
         return Draft(torch.tensor([drafted], dtype=torch.long, device=tokens.device))
 
+    def propose_tree(self, tokens: torch.Tensor, nodes: int, depth: int, sampling: SamplingConfig,
+                     generator: torch.Generator | None) -> Draft:
+        """The chain propose drafts, plus the other continuations of the same match (suffix_tree.py), as a
+        draft tree of at most `nodes` tokens; point masses like the chain."""
+        from specquant.spec_decode.suffix_tree import continuation_tree
+
+        proposal = self.peek(tokens, depth)
+        sam, state = self.doc, None
+        if proposal.source == "self":
+            state = self.doc.link[self.doc.last]  # the match: the longest suffix that ended earlier too
+        elif proposal.source == "cache":  # the first cursor with the winning match, as _lookup chose it
+            cursor = next(c for _, c in self.cursors if c.match() == proposal.match)
+            sam, state = cursor.automaton, cursor.state
+        drafted, parents = continuation_tree(sam, state, proposal.tokens, nodes) if proposal.tokens else ([], [])
+        return Draft(torch.tensor([drafted], dtype=torch.long, device=tokens.device), parents=tuple(parents))
+
     def accept(self, length: int, target_hidden: torch.Tensor | None = None) -> None:
         # the accepted drafts (and the bonus token) are read from the committed sequence at the next propose
         self.rollback(length)

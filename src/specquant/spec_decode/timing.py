@@ -49,6 +49,12 @@ class TimedTarget:
     def step(self, *args, **kwargs):
         return self.clock.run("target", self.inner.step, *args, **kwargs)
 
+    def step_tree(self, *args, **kwargs):
+        return self.clock.run("target", self.inner.step_tree, *args, **kwargs)
+
+    def commit_tree(self, start: int, path: list[int]):
+        self.inner.commit_tree(start, path)
+
     def rollback(self, length: int):
         self.inner.rollback(length)
 
@@ -68,6 +74,9 @@ class TimedDrafter:
 
     def propose(self, *args, **kwargs):
         return self.clock.run("draft", self.inner.propose, *args, **kwargs)
+
+    def propose_tree(self, *args, **kwargs):
+        return self.clock.run("draft", self.inner.propose_tree, *args, **kwargs)
 
     def accept(self, length: int, target_hidden):
         self.inner.accept(length, target_hidden)

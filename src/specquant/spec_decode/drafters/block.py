@@ -28,6 +28,7 @@ from specquant.model.block_draft import ARCHITECTURE, BlockDraftModel
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft, DrafterKind
 from specquant.spec_decode.drafters.pruned_head import PrunedHead, load_token_map, token_map_of
+from specquant.spec_decode.tree import best_first_tree
 
 # what vLLM's dflash method and llama.cpp's converter read from config.json
 EXPORT_REQUIRED = ("block_size", "dflash_config.target_layer_ids", "dflash_config.mask_token_id")
@@ -117,6 +118,21 @@ class BlockDrafter:
             return Draft(argmax(logits)[None])
         probs = logits_to_probs(logits, sampling)  # [k, vocab]
         return Draft(sample(probs, generator)[None], probs[None])
+
+    def propose_tree(self, tokens: torch.Tensor, nodes: int, depth: int, sampling: SamplingConfig,
+                     generator: torch.Generator | None) -> Draft:
+        """A draft tree from the same one forward: the best `nodes` root paths under the block positions'
+        distributions (tree.best_first_tree, DDTree's construction). Its tokens are chosen, not drawn, so they are
+        point masses (probs None) in sampling mode too."""
+        n = tokens.shape[1]
+        self.flush()
+        assert self.model.context_len == n - 1, (self.model.context_len, n)
+        logits = self.model.propose(tokens[0, n - 1], min(depth, self.max_draft_len))  # [depth, vocab or N]
+        drafted, parents = best_first_tree(torch.log_softmax(logits.float(), -1), nodes)
+        ids = torch.tensor(drafted, dtype=torch.long, device=tokens.device)
+        if self.head is not None:
+            ids = self.head.to_vocab(ids)
+        return Draft(ids[None], parents=tuple(parents))
 
     def accept(self, length: int, target_hidden: torch.Tensor | None) -> None:
         if target_hidden is None:
