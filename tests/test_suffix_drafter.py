@@ -41,7 +41,7 @@ def brute_match(seq: list[int]) -> tuple[int, list[int]]:
 
 
 def structure(sam: SuffixAutomaton):
-    return sam.next, sam.link, sam.length, sam.first, sam.recent, sam.last, sam.tokens, sam.matches
+    return sam.next, sam.link, sam.length, sam.first, sam.recent, sam.count, sam.last, sam.tokens, sam.matches
 
 
 @pytest.mark.parametrize("depth", [None, 1, 8])
@@ -157,17 +157,121 @@ def test_cursor_finds_the_longest_suffix_in_another_document():
                 assert cursor.continuation(5) == doc[m.end + 1 : m.end + 6]
 
 
-def test_document_cache_is_bounded_and_evicts_least_recently_used():
+def test_document_cache_is_bounded_and_evicts_first_in_first_out():
     cache = DocumentCache(max_tokens=100, max_docs=3)
     ids = [cache.add(SuffixAutomaton(range(n))) for n in (40, 30, 20)]
     assert cache.tokens == 90 and len(cache) == 3
-    cache.touch(ids[0])  # the 40-token document is now the most recently used
-    new = cache.add(SuffixAutomaton(range(25)))  # 115 tokens > 100: the least recently used (30) goes
-    assert list(cache.docs) == [ids[2], ids[0], new] and cache.tokens == 85
-    cache.add(SuffixAutomaton(range(5)))  # 4 documents > max_docs: the 20-token one goes
-    assert list(cache.docs)[:2] == [ids[0], new] and len(cache) == 3 and cache.tokens == 70
-    assert cache.add(SuffixAutomaton(range(101))) is None and cache.tokens == 70  # longer than the whole budget
+    new = cache.add(SuffixAutomaton(range(25)))  # 115 tokens > 100: the oldest (40) goes
+    assert list(cache.docs) == [ids[1], ids[2], new] and cache.tokens == 75
+    cache.add(SuffixAutomaton(range(5)))  # 4 documents > max_docs: the next oldest (30) goes
+    assert list(cache.docs)[:2] == [ids[2], new] and len(cache) == 3 and cache.tokens == 50
+    assert cache.add(SuffixAutomaton(range(101))) is None and cache.tokens == 50  # longer than the whole budget
     assert all(d._log is None for d in cache.docs.values())  # frozen: no undo log kept
+
+
+def _count(text: list[int], x: list[int]) -> list[int]:
+    """End positions of x in text (all of them, the text's last position included)."""
+    return [e for e in range(len(x) - 1, len(text)) if text[e - len(x) + 1 : e + 1] == x]
+
+
+def _check_counts(sam: SuffixAutomaton):
+    for v in range(1, len(sam.link)):
+        x = sam.tokens[sam.first[v] - sam.length[v] + 1 : sam.first[v] + 1]  # the state's longest string
+        ends = _count(sam.tokens, x)
+        assert (sam.count[v], sam.recent[v]) == (len(ends), max(ends)), (sam.tokens, v)
+
+
+def test_counts_equal_brute_force_through_rollbacks_and_freeze():
+    """count[v] is the number of occurrences of state v's strings (exact without a bound, and after freeze
+    whatever the bound); a bound of 1 undercounts (so the check can fail)."""
+    under = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        alphabet = rng.randint(1, 3)
+        seq = [rng.randrange(alphabet) for _ in range(rng.choice((0, 5)))]
+        exact = SuffixAutomaton(seq, recency_depth=None, count_depth=None)
+        bounded = SuffixAutomaton(seq, recency_depth=1, count_depth=1)
+        for _ in range(60):
+            if seq and rng.random() < 0.15:
+                seq = seq[: rng.randint(0, len(seq))]
+                exact.truncate(len(seq))
+                bounded.truncate(len(seq))
+            else:
+                seq.append(rng.randrange(alphabet))
+                exact.append(seq[-1])
+                bounded.append(seq[-1])
+            _check_counts(exact)
+        under += bounded.count != exact.count
+        _check_counts(bounded.freeze())
+    assert under > 0
+
+
+def brute_draft(seq: list[int], docs: list[list[int]], k: int, cfg: SuffixConfig) -> tuple[str, list[int], float]:
+    """The draft rule of suffix_drafter.py by scanning the texts: every match length of every source, each
+    continuation counted where it occurs (no automaton, no bound)."""
+    best = ("none", [], 0.0)
+    for source, text in [("self", seq)] + [("cache", d) for d in reversed(docs)]:
+        for length in range(len(seq), cfg.min_match - 1, -1):
+            x = seq[len(seq) - length :]
+            ends = _count(text, x)
+            if len(ends) < (2 if source == "self" else 1):  # in the own text, an occurrence before the end
+                continue
+            count = cfg.draft_len(length, k)
+            tokens, prob, score = [], 1.0, 0.0
+            while count and len(tokens) < count:
+                ends = _count(text, x + tokens)
+                following = {}  # token -> end positions of x + tokens + [token]
+                for e in ends:
+                    if e + 1 < len(text):
+                        following.setdefault(text[e + 1], []).append(e + 1)
+                if not following:
+                    if source == "self" and tokens:  # the walked string is a suffix of seq: it repeats
+                        period = len(tokens)
+                        while len(tokens) < count:
+                            tokens.append(tokens[-period])
+                            score += prob
+                    break
+                token = max(following, key=lambda t: (len(following[t]), max(following[t])))
+                prob *= len(following[token]) / len(ends)
+                if prob < cfg.min_token_prob:
+                    break
+                tokens.append(token)
+                score += prob
+            if score > best[2]:
+                best = (source, tokens, score)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_rule_equals_brute_force(seed):
+    """The drafter without bounds (recency, counts, candidates) drafts what the brute-force statement of the
+    rule drafts, on random texts over 2-4 symbols with cached requests, rollbacks and a range of settings."""
+    rng = random.Random(1000 + seed)
+    drafted = 0
+    for trial in range(25):
+        alphabet = rng.randint(2, 4)
+        cfg = SuffixConfig(max_draft_len=rng.choice((4, 8)), min_match=rng.choice((1, 2, 3)),
+                           match_factor=rng.choice((0.5, 1.0, 3.0)), match_offset=rng.choice((0.0, 1.0)),
+                           min_token_prob=rng.choice((0.0, 0.3)), candidates=10**9, cache_tokens=10**6,
+                           recency_depth=10**9, count_depth=10**9)
+        d = SuffixDrafter(cfg)
+        docs = [[rng.randrange(alphabet) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(0, 2))]
+        for doc in docs:
+            d.prefill(torch.tensor([doc]), None)  # the next prefill moves it into the cache
+        seq = [rng.randrange(alphabet) for _ in range(rng.randint(1, 10))]
+        d.prefill(torch.tensor([seq]), None)
+        for _ in range(30):
+            if rng.random() < 0.15 and len(seq) > 1:
+                seq = seq[: rng.randint(1, len(seq))]
+                d.rollback(len(seq))
+            else:
+                seq.append(rng.randrange(alphabet))
+            k = rng.choice((3, 8))
+            p = d.peek(torch.tensor([seq]), k)
+            want = brute_draft(seq, docs, k, cfg)
+            assert (p.source, p.tokens) == want[:2] and p.score == pytest.approx(want[2]), (seed, trial, seq, docs)
+            drafted += bool(p.tokens)
+    assert drafted > 100
 
 
 def test_draft_length_follows_the_match():
@@ -208,17 +312,22 @@ def test_drafter_rollback_forgets_rejected_tokens():
     assert a.tokens[0, :5].tolist() == [2, 6, 3, 1, 4]
 
 
-def test_peek_picks_the_longest_match_over_sources():
-    """The cache's document wins when its match is longer, the request's own text on a tie; a match below
-    min_match drafts nothing but is still reported (a hybrid rule reads it)."""
+def test_peek_picks_the_best_score_over_sources():
+    """The cache's document drafts when its draft scores higher: there "20 21 22" was followed once in one
+    occurrence (probability 1 per token), while in the request's own text its second occurrence is the sequence's
+    end (probability 1/2). A match below min_match drafts nothing but is still reported (a hybrid rule reads it)."""
     d = SuffixDrafter(SuffixConfig(min_match=3, cache_tokens=1000))
     d.prefill(torch.tensor([list(range(10, 40))]), None)  # request 1: 30 distinct tokens
     d.prefill(torch.tensor([[20, 21, 22, 60, 61]]), None)  # request 2; request 1 is now cached
     p = d.peek(torch.tensor([[20, 21, 22, 60, 61, 14, 15, 16]]), 5)  # "14 15 16": only in request 1
-    assert (p.source, p.match.length, p.tokens) == ("cache", 3, [17, 18, 19])  # 3 matched -> 3 drafted
+    assert (p.source, p.match.length, p.tokens, p.score) == ("cache", 3, [17, 18, 19], 3.0)  # 3 matched -> 3
     d.rollback(5)  # committed tokens are final: another continuation needs a rollback first
     p = d.peek(torch.tensor([[20, 21, 22, 60, 61, 5, 20, 21, 22]]), 5)  # "20 21 22": 3 tokens in both
-    assert (p.source, p.match.length, p.tokens) == ("self", 3, [60, 61, 5])
+    assert (p.source, p.match.length, p.tokens, p.score) == ("cache", 3, [23, 24, 25], 3.0)
+    own = SuffixDrafter(SuffixConfig(min_match=3))
+    own.prefill(torch.tensor([[20, 21, 22, 60, 61]]), None)
+    own = own.peek(torch.tensor([[20, 21, 22, 60, 61, 5, 20, 21, 22]]), 5)
+    assert (own.source, own.tokens, own.score) == ("self", [60, 61, 5], 1.5)
     seq = torch.tensor([[20, 21, 22, 60, 61, 5, 20, 21, 22, 61]])  # "61": one token, own text only
     assert (d.peek(seq, 5).source, d.last.match.length, d.last.tokens) == ("none", 1, [])
     assert d.propose(seq, 5, SamplingConfig(), None).tokens.shape == (1, 0)
