@@ -6,9 +6,10 @@ Streams: each bundled target's (--targets) greedy output (--new-tokens, EOS igno
 (the competition's repeated sentence, --filler-tokens prompt tokens) sent --repeats times with the response cache
 on (arctic's global tree, our DocumentCache), the first request and the repeats reported apart ("replay").
 
-Metric (greedy, no model in the loop): a step drafts from prompt + output so far, its draft tokens are accepted
-while they equal the stream's next tokens, and the step emits accepted + 1 tokens (the target's own next one); the
-drafters are then fed those tokens. tokens / forward = stream tokens / steps. Both read the same streams; neither
+Metric (greedy, no model in the loop): as in SpecEngine, the prefill's forward emits the first output token; then
+each step drafts from prompt + output so far, its draft tokens are accepted while they equal the stream's next
+tokens, and the step emits accepted + 1 tokens (the target's own next one); the drafters are then fed those
+tokens. tokens / forward = stream tokens / forwards (the prefill's included); MAL = 1 + accepted / drafting steps. Both read the same streams; neither
 sees a token before it is committed.
 
 Configurations: "arctic" is SuffixDecodingCache (max_tree_depth --arctic-depth) with the leaderboard entry's
@@ -92,7 +93,8 @@ class Arctic:
 def simulate(drafter, prompt: list[int], output: list[int]) -> tuple[int, int, int]:
     """(steps, drafted tokens, accepted tokens) of one request whose greedy output is `output`."""
     drafter.start(prompt)
-    pos = steps = drafted = accepted = 0
+    drafter.commit(output[:1])  # the prefill's forward emits the first token, undrafted (as SpecEngine does)
+    pos, steps, drafted, accepted = 1, 1, 0, 0
     while pos < len(output):
         draft = drafter.draft(prompt + output[:pos])
         n = 0

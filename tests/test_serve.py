@@ -351,6 +351,23 @@ def test_latency_against_the_server(served, capsys):
     assert 1.0 < row["mean_acceptance_length"] <= 4.0
 
 
+def test_latency_reports_the_first_request_apart_and_serve_replays_it(capsys):
+    """`serve --draft suffix` keeps earlier answers: the protocol's repeats of one greedy prompt draft the first
+    answer nearly whole (steady-state MAL far above the first request's), and latency reports both."""
+    from specquant.serve.cli import build_app
+
+    parser, _ = cli.build_parser()
+    app, _ = build_app(parser.parse_args(["serve", "--draft", "suffix", "--aot", "off", "--model-name", MODEL]))
+    with serving(app) as url:
+        capsys.readouterr()
+        assert cli.main(["latency", "--server", url, "--categories", "short", "--runs", "2", "--warmup", "1",
+                         "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["categories"]["short"]
+    # 128 new tokens, K = 20: a whole replay takes 7 steps of 20 accepted drafts (MAL 21 but for the last step)
+    assert row["mean_acceptance_length"] > 15 > row["first_mean_acceptance_length"]
+    assert row["first_ms"] > 0 and row["mean_new_tokens"] == 128
+
+
 def test_latency_scaling_and_percentile():
     # the bundled 2048-token context: long's 8192 + 256 does not fit, so every prompt shrinks by one factor
     assert latency.scale_of(2048, ["short", "long"]) == pytest.approx((2048 - 256 - latency.CONTEXT_MARGIN) / 8192)

@@ -66,6 +66,11 @@ class SuffixConfig:
     min_token_prob: float = field(default=0.0, metadata={
         "help": "suffix drafter: stop a draft where the running product of its tokens' frequencies falls below "
                 "this (0..1)", "flag": "--suffix-min-token-prob"})
+    # "frequent": arctic-inference's rule; "recent": the continuation of the most recent occurrence (the first
+    # suffix drafter's rule, what a repetition loop in greedy output follows)
+    branch: str = field(default="frequent", metadata={
+        "help": "suffix drafter: at a branch take the continuation that occurred most often (ties: most recent), or "
+                "the most recent one", "choices": ("frequent", "recent"), "flag": "--suffix-branch"})
     candidates: int = field(default=8, metadata={
         "help": "suffix drafter: match lengths scored per source, the longest and shorter ones with other "
                 "occurrences (each costs a draft walk per step)", "flag": "--suffix-candidates"})
@@ -98,6 +103,8 @@ class SuffixConfig:
             raise SpecquantError(f"suffix match_offset {self.match_offset} must be a finite number (e.g. 0)")
         if not 0 <= self.min_token_prob <= 1:
             raise SpecquantError(f"suffix min_token_prob {self.min_token_prob} is outside 0..1 (e.g. 0 or 0.1)")
+        if self.branch not in BRANCH_KEYS:
+            raise SpecquantError(f"suffix branch {self.branch!r} is not one of {', '.join(BRANCH_KEYS)}")
         if self.candidates < 1:
             raise SpecquantError(f"suffix candidates {self.candidates} must be at least 1 (e.g. 8)")
         if self.cache_tokens < 0 or self.cache_requests < 1:
@@ -124,36 +131,43 @@ class SuffixProposal:
     match_len: int = 0  # the length of the candidate the draft continues
 
 
-def walk(sam: SuffixAutomaton, state: int, count: int, periodic: bool,
-         min_token_prob: float) -> tuple[list[int], float]:
-    """Up to `count` tokens continuing the strings of `state` by their most frequent continuation (ties: the
-    most recent), and the draft's score. periodic: `sam` is the request's own text, where a walk reaching the
-    sequence's end goes on with the period it drafted (module docstring)."""
+# SuffixConfig.branch -> the order of a state's continuations (children states), best last
+BRANCH_KEYS = {"frequent": lambda counts, recent: lambda tc: (counts[tc[1]], recent[tc[1]]),
+               "recent": lambda counts, recent: lambda tc: recent[tc[1]]}
+
+
+def walk(sam: SuffixAutomaton, state: int, count: int, periodic: bool, min_token_prob: float,
+         branch: str = "frequent") -> tuple[list[int], float]:
+    """Up to `count` tokens continuing the strings of `state` by their best continuation (`branch`: the most
+    frequent, ties the most recent; or the most recent), and the draft's score. periodic: `sam` is the request's
+    own text, where a walk reaching the sequence's end goes on with the period it drafted (module docstring)."""
     nxt, counts, recent = sam.next, sam.count, sam.recent
+    key = BRANCH_KEYS[branch](counts, recent)
     tokens: list[int] = []
-    prob, score = 1.0, 0.0
+    prob, score, here = 1.0, 0.0, counts[state]
     while len(tokens) < count:
         children = nxt[state]
-        if not children:
-            if not (periodic and tokens):
-                break
-            period = len(tokens)  # the string walked to is a suffix of the sequence: it repeats from here
-            while len(tokens) < count:
-                tokens.append(tokens[-period])
-                score += prob
-            break
         if len(children) == 1:
             (token, child), = children.items()
+        elif children:
+            token, child = max(children.items(), key=key)
         else:
-            token, child = max(children.items(), key=lambda tc: (counts[tc[1]], recent[tc[1]]))
-        # counts[child] <= counts[state] when both are exact; a bounded count walk can leave a short string's
-        # count behind its continuation's, hence the cap
-        prob *= min(1.0, counts[child] / max(counts[state], 1))
-        if prob < min_token_prob:
+            if periodic and tokens:  # the string walked to is a suffix of the sequence: it repeats from here
+                period = len(tokens)
+                while len(tokens) < count:
+                    tokens.append(tokens[-period])
+                    score += prob
             break
+        # counts[child] <= here when both are exact; a bounded count walk can leave a short string's count behind
+        # its continuation's, hence the cap
+        there = counts[child]
+        if there < here:
+            prob *= there / here
+            if prob < min_token_prob:
+                break
         tokens.append(token)
         score += prob
-        state = child
+        state, here = child, there
     return tokens, score
 
 
@@ -222,13 +236,19 @@ class SuffixDrafter:
         best = SuffixProposal(longest, "none", [])
         cfg = self.config
         for source, sam, m in sources:
+            own = source == "self"
             state, length = m.state, m.length
             for _ in range(cfg.candidates):
                 if state == ROOT or length < cfg.min_match:
                     break
                 count = cfg.draft_len(length, k)
-                if count:
-                    tokens, score = walk(sam, state, count, source == "self", cfg.min_token_prob)
+                if count <= best.score:
+                    break  # a draft scores at most its length, and shorter matches draft no more
+                # In the request's own text every candidate also ends at the sequence's end, where nothing follows
+                # it yet: its first token's probability is at most (c - 1) / c (c: its count), and so is each one's.
+                here = sam.count[state]
+                if not own or count * (here - 1) > best.score * here:
+                    tokens, score = walk(sam, state, count, own, cfg.min_token_prob, cfg.branch)
                     if score > best.score:
                         best = SuffixProposal(longest, source, tokens, score, length)
                 state = sam.link[state]
