@@ -152,7 +152,8 @@ def main(argv=None) -> int:
     text = tok.encode(HELDOUT.read_text()[: 16 * args.tokens])[: args.tokens]  # a prefix is enough to encode
     cost = []
     for name, ids, other in (("filler", filler, text), ("heldout", text, filler)):
-        cost.append({"text": name, "tokens": len(ids), "us_per_token": automaton_cost(ids, ks[-1], None, args.runs, base),
+        cost.append({"text": name, "tokens": len(ids),
+                     "us_per_token": automaton_cost(ids, ks[-1], None, args.runs, base),
                      "us_per_token_with_cache": automaton_cost(ids, ks[-1], other, args.runs, base)})
     print(f"suffix drafter, one token appended + one {ks[-1]}-token propose:")
     print(f"{'text':<8} {'tokens':>6} {'us/token':>9} {'+1 cached doc':>13}")

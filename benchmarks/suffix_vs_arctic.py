@@ -9,12 +9,14 @@ on (arctic's global tree, our DocumentCache), the first request and the repeats 
 Metric (greedy, no model in the loop): as in SpecEngine, the prefill's forward emits the first output token; then
 each step drafts from prompt + output so far, its draft tokens are accepted while they equal the stream's next
 tokens, and the step emits accepted + 1 tokens (the target's own next one); the drafters are then fed those
-tokens. tokens / forward = stream tokens / forwards (the prefill's included); MAL = 1 + accepted / drafting steps. Both read the same streams; neither
-sees a token before it is committed.
+tokens. tokens / forward = stream tokens / forwards (the prefill's included); MAL = 1 + accepted / drafting
+steps. Both read the same streams; neither sees a token before it is committed.
 
-Configurations: "arctic" is SuffixDecodingCache (max_tree_depth --arctic-depth) with the leaderboard entry's
-settings (max_spec_factor 3.0, offset 0, min_token_prob 0); "ours (peer knobs)" is SuffixDrafter with the same
-factor / offset / min_token_prob and min_match 1; "ours (default)" is SuffixConfig's defaults. Every row at K = --k.
+Configurations (columns): "arctic" is SuffixDecodingCache (max_tree_depth --arctic-depth) with the leaderboard
+entry's settings (max_spec_factor 3.0, offset 0, min_token_prob 0); "peer" is SuffixDrafter with the same factor /
+offset / min_token_prob and min_match 1 (our branch rule and candidates: SuffixConfig's defaults); "peer-freq" the
+same with arctic's branch rule (most frequent) and 8 candidates; "default" is SuffixConfig's defaults. All at
+K = --k.
 
 arctic-inference is optional and is not a dependency of the project; without it the arctic column is absent.
 Install it apart (an sdist with a C++ extension; it builds on CPU):
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -90,11 +93,11 @@ class Arctic:
         self.cache.add_active_response(self.req, tokens)
 
 
-def simulate(drafter, prompt: list[int], output: list[int]) -> tuple[int, int, int]:
-    """(steps, drafted tokens, accepted tokens) of one request whose greedy output is `output`."""
+def simulate(drafter, prompt: list[int], output: list[int]) -> tuple[int, int, int, int]:
+    """(forwards, drafted tokens, accepted tokens, drafting steps) of one request whose greedy output is `output`."""
     drafter.start(prompt)
     drafter.commit(output[:1])  # the prefill's forward emits the first token, undrafted (as SpecEngine does)
-    pos, steps, drafted, accepted = 1, 1, 0, 0
+    pos, steps, drafted, accepted, drafting = 1, 1, 0, 0, 0
     while pos < len(output):
         draft = drafter.draft(prompt + output[:pos])
         n = 0
@@ -103,7 +106,8 @@ def simulate(drafter, prompt: list[int], output: list[int]) -> tuple[int, int, i
         emitted = output[pos : pos + n + 1]
         drafter.commit(emitted)
         steps, drafted, accepted, pos = steps + 1, drafted + len(draft), accepted + n, pos + len(emitted)
-    return steps, drafted, accepted
+        drafting += bool(draft)
+    return steps, drafted, accepted, drafting
 
 
 def filler_prompt(tok, n: int) -> list[int]:
@@ -141,12 +145,11 @@ def run_stream(make, requests, replay: bool) -> dict:
     per = [simulate(drafter, p, o) for p, o in requests]
     seconds = time.perf_counter() - t0
     tokens = sum(len(o) for _, o in requests)
-    row = {"tokens_per_forward": tokens / sum(s for s, _, _ in per),
-           "accepted": sum(a for _, _, a in per), "drafted": sum(d for _, d, _ in per),
-           "us_per_step": 1e6 * seconds / sum(s for s, _, _ in per)}
+    steps = sum(p[0] for p in per)
+    row = {"tokens_per_forward": tokens / steps, "mal": 1 + sum(p[2] for p in per) / max(sum(p[3] for p in per), 1),
+           "accepted": sum(p[2] for p in per), "drafted": sum(p[1] for p in per), "us_per_step": 1e6 * seconds / steps}
     if replay and len(requests) > 1:
-        rest = per[1:]
-        row["replay_tokens_per_forward"] = sum(len(o) for _, o in requests[1:]) / sum(s for s, _, _ in rest)
+        row["replay_tokens_per_forward"] = sum(len(o) for _, o in requests[1:]) / sum(p[0] for p in per[1:])
     return row
 
 
@@ -182,9 +185,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     base = SuffixConfig(max_draft_len=args.k)
-    configs = {"ours (default)": lambda cached: Ours(replace(base, cache_tokens=1 << 16 if cached else 0)),
-               "ours (peer knobs)": lambda cached: Ours(replace(base, min_match=1, cache_tokens=1 << 16 if cached
-                                                                else 0, **PEER))}
+    peer = replace(base, min_match=1, **PEER)
+    configs = {"default": lambda cached: Ours(replace(base, cache_tokens=1 << 16 if cached else 0)),
+               "peer": lambda cached: Ours(replace(peer, cache_tokens=1 << 16 if cached else 0)),
+               "peer-freq": lambda cached: Ours(replace(peer, branch="frequent", candidates=8,
+                                                        cache_tokens=1 << 16 if cached else 0))}
     if arctic is not None:
         configs["arctic"] = lambda cached: Arctic(arctic, args.k, args.arctic_depth, -1 if cached else 0)
     rows = []
@@ -193,13 +198,20 @@ def main(argv=None) -> int:
             for name, make in configs.items():
                 rows.append({"target": target_name, "stream": stream, "config": name, "cache": cached,
                              "requests": len(requests), **run_stream(lambda: make(cached), requests, cached)})
-    print(f"accepted tokens per target forward, K = {args.k}, greedy streams of {args.new_tokens} tokens")
-    print(f"{'target':<12} {'stream':<10} {'config':<18} {'tok/fwd':>7} {'replay':>7} {'accepted':>8} "
-          f"{'drafted':>8} {'us/step':>7}")
-    for r in rows:
-        replay = f"{r['replay_tokens_per_forward']:>7.2f}" if "replay_tokens_per_forward" in r else f"{'':>7}"
-        print(f"{r['target']:<12} {r['stream']:<10} {r['config']:<18} {r['tokens_per_forward']:>7.2f} {replay} "
-              f"{r['accepted']:>8} {r['drafted']:>8} {r['us_per_step']:>7.0f}")
+    print(f"accepted tokens per target forward (MAL), K = {args.k}, greedy streams of {args.new_tokens} tokens; "
+          "filler xN: the cache on, its requests after the first reported apart as replay")
+    names = list(configs)
+    print(f"{'target':<12} {'stream':<10} " + " ".join(f"{n:>16}" for n in names))
+    for i in range(0, len(rows), len(names)):
+        group = rows[i : i + len(names)]
+        cells = [f"{r['tokens_per_forward']:>6.2f} ({r['mal']:>5.2f})" for r in group]
+        print(f"{group[0]['target']:<12} {group[0]['stream']:<10} " + " ".join(f"{c:>16}" for c in cells))
+        if "replay_tokens_per_forward" in group[0]:
+            cells = [f"{r['replay_tokens_per_forward']:>6.2f}" for r in group]
+            print(f"{'':<12} {'  replay':<10} " + " ".join(f"{c:>16}" for c in cells))
+    print("drafter microseconds per step (contended CPU): "
+          + ", ".join(f"{n} {statistics.median(r['us_per_step'] for r in rows if r['config'] == n):.0f}"
+                      for n in names))
     print(json.dumps({"benchmark": "suffix_vs_arctic", "k": args.k, "new_tokens": args.new_tokens,
                       "arctic": arctic is not None, "rows": rows}))
     return 0

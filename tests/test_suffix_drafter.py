@@ -208,7 +208,7 @@ def test_counts_equal_brute_force_through_rollbacks_and_freeze():
 
 def brute_draft(seq: list[int], docs: list[list[int]], k: int, cfg: SuffixConfig) -> tuple[str, list[int], float]:
     """The draft rule of suffix_drafter.py by scanning the texts: every match length of every source, each
-    continuation counted where it occurs (no automaton, no bound)."""
+    continuation counted where it occurs (no automaton, no bound); cfg.branch picks at a branch."""
     best = ("none", [], 0.0)
     for source, text in [("self", seq)] + [("cache", d) for d in reversed(docs)]:
         for length in range(len(seq), cfg.min_match - 1, -1):
@@ -231,7 +231,10 @@ def brute_draft(seq: list[int], docs: list[list[int]], k: int, cfg: SuffixConfig
                             tokens.append(tokens[-period])
                             score += prob
                     break
-                token = max(following, key=lambda t: (len(following[t]), max(following[t])))
+                if cfg.branch == "frequent":
+                    token = max(following, key=lambda t: (len(following[t]), max(following[t])))
+                else:
+                    token = max(following, key=lambda t: max(following[t]))
                 prob *= len(following[token]) / len(ends)
                 if prob < cfg.min_token_prob:
                     break
@@ -242,8 +245,9 @@ def brute_draft(seq: list[int], docs: list[list[int]], k: int, cfg: SuffixConfig
     return best
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_draft_rule_equals_brute_force(seed):
+@pytest.mark.parametrize("branch", ["frequent", "recent"])
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_rule_equals_brute_force(seed, branch):
     """The drafter without bounds (recency, counts, candidates) drafts what the brute-force statement of the
     rule drafts, on random texts over 2-4 symbols with cached requests, rollbacks and a range of settings."""
     rng = random.Random(1000 + seed)
@@ -252,7 +256,7 @@ def test_draft_rule_equals_brute_force(seed):
         alphabet = rng.randint(2, 4)
         cfg = SuffixConfig(max_draft_len=rng.choice((4, 8)), min_match=rng.choice((1, 2, 3)),
                            match_factor=rng.choice((0.5, 1.0, 3.0)), match_offset=rng.choice((0.0, 1.0)),
-                           min_token_prob=rng.choice((0.0, 0.3)), candidates=10**9, cache_tokens=10**6,
+                           min_token_prob=rng.choice((0.0, 0.3)), branch=branch, candidates=10**9, cache_tokens=10**6,
                            recency_depth=10**9, count_depth=10**9)
         d = SuffixDrafter(cfg)
         docs = [[rng.randrange(alphabet) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(0, 2))]
@@ -274,6 +278,19 @@ def test_draft_rule_equals_brute_force(seed):
     assert drafted > 100
 
 
+def test_branch_rules_differ_where_frequency_and_recency_disagree():
+    """After "1 2": 3 followed twice, 4 once and last. frequent drafts 3 at probability 2/4 (the end's occurrence
+    counts), recent drafts 4 at 1/4."""
+    seq = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2]])
+    got = {}
+    for branch in ("frequent", "recent"):
+        d = SuffixDrafter(SuffixConfig(min_match=2, branch=branch))
+        d.prefill(seq, None)
+        p = d.peek(seq, 1)
+        got[branch] = (p.tokens, p.score)
+    assert got == {"frequent": ([3], 0.5), "recent": ([4], 0.25)}
+
+
 def test_draft_length_follows_the_match():
     cfg = SuffixConfig(max_draft_len=20, min_match=3, match_factor=1.0)
     assert [cfg.draft_len(n, 32) for n in (0, 2, 3, 7, 19, 20, 400)] == [0, 0, 3, 7, 19, 20, 20]
@@ -283,7 +300,8 @@ def test_draft_length_follows_the_match():
 
 def test_config_and_batch_are_checked():
     for bad in (dict(max_draft_len=0), dict(max_draft_len=33), dict(min_match=0), dict(match_factor=0.0),
-                dict(cache_tokens=-1), dict(cache_requests=0), dict(recency_depth=0)):
+                dict(cache_tokens=-1), dict(cache_requests=0), dict(recency_depth=0), dict(count_depth=0),
+                dict(min_token_prob=1.5), dict(match_offset=float("nan")), dict(candidates=0), dict(branch="often")):
         with pytest.raises(SpecquantError):
             SuffixDrafter(SuffixConfig(**bad))
     d = SuffixDrafter()

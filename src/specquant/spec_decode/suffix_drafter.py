@@ -10,9 +10,10 @@ The draft rule (terms as in suffix_automaton.py; a brute-force statement of it i
   `candidates - 1` shorter suffixes with other occurrence sets (the automaton's suffix-link ancestors; within one
   state every length has the same occurrences, so its longest is the best), none shorter than `min_match`;
 - a candidate drafts up to min(k, max_draft_len, floor(L * match_factor + match_offset)) tokens by walking on from
-  x: at each branch the continuation that occurred most often (ties: the most recent), its probability
-  count(x c) / count(x), where count includes an occurrence at the sequence's end (no continuation yet); the
-  running product of these is each token's probability, and the walk stops when it falls below `min_token_prob`;
+  x: at each branch (`branch`) the most recent continuation, or the one that occurred most often (ties: the most
+  recent); its probability is count(x c) / count(x), where count includes an occurrence at the sequence's end (no
+  continuation yet); the running product of these is each token's probability, and the walk stops when it falls
+  below `min_token_prob`;
 - its score is the sum of its tokens' probabilities (expected accepted tokens, were they independent); the best
   score over candidates and sources wins (ties: the longer match, then the request's own text, then the newest
   cached request). Arctic-inference's suffix decoding scores the same way, over a depth-bounded suffix tree.
@@ -66,12 +67,16 @@ class SuffixConfig:
     min_token_prob: float = field(default=0.0, metadata={
         "help": "suffix drafter: stop a draft where the running product of its tokens' frequencies falls below "
                 "this (0..1)", "flag": "--suffix-min-token-prob"})
-    # "frequent": arctic-inference's rule; "recent": the continuation of the most recent occurrence (the first
-    # suffix drafter's rule, what a repetition loop in greedy output follows)
-    branch: str = field(default="frequent", metadata={
-        "help": "suffix drafter: at a branch take the continuation that occurred most often (ties: most recent), or "
-                "the most recent one", "choices": ("frequent", "recent"), "flag": "--suffix-branch"})
-    candidates: int = field(default=8, metadata={
+    # "recent" by default: on the bundled targets' greedy streams it accepts as much as "frequent" or more on most
+    # sets (loops in greedy output repeat their latest turn), and keeps the real-text MAL of the first suffix
+    # drafter, which drafted from the most recent occurrence (docs/BENCH.md, "Suffix drafter v2")
+    branch: str = field(default="recent", metadata={
+        "help": "suffix drafter: at a branch take the most recent continuation, or the one that occurred most often "
+                "(ties: the most recent; arctic-inference's rule)", "choices": ("recent", "frequent"),
+        "flag": "--suffix-branch"})
+    # 1 by default: at our min_match / match_factor a shorter candidate's higher frequency won drafts that were
+    # accepted less on prose (docs/BENCH.md); at the peer's knobs (min_match 1, factor 3) it is worth trying more
+    candidates: int = field(default=1, metadata={
         "help": "suffix drafter: match lengths scored per source, the longest and shorter ones with other "
                 "occurrences (each costs a draft walk per step)", "flag": "--suffix-candidates"})
     # off by default: a bench repeats its prompts, so a cache would measure replay rather than drafting (see the
@@ -106,7 +111,7 @@ class SuffixConfig:
         if self.branch not in BRANCH_KEYS:
             raise SpecquantError(f"suffix branch {self.branch!r} is not one of {', '.join(BRANCH_KEYS)}")
         if self.candidates < 1:
-            raise SpecquantError(f"suffix candidates {self.candidates} must be at least 1 (e.g. 8)")
+            raise SpecquantError(f"suffix candidates {self.candidates} must be at least 1 (e.g. 1 or 8)")
         if self.cache_tokens < 0 or self.cache_requests < 1:
             raise SpecquantError(f"suffix cache_tokens {self.cache_tokens} / cache_requests {self.cache_requests} "
                                  "must be >= 0 / >= 1; use cache_tokens 0 to switch the cache off")
