@@ -12,7 +12,8 @@ Terms, used by the suffix drafter (suffix_drafter.py):
 below the tokens it was constructed with, a rebuild), so it can follow a committed sequence that is rolled back.
 The occurrence it reports is the most recent one, exactly when `recency_depth` is None; with a bound the
 `recency_depth` nearest suffix-link ancestors of each new state are updated (constant work per token), and a
-reported occurrence is always a true one but can be an older occurrence than the latest (see `_record_end`). `first` (the earliest occurrence) is always exact.
+reported occurrence is always a true one but can be an older occurrence than the latest (see `_record_end`).
+`first` (the earliest occurrence) is always exact.
 
 Counts: `count[v]` is the number of end positions of state v's strings (how often they occur, the occurrence at the
 sequence's end included), what the suffix drafter's frequency rule reads. Adding an end position touches every
