@@ -62,8 +62,8 @@ class Ours:
     def start(self, prompt: list[int]) -> None:
         self.drafter.prefill(torch.tensor([prompt]), None)  # the previous request joins the cache, if on
 
-    def draft(self, context: list[int]) -> list[int]:
-        return self.drafter.peek(torch.tensor([context]), self.k).tokens
+    def draft(self, context: list[int], k: int) -> list[int]:
+        return self.drafter.peek(torch.tensor([context]), k).tokens
 
     def commit(self, tokens: list[int]) -> None:
         pass  # peek appends the committed tokens it has not seen
@@ -84,8 +84,8 @@ class Arctic:
         self.req = f"r{self._ids}"
         self.cache.start_request(self.req, prompt)
 
-    def draft(self, context: list[int]) -> list[int]:
-        d = self.cache.speculate(self.req, context, max_spec_tokens=self.k, min_token_prob=PEER["min_token_prob"],
+    def draft(self, context: list[int], k: int) -> list[int]:
+        d = self.cache.speculate(self.req, context, max_spec_tokens=k, min_token_prob=PEER["min_token_prob"],
                                  max_spec_factor=PEER["match_factor"], max_spec_offset=PEER["match_offset"])
         return list(d.token_ids)
 
@@ -99,7 +99,9 @@ def simulate(drafter, prompt: list[int], output: list[int]) -> tuple[int, int, i
     drafter.commit(output[:1])  # the prefill's forward emits the first token, undrafted (as SpecEngine does)
     pos, steps, drafted, accepted, drafting = 1, 1, 0, 0, 0
     while pos < len(output):
-        draft = drafter.draft(prompt + output[:pos])
+        # the loop's k: at most what is left to emit, less the step's own token (spec_decode/loop.py)
+        k = min(drafter.k, len(output) - pos - 1)
+        draft = drafter.draft(prompt + output[:pos], k) if k else []
         n = 0
         while n < len(draft) and pos + n < len(output) and draft[n] == output[pos + n]:
             n += 1

@@ -114,23 +114,6 @@ def test_default_recency_bound_is_exact_on_real_text():
     assert SuffixAutomaton(ids, recency_depth=1).matches != exact
 
 
-def test_continuation_reads_on_past_the_end_as_the_sequence_would():
-    for seed in range(40):
-        rng = random.Random(seed)
-        seq = [rng.randrange(3) for _ in range(rng.randint(2, 60))]
-        sam = SuffixAutomaton(seq, recency_depth=None)
-        m = sam.match
-        if not m.length:
-            continue
-        cont = sam.continuation(m, 25)
-        assert len(cont) == 25
-        extended = seq + cont
-        # the tokens after the occurrence, and beyond the end the continuation itself (the period n-1-end)
-        assert all(extended[m.end + 1 + i] == cont[i] for i in range(25)), (seed, seq, m, cont)
-        assert cont[: len(seq) - 1 - m.end] == seq[m.end + 1 : m.end + 26]
-    assert SuffixAutomaton([1, 2, 3]).continuation(SuffixAutomaton([1, 2, 3]).match, 5) == []  # no match
-
-
 def test_cursor_finds_the_longest_suffix_in_another_document():
     """Matching statistics against a finished document: the longest suffix of the fed sequence occurring in the
     document, reported at its earliest occurrence there."""
@@ -154,7 +137,8 @@ def test_cursor_finds_the_longest_suffix_in_another_document():
             assert m.length == best, (seed, doc, fed)
             if best:
                 assert m.end == min(ends)
-                assert cursor.continuation(5) == doc[m.end + 1 : m.end + 6]
+                sam = cursor.automaton
+                assert sam.length[sam.link[m.state]] < best <= sam.length[m.state]  # the state holding the match
 
 
 def test_document_cache_is_bounded_and_evicts_first_in_first_out():
@@ -516,3 +500,23 @@ def test_benchmark_keeps_the_out_policy(tmp_path, capsys, monkeypatch):
         mod.main(["--out", str(mine), "--overwrite"])
     assert (mine / MARKER).exists() and (mine / "notes.txt").read_text() == "my notes"
     assert mod.main(["--ks", "4,40"]) == 2 and "max_draft_len 40" in capsys.readouterr().err
+
+
+@needs_bundled("tiny-target")
+def test_comparison_benchmark_simulates_the_engine(tiny):
+    """benchmarks/suffix_vs_arctic.py's simulation of a greedy stream counts what SpecEngine counts with the same
+    drafter on the same prompt: target forwards (the prefill's included) and accepted tokens."""
+    from conftest import load_benchmark
+
+    mod = load_benchmark("suffix_vs_arctic.py")
+    target, tok = tiny
+    cfg = SuffixConfig(min_match=1, match_factor=3.0)
+    for text in (FILLER * 3, "Once upon a time, in a small village by the sea"):
+        prompt = tok.encode(text)
+        out = SpecEngine(target, SuffixDrafter(cfg), SpecConfig(draft_len=20)).generate(
+            torch.tensor([prompt]), 40, stop_on_eos=False)
+        forwards, drafted, accepted, _ = mod.simulate(mod.Ours(cfg), prompt, out.token_ids[0])
+        s = out.stats
+        assert (forwards, drafted, accepted) == (s["target_forwards"], s["num_draft_tokens"],
+                                                 s["num_accepted_tokens"])
+        assert accepted > 0 or text != FILLER * 3

@@ -2,11 +2,9 @@
 earlier, and where, in O(1) amortized time per appended token.
 
 Terms, used by the suffix drafter (suffix_drafter.py):
-- match: the longest suffix of the sequence S[0..n-1] that also ends at an earlier position; its length and the
-  end position e < n-1 of one earlier occurrence (S[e-L+1..e] == S[n-L..n-1]).
-- continuation: the tokens that followed that occurrence, S[e+1..]. In a document that is still growing they run
-  into the sequence's own end; past it the continuation repeats with period n-1-e, which is exactly what the
-  sequence would read if the continuation came true.
+- match: the longest suffix of the sequence S[0..n-1] that also ends at an earlier position; its length, the
+  end position e < n-1 of one earlier occurrence (S[e-L+1..e] == S[n-L..n-1]) and the state holding it (whose
+  suffix links lead to the shorter suffixes with more occurrences, and whose transitions to what followed).
 
 `SuffixAutomaton` is one document, appended token by token, with `truncate` undoing appends exactly (an undo log;
 below the tokens it was constructed with, a rebuild), so it can follow a committed sequence that is rolled back.
@@ -206,16 +204,6 @@ class SuffixAutomaton:
         self.count, self.recent = count, recent
         return self
 
-    def continuation(self, match: Match, count: int) -> list[int]:
-        """Up to `count` tokens that followed match's earlier occurrence; past the end of the sequence the
-        continuation repeats with period n-1-end (what the sequence reads if it comes true)."""
-        if match.length == 0 or count <= 0:
-            return []
-        n, tokens = len(self.tokens), self.tokens
-        period = n - 1 - match.end
-        start = match.end + 1
-        return [tokens[start + i % period] for i in range(count)]
-
 
 class MatchCursor:
     """Matching statistics of a sequence fed token by token against a finished automaton: the longest suffix of
@@ -245,10 +233,6 @@ class MatchCursor:
         if self.length == 0:
             return NO_MATCH
         return Match(self.length, self.automaton.first[self.state], self.state)
-
-    def continuation(self, count: int) -> list[int]:
-        m = self.match()
-        return self.automaton.tokens[m.end + 1 : m.end + 1 + count] if m.length else []
 
 
 class DocumentCache:

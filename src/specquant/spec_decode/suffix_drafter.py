@@ -142,7 +142,7 @@ BRANCH_KEYS = {"frequent": lambda counts, recent: lambda tc: (counts[tc[1]], rec
 
 
 def walk(sam: SuffixAutomaton, state: int, count: int, periodic: bool, min_token_prob: float,
-         branch: str = "frequent") -> tuple[list[int], float]:
+         branch: str) -> tuple[list[int], float]:
     """Up to `count` tokens continuing the strings of `state` by their best continuation (`branch`: the most
     frequent, ties the most recent; or the most recent), and the draft's score. periodic: `sam` is the request's
     own text, where a walk reaching the sequence's end goes on with the period it drafted (module docstring)."""
