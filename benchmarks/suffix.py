@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,19 +48,21 @@ from specquant.spec_decode.engine import SpecEngine
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.spec_decode.suffix_drafter import SuffixConfig, SuffixDrafter
 from specquant.util.files import atomic_write, claim_out_dir
+from specquant.util.flags import add_config_flags, config_from_args
 
 FILLER = "The quick brown fox jumps over the lazy dog. "
 CONTENT = ("prose", "code", "qa")
 HELDOUT = Path(__file__).resolve().parent.parent / "src" / "specquant" / "data" / "heldout.txt"
 
 
-def automaton_cost(tokens: list[int], k: int, other: list[int] | None, runs: int) -> float:
+def automaton_cost(tokens: list[int], k: int, other: list[int] | None, runs: int,
+                   base: SuffixConfig = SuffixConfig()) -> float:
     """Median microseconds per token of a SuffixDrafter fed `tokens` one at a time, a propose (append, lookup,
     the draft tensor) after each; with `other`, one earlier request in its cache (one more cursor per token)."""
     seq, greedy = torch.tensor([tokens]), SamplingConfig()
     times = []
     for run in range(runs + 1):  # run 0 warms up (first-call costs of torch and the allocator)
-        drafter = SuffixDrafter(SuffixConfig(max_draft_len=k, cache_tokens=len(other) if other else 0))
+        drafter = SuffixDrafter(replace(base, max_draft_len=k, cache_tokens=len(other) if other else 0))
         if other:
             drafter.prefill(torch.tensor([other]), None)  # the next prefill moves it into the cache
         drafter.prefill(seq[:, :1], None)
@@ -78,10 +81,11 @@ def filler_prompt(tok, n: int) -> Prompt:
     return Prompt("filler", "filler", "content", ids[:n])
 
 
-def run_drafting(target, prompts: list[Prompt], ks: list[int], new_tokens: int, runs: int) -> list[dict]:
+def run_drafting(target, prompts: list[Prompt], ks: list[int], new_tokens: int, runs: int,
+                 base: SuffixConfig = SuffixConfig()) -> list[dict]:
     greedy = SamplingConfig()
-    configs = [(f"suffix K={k}", SuffixConfig(max_draft_len=k)) for k in ks]
-    configs.append((f"suffix K={ks[-1]} replay", SuffixConfig(max_draft_len=ks[-1], cache_tokens=1 << 16)))
+    configs = [(f"suffix K={k}", replace(base, max_draft_len=k, cache_tokens=0)) for k in ks]
+    configs.append((f"suffix K={ks[-1]} replay", replace(base, max_draft_len=ks[-1], cache_tokens=1 << 16)))
     sets = sorted({p.category for p in prompts}, key=[p.category for p in prompts].index)
     rows = []
     for cat in sets:
@@ -130,12 +134,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write DIR/suffix.json")
     ap.add_argument("--overwrite", action="store_true",
                     help="write into --out even when it is a non-empty folder specquant did not create")
+    add_config_flags(ap, SuffixConfig, prefix="suffix.")  # the drafter's settings (--ks and the rows set k, cache)
     args = ap.parse_args(argv)
     try:  # the --out policy of every command (util/files.py), before any work
+        base = config_from_args(SuffixConfig, args, prefix="suffix.").validate()
         out = claim_out_dir(args.out, args.overwrite) if args.out else None
         ks = [int(k) for k in args.ks.split(",")]
         for k in ks:
-            SuffixConfig(max_draft_len=k).validate()
+            replace(base, max_draft_len=k).validate()
     except (SpecquantError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -146,8 +152,9 @@ def main(argv=None) -> int:
     text = tok.encode(HELDOUT.read_text()[: 16 * args.tokens])[: args.tokens]  # a prefix is enough to encode
     cost = []
     for name, ids, other in (("filler", filler, text), ("heldout", text, filler)):
-        cost.append({"text": name, "tokens": len(ids), "us_per_token": automaton_cost(ids, ks[-1], None, args.runs),
-                     "us_per_token_with_cache": automaton_cost(ids, ks[-1], other, args.runs)})
+        cost.append({"text": name, "tokens": len(ids),
+                     "us_per_token": automaton_cost(ids, ks[-1], None, args.runs, base),
+                     "us_per_token_with_cache": automaton_cost(ids, ks[-1], other, args.runs, base)})
     print(f"suffix drafter, one token appended + one {ks[-1]}-token propose:")
     print(f"{'text':<8} {'tokens':>6} {'us/token':>9} {'+1 cached doc':>13}")
     for c in cost:
@@ -157,7 +164,7 @@ def main(argv=None) -> int:
     prompts = [filler_prompt(tok, args.filler_tokens)]
     prompts += [p for p in load_prompts(tok, {"short": 64}, CONTENT, 1, args.prompts_per_set, 256)
                 if p.category in CONTENT]
-    rows = run_drafting(target, prompts, ks, args.new_tokens, args.runs)
+    rows = run_drafting(target, prompts, ks, args.new_tokens, args.runs, base)
     print(f"\n{'set':<7} {'config':<22} {'MAL':>5} {'tok/fwd':>7} {'drafted':>7} {'us/step':>7} {'tok/s':>7} "
           f"{'speedup':>7} match  acceptance per position 1..")
     for r in rows:

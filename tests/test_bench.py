@@ -586,3 +586,24 @@ def test_w4_activations_flag_reaches_the_config_and_bad_values_are_refused():
     assert config_from_args(BenchConfig, args).validate().runtime.w4_activations == "int8"
     with pytest.raises(SpecquantError, match="w4-activations 'int4' is not supported; use one of float, int8"):
         BenchConfig(runtime=RuntimeConfig(w4_activations="int4")).validate()
+
+
+def test_the_response_cache_runs_in_its_own_replay_row_only():
+    """--suffix-cache-tokens > 0 adds row (r), the suffix drafter with the cache, labelled replay; rows (s) and
+    (u) keep drafting without it (a bench repeats its prompts)."""
+    import dataclasses
+
+    from specquant.bench.ablation import SUFFIX_REPLAY_ROW, SUFFIX_ROW, _engine
+    from specquant.loader import load_model
+    from specquant.spec_decode.runtime import RuntimeConfig
+
+    assert "r" not in [r.id for r in rows_for(with_qad=False)]
+    table = rows_for(with_qad=True, with_replay=True)
+    replay = [r for r in table if r.id == "r"]
+    assert len(replay) == 1 and replay[0].replay and "replay" in replay[0].name and replay[0].target == "qad"
+    cfg = BenchConfig()
+    cfg = dataclasses.replace(cfg, suffix=dataclasses.replace(cfg.suffix, cache_tokens=4096))
+    models = {("target", "w4"): load_model("tiny-target")}
+    for row, cached in ((SUFFIX_ROW, False), (SUFFIX_REPLAY_ROW, True)):
+        drafter = _engine(cfg, RuntimeConfig(), row, models, None, None).drafter
+        assert (drafter.cache is not None) == cached and drafter.config.max_draft_len == cfg.suffix.max_draft_len

@@ -351,6 +351,23 @@ def test_latency_against_the_server(served, capsys):
     assert 1.0 < row["mean_acceptance_length"] <= 4.0
 
 
+def test_latency_reports_the_first_request_apart_and_serve_replays_it(capsys):
+    """`serve --draft suffix` keeps earlier answers: the protocol's repeats of one greedy prompt draft the first
+    answer nearly whole (steady-state MAL far above the first request's), and latency reports both."""
+    from specquant.serve.cli import build_app
+
+    parser, _ = cli.build_parser()
+    app, _ = build_app(parser.parse_args(["serve", "--draft", "suffix", "--aot", "off", "--model-name", MODEL]))
+    with serving(app) as url:
+        capsys.readouterr()
+        assert cli.main(["latency", "--server", url, "--categories", "short", "--runs", "2", "--warmup", "1",
+                         "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["categories"]["short"]
+    # 128 new tokens, K = 20: a whole replay takes 7 steps of 20 accepted drafts (MAL 21 but for the last step)
+    assert row["mean_acceptance_length"] > 15 > row["first_mean_acceptance_length"]
+    assert row["first_ms"] > 0 and row["mean_new_tokens"] == 128
+
+
 def test_latency_scaling_and_percentile():
     # the bundled 2048-token context: long's 8192 + 256 does not fit, so every prompt shrinks by one factor
     assert latency.scale_of(2048, ["short", "long"]) == pytest.approx((2048 - 256 - latency.CONTEXT_MARGIN) / 8192)
@@ -373,6 +390,27 @@ def test_serve_flags_reach_the_app_and_fastapi_stays_lazy():
     code = "import sys; from specquant.cli import build_parser; build_parser(); print('fastapi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_serve_keeps_a_suffix_response_cache_by_default():
+    """`serve --draft suffix` (and suffix+DRAFT) drafts from earlier responses unless --suffix-cache-tokens 0;
+    generate keeps SuffixConfig's default (off)."""
+    from specquant.serve.cli import build_app
+    from specquant.serve.config import SERVE_SUFFIX_DEFAULTS
+    from specquant.spec_decode.suffix_drafter import SuffixConfig
+
+    parser, _ = cli.build_parser()
+    assert SERVE_SUFFIX_DEFAULTS.cache_tokens > 0 == SuffixConfig().cache_tokens
+    for extra, want in (([], SERVE_SUFFIX_DEFAULTS.cache_tokens), (["--suffix-cache-tokens", "0"], 0)):
+        app, _ = build_app(parser.parse_args(["serve", "--draft", "suffix", "--aot", "off", *extra]))
+        drafter = app.state.worker.engine.drafter
+        assert drafter.config.cache_tokens == want and (drafter.cache is None) == (want == 0)
+    app, _ = build_app(parser.parse_args(["serve", "--draft", "suffix+tiny-draft", "--aot", "off",
+                                          "--suffix-min-token-prob", "0.2"]))
+    hybrid = app.state.worker.engine.drafter
+    assert hybrid.suffix.cache is not None and hybrid.suffix.config.min_token_prob == 0.2
+    gen = parser.parse_args(["generate", "--draft", "suffix"])
+    assert config_from_args(SuffixConfig, gen, prefix="suffix.").cache_tokens == 0
 
 
 def test_shutdown_stops_the_running_request():

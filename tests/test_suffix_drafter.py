@@ -41,7 +41,7 @@ def brute_match(seq: list[int]) -> tuple[int, list[int]]:
 
 
 def structure(sam: SuffixAutomaton):
-    return sam.next, sam.link, sam.length, sam.first, sam.recent, sam.last, sam.tokens, sam.matches
+    return sam.next, sam.link, sam.length, sam.first, sam.recent, sam.count, sam.last, sam.tokens, sam.matches
 
 
 @pytest.mark.parametrize("depth", [None, 1, 8])
@@ -114,23 +114,6 @@ def test_default_recency_bound_is_exact_on_real_text():
     assert SuffixAutomaton(ids, recency_depth=1).matches != exact
 
 
-def test_continuation_reads_on_past_the_end_as_the_sequence_would():
-    for seed in range(40):
-        rng = random.Random(seed)
-        seq = [rng.randrange(3) for _ in range(rng.randint(2, 60))]
-        sam = SuffixAutomaton(seq, recency_depth=None)
-        m = sam.match
-        if not m.length:
-            continue
-        cont = sam.continuation(m, 25)
-        assert len(cont) == 25
-        extended = seq + cont
-        # the tokens after the occurrence, and beyond the end the continuation itself (the period n-1-end)
-        assert all(extended[m.end + 1 + i] == cont[i] for i in range(25)), (seed, seq, m, cont)
-        assert cont[: len(seq) - 1 - m.end] == seq[m.end + 1 : m.end + 26]
-    assert SuffixAutomaton([1, 2, 3]).continuation(SuffixAutomaton([1, 2, 3]).match, 5) == []  # no match
-
-
 def test_cursor_finds_the_longest_suffix_in_another_document():
     """Matching statistics against a finished document: the longest suffix of the fed sequence occurring in the
     document, reported at its earliest occurrence there."""
@@ -154,20 +137,142 @@ def test_cursor_finds_the_longest_suffix_in_another_document():
             assert m.length == best, (seed, doc, fed)
             if best:
                 assert m.end == min(ends)
-                assert cursor.continuation(5) == doc[m.end + 1 : m.end + 6]
+                sam = cursor.automaton
+                assert sam.length[sam.link[m.state]] < best <= sam.length[m.state]  # the state holding the match
 
 
-def test_document_cache_is_bounded_and_evicts_least_recently_used():
+def test_document_cache_is_bounded_and_evicts_first_in_first_out():
     cache = DocumentCache(max_tokens=100, max_docs=3)
     ids = [cache.add(SuffixAutomaton(range(n))) for n in (40, 30, 20)]
     assert cache.tokens == 90 and len(cache) == 3
-    cache.touch(ids[0])  # the 40-token document is now the most recently used
-    new = cache.add(SuffixAutomaton(range(25)))  # 115 tokens > 100: the least recently used (30) goes
-    assert list(cache.docs) == [ids[2], ids[0], new] and cache.tokens == 85
-    cache.add(SuffixAutomaton(range(5)))  # 4 documents > max_docs: the 20-token one goes
-    assert list(cache.docs)[:2] == [ids[0], new] and len(cache) == 3 and cache.tokens == 70
-    assert cache.add(SuffixAutomaton(range(101))) is None and cache.tokens == 70  # longer than the whole budget
+    new = cache.add(SuffixAutomaton(range(25)))  # 115 tokens > 100: the oldest (40) goes
+    assert list(cache.docs) == [ids[1], ids[2], new] and cache.tokens == 75
+    cache.add(SuffixAutomaton(range(5)))  # 4 documents > max_docs: the next oldest (30) goes
+    assert list(cache.docs)[:2] == [ids[2], new] and len(cache) == 3 and cache.tokens == 50
+    assert cache.add(SuffixAutomaton(range(101))) is None and cache.tokens == 50  # longer than the whole budget
     assert all(d._log is None for d in cache.docs.values())  # frozen: no undo log kept
+
+
+def _count(text: list[int], x: list[int]) -> list[int]:
+    """End positions of x in text (all of them, the text's last position included)."""
+    return [e for e in range(len(x) - 1, len(text)) if text[e - len(x) + 1 : e + 1] == x]
+
+
+def _check_counts(sam: SuffixAutomaton):
+    for v in range(1, len(sam.link)):
+        x = sam.tokens[sam.first[v] - sam.length[v] + 1 : sam.first[v] + 1]  # the state's longest string
+        ends = _count(sam.tokens, x)
+        assert (sam.count[v], sam.recent[v]) == (len(ends), max(ends)), (sam.tokens, v)
+
+
+def test_counts_equal_brute_force_through_rollbacks_and_freeze():
+    """count[v] is the number of occurrences of state v's strings (exact without a bound, and after freeze
+    whatever the bound); a bound of 1 undercounts (so the check can fail)."""
+    under = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        alphabet = rng.randint(1, 3)
+        seq = [rng.randrange(alphabet) for _ in range(rng.choice((0, 5)))]
+        exact = SuffixAutomaton(seq, recency_depth=None, count_depth=None)
+        bounded = SuffixAutomaton(seq, recency_depth=1, count_depth=1)
+        for _ in range(60):
+            if seq and rng.random() < 0.15:
+                seq = seq[: rng.randint(0, len(seq))]
+                exact.truncate(len(seq))
+                bounded.truncate(len(seq))
+            else:
+                seq.append(rng.randrange(alphabet))
+                exact.append(seq[-1])
+                bounded.append(seq[-1])
+            _check_counts(exact)
+        under += bounded.count != exact.count
+        _check_counts(bounded.freeze())
+    assert under > 0
+
+
+def brute_draft(seq: list[int], docs: list[list[int]], k: int, cfg: SuffixConfig) -> tuple[str, list[int], float]:
+    """The draft rule of suffix_drafter.py by scanning the texts: every match length of every source, each
+    continuation counted where it occurs (no automaton, no bound); cfg.branch picks at a branch."""
+    best = ("none", [], 0.0)
+    for source, text in [("self", seq)] + [("cache", d) for d in reversed(docs)]:
+        for length in range(len(seq), cfg.min_match - 1, -1):
+            x = seq[len(seq) - length :]
+            ends = _count(text, x)
+            if len(ends) < (2 if source == "self" else 1):  # in the own text, an occurrence before the end
+                continue
+            count = cfg.draft_len(length, k)
+            tokens, prob, score = [], 1.0, 0.0
+            while count and len(tokens) < count:
+                ends = _count(text, x + tokens)
+                following = {}  # token -> end positions of x + tokens + [token]
+                for e in ends:
+                    if e + 1 < len(text):
+                        following.setdefault(text[e + 1], []).append(e + 1)
+                if not following:
+                    if source == "self" and tokens:  # the walked string is a suffix of seq: it repeats
+                        period = len(tokens)
+                        while len(tokens) < count:
+                            tokens.append(tokens[-period])
+                            score += prob
+                    break
+                if cfg.branch == "frequent":
+                    token = max(following, key=lambda t: (len(following[t]), max(following[t])))
+                else:
+                    token = max(following, key=lambda t: max(following[t]))
+                prob *= len(following[token]) / len(ends)
+                if prob < cfg.min_token_prob:
+                    break
+                tokens.append(token)
+                score += prob
+            if score > best[2]:
+                best = (source, tokens, score)
+    return best
+
+
+@pytest.mark.parametrize("branch", ["frequent", "recent"])
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_rule_equals_brute_force(seed, branch):
+    """The drafter without bounds (recency, counts, candidates) drafts what the brute-force statement of the
+    rule drafts, on random texts over 2-4 symbols with cached requests, rollbacks and a range of settings."""
+    rng = random.Random(1000 + seed)
+    drafted = 0
+    for trial in range(25):
+        alphabet = rng.randint(2, 4)
+        cfg = SuffixConfig(max_draft_len=rng.choice((4, 8)), min_match=rng.choice((1, 2, 3)),
+                           match_factor=rng.choice((0.5, 1.0, 3.0)), match_offset=rng.choice((0.0, 1.0)),
+                           min_token_prob=rng.choice((0.0, 0.3)), branch=branch, candidates=10**9, cache_tokens=10**6,
+                           recency_depth=10**9, count_depth=10**9)
+        d = SuffixDrafter(cfg)
+        docs = [[rng.randrange(alphabet) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(0, 2))]
+        for doc in docs:
+            d.prefill(torch.tensor([doc]), None)  # the next prefill moves it into the cache
+        seq = [rng.randrange(alphabet) for _ in range(rng.randint(1, 10))]
+        d.prefill(torch.tensor([seq]), None)
+        for _ in range(30):
+            if rng.random() < 0.15 and len(seq) > 1:
+                seq = seq[: rng.randint(1, len(seq))]
+                d.rollback(len(seq))
+            else:
+                seq.append(rng.randrange(alphabet))
+            k = rng.choice((3, 8))
+            p = d.peek(torch.tensor([seq]), k)
+            want = brute_draft(seq, docs, k, cfg)
+            assert (p.source, p.tokens) == want[:2] and p.score == pytest.approx(want[2]), (seed, trial, seq, docs)
+            drafted += bool(p.tokens)
+    assert drafted > 100
+
+
+def test_branch_rules_differ_where_frequency_and_recency_disagree():
+    """After "1 2": 3 followed twice, 4 once and last. frequent drafts 3 at probability 2/4 (the end's occurrence
+    counts), recent drafts 4 at 1/4."""
+    seq = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2]])
+    got = {}
+    for branch in ("frequent", "recent"):
+        d = SuffixDrafter(SuffixConfig(min_match=2, branch=branch))
+        d.prefill(seq, None)
+        p = d.peek(seq, 1)
+        got[branch] = (p.tokens, p.score)
+    assert got == {"frequent": ([3], 0.5), "recent": ([4], 0.25)}
 
 
 def test_draft_length_follows_the_match():
@@ -179,7 +284,8 @@ def test_draft_length_follows_the_match():
 
 def test_config_and_batch_are_checked():
     for bad in (dict(max_draft_len=0), dict(max_draft_len=33), dict(min_match=0), dict(match_factor=0.0),
-                dict(cache_tokens=-1), dict(cache_requests=0), dict(recency_depth=0)):
+                dict(cache_tokens=-1), dict(cache_requests=0), dict(recency_depth=0), dict(count_depth=0),
+                dict(min_token_prob=1.5), dict(match_offset=float("nan")), dict(candidates=0), dict(branch="often")):
         with pytest.raises(SpecquantError):
             SuffixDrafter(SuffixConfig(**bad))
     d = SuffixDrafter()
@@ -208,17 +314,22 @@ def test_drafter_rollback_forgets_rejected_tokens():
     assert a.tokens[0, :5].tolist() == [2, 6, 3, 1, 4]
 
 
-def test_peek_picks_the_longest_match_over_sources():
-    """The cache's document wins when its match is longer, the request's own text on a tie; a match below
-    min_match drafts nothing but is still reported (a hybrid rule reads it)."""
+def test_peek_picks_the_best_score_over_sources():
+    """The cache's document drafts when its draft scores higher: there "20 21 22" was followed once in one
+    occurrence (probability 1 per token), while in the request's own text its second occurrence is the sequence's
+    end (probability 1/2). A match below min_match drafts nothing but is still reported (a hybrid rule reads it)."""
     d = SuffixDrafter(SuffixConfig(min_match=3, cache_tokens=1000))
     d.prefill(torch.tensor([list(range(10, 40))]), None)  # request 1: 30 distinct tokens
     d.prefill(torch.tensor([[20, 21, 22, 60, 61]]), None)  # request 2; request 1 is now cached
     p = d.peek(torch.tensor([[20, 21, 22, 60, 61, 14, 15, 16]]), 5)  # "14 15 16": only in request 1
-    assert (p.source, p.match.length, p.tokens) == ("cache", 3, [17, 18, 19])  # 3 matched -> 3 drafted
+    assert (p.source, p.match.length, p.tokens, p.score) == ("cache", 3, [17, 18, 19], 3.0)  # 3 matched -> 3
     d.rollback(5)  # committed tokens are final: another continuation needs a rollback first
     p = d.peek(torch.tensor([[20, 21, 22, 60, 61, 5, 20, 21, 22]]), 5)  # "20 21 22": 3 tokens in both
-    assert (p.source, p.match.length, p.tokens) == ("self", 3, [60, 61, 5])
+    assert (p.source, p.match.length, p.tokens, p.score) == ("cache", 3, [23, 24, 25], 3.0)
+    own = SuffixDrafter(SuffixConfig(min_match=3))
+    own.prefill(torch.tensor([[20, 21, 22, 60, 61]]), None)
+    own = own.peek(torch.tensor([[20, 21, 22, 60, 61, 5, 20, 21, 22]]), 5)
+    assert (own.source, own.tokens, own.score) == ("self", [60, 61, 5], 1.5)
     seq = torch.tensor([[20, 21, 22, 60, 61, 5, 20, 21, 22, 61]])  # "61": one token, own text only
     assert (d.peek(seq, 5).source, d.last.match.length, d.last.tokens) == ("none", 1, [])
     assert d.propose(seq, 5, SamplingConfig(), None).tokens.shape == (1, 0)
@@ -389,3 +500,23 @@ def test_benchmark_keeps_the_out_policy(tmp_path, capsys, monkeypatch):
         mod.main(["--out", str(mine), "--overwrite"])
     assert (mine / MARKER).exists() and (mine / "notes.txt").read_text() == "my notes"
     assert mod.main(["--ks", "4,40"]) == 2 and "max_draft_len 40" in capsys.readouterr().err
+
+
+@needs_bundled("tiny-target")
+def test_comparison_benchmark_simulates_the_engine(tiny):
+    """benchmarks/suffix_vs_arctic.py's simulation of a greedy stream counts what SpecEngine counts with the same
+    drafter on the same prompt: target forwards (the prefill's included) and accepted tokens."""
+    from conftest import load_benchmark
+
+    mod = load_benchmark("suffix_vs_arctic.py")
+    target, tok = tiny
+    cfg = SuffixConfig(min_match=1, match_factor=3.0)
+    for text in (FILLER * 3, "Once upon a time, in a small village by the sea"):
+        prompt = tok.encode(text)
+        out = SpecEngine(target, SuffixDrafter(cfg), SpecConfig(draft_len=20)).generate(
+            torch.tensor([prompt]), 40, stop_on_eos=False)
+        forwards, drafted, accepted, _ = mod.simulate(mod.Ours(cfg), prompt, out.token_ids[0])
+        s = out.stats
+        assert (forwards, drafted, accepted) == (s["target_forwards"], s["num_draft_tokens"],
+                                                 s["num_accepted_tokens"])
+        assert accepted > 0 or text != FILLER * 3

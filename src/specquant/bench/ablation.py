@@ -55,6 +55,7 @@ class Row:
     impl: str = "specquant"  # or "transformers"
     drafter: str = LM  # the drafter kind's name (a key of spec_decode.drafters.KINDS)
     pruned: bool = False  # the drafter's head keeps BenchConfig.pruned_head_fraction of the vocabulary
+    replay: bool = False  # the suffix drafter keeps its response cache (BenchConfig.suffix.cache_tokens)
 
 
 ROWS = (
@@ -81,6 +82,11 @@ MTP_ROWS = (
 # The levers (issue 25): the suffix drafter (model-free; its own k), the hybrid (suffix on a long match, else the W4
 # block drafter) and the W4 block drafter with a vocabulary-pruned head; no prediction (their costs are not probed)
 SUFFIX_ROW = Row("s", "W4 target + suffix draft", "w4", "model-free", drafter=SUFFIX)
+# The suffix drafter with its response cache, only when --suffix-cache-tokens asks for one: a bench sends each
+# prompt several times (warm-ups, timed rounds, the acceptance passes), so this row drafts the earlier answer to the
+# same prompt, a replay, and is reported apart; every other row runs without the cache.
+SUFFIX_REPLAY_ROW = Row("r", "W4 target + suffix draft, replay (response cache; prompts repeat)", "w4", "model-free",
+                        drafter=SUFFIX, replay=True)
 LEVER_BLOCK_ROWS = (
     Row("u", "W4 target + hybrid: suffix, else W4 block draft", "w4", "w4", drafter=HYBRID),
     Row("p", "W4 target + W4 block draft, pruned head", "w4", "w4", drafter=BLOCK, pruned=True),
@@ -100,12 +106,14 @@ DRAFT_INPUTS = ((LM, "hp", "draft"), (LM, "w4", "quantized_draft"), (BLOCK, "hp"
                 (BLOCK, "w4", "quantized_block_draft"), (MTP, "hp", "mtp_draft"), (MTP, "w4", "quantized_mtp_draft"))
 
 
-def rows_for(with_qad: bool, with_block: bool = False, with_mtp: bool = False) -> tuple[Row, ...]:
-    """ROWS (+ BLOCK_ROWS, + MTP_ROWS), or with a QAD target: row (q) after (b), and every draft row runs against
-    the QAD target."""
+def rows_for(with_qad: bool, with_block: bool = False, with_mtp: bool = False,
+             with_replay: bool = False) -> tuple[Row, ...]:
+    """ROWS (+ BLOCK_ROWS, + MTP_ROWS, + the replay row), or with a QAD target: row (q) after (b), and every draft
+    row runs against the QAD target."""
     mtp_rows = MTP_ROWS if with_mtp else ()
-    table = ((*ROWS, *BLOCK_ROWS, *mtp_rows, SUFFIX_ROW, *LEVER_BLOCK_ROWS) if with_block
-             else (*ROWS, *mtp_rows, SUFFIX_ROW))
+    suffix_rows = (SUFFIX_ROW, SUFFIX_REPLAY_ROW) if with_replay else (SUFFIX_ROW,)
+    table = ((*ROWS, *BLOCK_ROWS, *mtp_rows, *suffix_rows, *LEVER_BLOCK_ROWS) if with_block
+             else (*ROWS, *mtp_rows, *suffix_rows))
     if not with_qad:
         return table
     drafted = tuple(dataclasses.replace(r, target="qad", name=r.name.replace("W4 target", "W4 + QAD target"))
@@ -147,7 +155,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
     for kind, precision, key in DRAFT_INPUTS:
         if key in paths:  # keyed by the rows' Row.drafter (a kind name) and Row.draft
             models[(kind, precision)] = KINDS[kind].load(paths[key], runtime)
-    table = rows_for("qad_target" in paths, (BLOCK, "hp") in models, (MTP, "hp") in models)
+    table = rows_for("qad_target" in paths, (BLOCK, "hp") in models, (MTP, "hp") in models, cfg.suffix.cache_tokens > 0)
     if "pruned_target" in paths:
         table = (*table, PRUNED_ROW)
     if (BLOCK, "w4") in models:  # row (p): its own copy of the W4 block drafter, with the token map
@@ -278,18 +286,19 @@ def _engine(cfg: BenchConfig, runtime: RuntimeConfig, row: Row, models: dict, to
             draft_len: int | None = None) -> SpecEngine:
     """The SpecEngine of a speculative row (build_engine over the loaded models)."""
     target, spec = models[("target", row.target)], row_spec(cfg, row, draft_len)
+    suffix_config = cfg.suffix if row.replay else dataclasses.replace(cfg.suffix, cache_tokens=0)
     if row.drafter == SUFFIX:
         draft = SUFFIX
     elif row.drafter == HYBRID:
         from specquant.spec_decode.drafters.hybrid import HybridDrafter
         from specquant.spec_decode.suffix_drafter import SuffixDrafter
 
-        draft = HybridDrafter(SuffixDrafter(cfg.suffix), KINDS[BLOCK].build(models[(BLOCK, row.draft)], target,
-                                                                              spec), spec, cfg.hybrid)
+        draft = HybridDrafter(SuffixDrafter(suffix_config), KINDS[BLOCK].build(models[(BLOCK, row.draft)], target,
+                                                                                 spec), spec, cfg.hybrid)
     else:
         draft = models[(row.drafter, row.draft, "pruned") if row.pruned else (row.drafter, row.draft)]
     return build_engine(target, draft, runtime, spec, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-                        suffix_config=cfg.suffix, hybrid_config=cfg.hybrid)
+                        suffix_config=suffix_config, hybrid_config=cfg.hybrid)
 
 
 def _pruned_block(cfg: BenchConfig, paths: dict, runtime: RuntimeConfig):

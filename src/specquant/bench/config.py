@@ -93,7 +93,9 @@ class BenchConfig:
     block_draft_quant: dict = field(default_factory=lambda: {"method": "gptq", "bits": 4, "group_size": 128,
                                                              "calib_samples": 16, "seq_len": 256})
     # Rows (s), (u), (p): the suffix drafter, the hybrid (suffix, else the W4 block drafter) and the W4 block
-    # drafter with a pruned head; their flags are the drafters' own (--suffix-*, --hybrid-min-match)
+    # drafter with a pruned head; their flags are the drafters' own (--suffix-*, --hybrid-min-match). Rows (s) and
+    # (u) run without the response cache whatever --suffix-cache-tokens says; a non-zero value adds row (r), the
+    # suffix drafter with the cache, a replay of the bench's own repeated prompts (bench/ablation.py)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     # 0.5: about the 2nd leaderboard entry's 131,101 of 248,320 ids (../shared/PEERS.md); benchmarks/prune_head.py

@@ -150,16 +150,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def _mal(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Mean acceptance length between two /metrics reads (None without counters or drafts)."""
+    if before and after and after[0] > before[0]:
+        return 1.0 + (after[1] - before[1]) / (after[0] - before[0])
+    return None
+
+
 def measure(client: Client, prompts: dict, config: LatencyConfig) -> dict:
-    """category -> {median_ms, p90_ms, mean_new_tokens, mean_acceptance_length (None without counters)}."""
+    """category -> {median_ms, p90_ms, mean_new_tokens, mean_acceptance_length (None without counters), and the
+    category's first request apart: first_ms, first_mean_acceptance_length}. The first request is the first
+    warm-up (else the first timed run, also counted there): a server that drafts from earlier answers (`serve
+    --draft suffix`'s response cache) replays from the second on, so the two differ."""
     out = {}
     for cat, (prompt, _) in prompts.items():
         new = CATEGORIES[cat][1]
-        for _ in range(config.warmup):
-            client.complete(prompt, new, config.temperature)
-        before = client.spec_counters()
         times, tokens, cached = [], [], []
-        for _ in range(config.runs):
+
+        def timed():
             t0 = time.perf_counter()
             reply = client.complete(prompt, new, config.temperature)
             times.append((time.perf_counter() - t0) * 1e3)
@@ -167,13 +175,22 @@ def measure(client: Client, prompts: dict, config: LatencyConfig) -> dict:
             details = reply["usage"].get("prompt_tokens_details") or {}
             if details.get("cached_tokens") is not None:
                 cached.append(details["cached_tokens"])
-        after = client.spec_counters()
-        mal = None
-        if before and after and after[0] > before[0]:
-            mal = 1.0 + (after[1] - before[1]) / (after[0] - before[0])
+
+        before = client.spec_counters()
+        timed()
+        first_ms, first_mal = times[0], _mal(before, client.spec_counters())
+        if config.warmup:  # the first request was a warm-up: untimed
+            del times[:], tokens[:], cached[:]
+            for _ in range(config.warmup - 1):
+                client.complete(prompt, new, config.temperature)
+        before = client.spec_counters() if config.warmup else before
+        while len(times) < config.runs:
+            timed()
+        mal = _mal(before, client.spec_counters())
         out[cat] = {"median_ms": statistics.median(times), "p90_ms": percentile(times, 90),
                     "mean_new_tokens": statistics.fmean(tokens), "mean_acceptance_length": mal,
-                    "mean_cached_prompt_tokens": statistics.fmean(cached) if len(cached) == len(times) else None}
+                    "mean_cached_prompt_tokens": statistics.fmean(cached) if len(cached) == len(times) else None,
+                    "first_ms": first_ms, "first_mean_acceptance_length": first_mal}
     return out
 
 
@@ -198,12 +215,16 @@ def time_server(config: LatencyConfig, server: str, model: str | None = None, ba
             row.update(baseline_median_ms=base[cat]["median_ms"], baseline_p90_ms=base[cat]["p90_ms"],
                        speedup=base[cat]["median_ms"] / ours[cat]["median_ms"])
         rows[cat] = row
-    say(f"{'category':<9} {'prompt':>6} {'new':>5} {'median ms':>10} {'p90 ms':>9} {'MAL':>5}"
-        + (f" {'base ms':>9} {'speedup':>8}" if base else ""))
+    say(f"{'category':<9} {'prompt':>6} {'new':>5} {'median ms':>10} {'p90 ms':>9} {'MAL':>5} {'first ms':>9} "
+        f"{'MAL':>5}" + (f" {'base ms':>9} {'speedup':>8}" if base else ""))
+
+    def fmt(mal: float | None) -> str:
+        return f"{mal:.2f}" if mal is not None else "-"
+
     for cat, r in rows.items():
-        mal = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] is not None else "-"
         line = (f"{cat:<9} {r['prompt_tokens']:>6} {r['mean_new_tokens']:>5.0f} {r['median_ms']:>10.1f} "
-                f"{r['p90_ms']:>9.1f} {mal:>5}")
+                f"{r['p90_ms']:>9.1f} {fmt(r['mean_acceptance_length']):>5} {r['first_ms']:>9.1f} "
+                f"{fmt(r['first_mean_acceptance_length']):>5}")
         if base:
             line += f" {r['baseline_median_ms']:>9.1f} {r['speedup']:>7.2f}x"
         say(line)
