@@ -101,6 +101,14 @@ class BenchConfig:
     pruned_head_fraction: float = field(default=0.5, metadata={
         "help": "row (p): the share of the vocabulary the block drafter's head keeps (the most frequent ids on the "
                 "calibration text)"})
+    # Which rows run: their ids (e.g. a b q d e g s n); empty: every row the inputs allow. Row (a), the baseline
+    # every speedup is over, always runs; so does the row of each target a kept row drafts against (b or q), whose
+    # tokens the row must reproduce. The demo's default preset keeps one row per story (demo.PRESETS).
+    rows: list[str] = field(default_factory=list, metadata={
+        "help": "run only these rows (ids, e.g. a b q d e s); row (a) and the target-only row each kept draft row "
+                "checks its tokens against always run"})
+    # the block rows again with k = block_size - 1 on the content prompts (untimed): acceptance at every block position
+    whole_block_pass: bool = True
     cost_reps: int = 15  # repetitions per forward timing (c, verify ratio, drafter latency curve); median kept
     # contexts (fractions of the model context) at which the drafter's one-token forward is timed for the plot
     curve_fractions: tuple[float, ...] = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)
