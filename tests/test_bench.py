@@ -40,8 +40,11 @@ from specquant.train.draft import init_block_drafter
 
 TOKENIZER = BUNDLED_DIR / "tiny-target"
 # smallest settings that still run every row on every category and content set
-SMALL = ["--max-new-tokens", "8", "--runs", "1", "--warmup", "1", "--draft-window", "16", "--prompts-per-length", "1",
-         "--prompts-per-set", "1", "--qad-steps", "2", "--qad-prompts", "4", "--qad-new-tokens", "8"]
+# (no warm-up round and 3 cost repetitions: what this file checks is the bookkeeping, not the times; the warm-up's
+# rounds are checked by test_interleaved_rounds_limit_one_runner_and_time_each)
+SMALL = ["--max-new-tokens", "8", "--runs", "1", "--warmup", "0", "--draft-window", "16", "--prompts-per-length", "1",
+         "--prompts-per-set", "1", "--qad-steps", "2", "--qad-prompts", "4", "--qad-new-tokens", "8",
+         "--cost-reps", "3"]
 SMALL_CFG = dict(max_new_tokens=8, runs=1, warmup=1, spec=SpecConfig(draft_window=16), prompts_per_length=1,
                  prompts_per_set=1,
                  cost_reps=3, curve_fractions=(1 / 8, 1 / 2), qad_steps=2, qad_prompts=4, qad_new_tokens=8)

@@ -109,7 +109,8 @@ class BenchConfig:
                 "checks its tokens against always run"})
     # the block rows again with k = block_size - 1 on the content prompts (untimed): acceptance at every block position
     whole_block_pass: bool = True
-    cost_reps: int = 15  # repetitions per forward timing (c, verify ratio, drafter latency curve); median kept
+    cost_reps: int = field(default=15, metadata={
+        "help": "repetitions per forward timing (c, verify ratio, drafter latency curve); the median is kept"})
     # contexts (fractions of the model context) at which the drafter's one-token forward is timed for the plot
     curve_fractions: tuple[float, ...] = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)
 
