@@ -482,7 +482,8 @@ def test_rows_keep_what_they_need_and_carry_their_interval(pair, tmp_path):
     from specquant.bench.spread import intervals
 
     cfg = dataclasses.replace(BenchConfig(), out=str(tmp_path / "out"), rows=["e", "s"], qad=False,
-                              hf_compare=False, **{**SMALL_CFG, "runs": 3})
+                              hf_compare=False, lengths={"short": 8, "medium": 16, "long": 24}, content_max_tokens=24,
+                              **{**SMALL_CFG, "runs": 2, "warmup": 0, "curve_fractions": (1 / 2,)})
     logged = []
     results, _ = run_bench(cfg, pair["target"], pair["draft"], pair["qtarget"], pair["qdraft"], log=logged.append)
     data = results.to_json()

@@ -167,8 +167,12 @@ class BenchConfig:
         # one checkpoint, at the last step (the trainer always writes that one): each holds the latent weights and
         # both Adam moments (145 MB for the bundled target), and an interrupted run of this size loses less by
         # training again than a mid-run checkpoint costs every run
+        # warm-up: TrainConfig's 10 steps, or a quarter of a shorter run (the demo's default QAD: 20 steps would
+        # spend half of them warming up)
+        warmup = min(TrainConfig().warmup, self.qad_steps // 4)
         return QADRecipe(regen=RegenConfig(limit=self.qad_prompts, max_new_tokens=self.qad_new_tokens),
-                         train=TrainConfig(steps=self.qad_steps, eval_every=0, save_every=self.qad_steps),
+                         train=TrainConfig(steps=self.qad_steps, warmup=warmup, eval_every=0,
+                                           save_every=self.qad_steps),
                          qad=QADConfig(eval_samples=self.qad_eval_samples))
 
     def quant_overrides_for(self, role: str) -> dict:
