@@ -34,13 +34,13 @@ FULL = dict(runs=2, prompts_per_length=2, prompts_per_set=2, cost_reps=10,
 # is (e)'s story), (u), (p) (levers over (g) and (s)) and the transformers row.
 DEFAULT_ROWS = ["a", "b", "q", "d", "e", "g", "s"]
 PRESETS = {
-    "default": dict(rows=DEFAULT_ROWS, hf_compare=False, whole_block_pass=False, max_new_tokens=64, runs=3,
-                    prompts_per_length=1, prompts_per_set=1, lengths={"short": 32, "medium": 256, "long": 512},
-                    content_max_tokens=256, cost_reps=3, curve_fractions=(1 / 16, 1 / 2),
+    "default": dict(rows=DEFAULT_ROWS, hf_compare=False, whole_block_pass=False, max_new_tokens=48, runs=3,
+                    prompts_per_length=1, prompts_per_set=1, lengths={"short": 32, "long": 512},
+                    content_max_tokens=256, cost_reps=2, curve_fractions=(1 / 16, 1 / 2),
                     quant_overrides={"calib_samples": 8, "seq_len": 128, "awq": {"grid": 5, "clip": False}},
                     draft_quant_overrides={**BenchConfig().draft_quant_overrides, "calib_samples": 16},
                     block_draft_quant={**BenchConfig().block_draft_quant, "calib_samples": 8, "seq_len": 128},
-                    qad_steps=12, qad_prompts=16, qad_new_tokens=32, qad_eval_samples=4, warmup_all_prompts=False),
+                    qad_steps=8, qad_prompts=16, qad_new_tokens=32, qad_eval_samples=4, warmup_all_prompts=False),
     "full": FULL,
     "quick": dict(max_new_tokens=32, runs=1, prompts_per_length=1, prompts_per_set=1, cost_reps=5,
                   lengths={"short": 32, "medium": 128, "long": 512}, curve_fractions=(1 / 16, 1 / 4, 1 / 2),
