@@ -245,6 +245,14 @@ def test_packaged_prompts_hit_lengths_exactly_and_are_small():
     assert max(small.values()) + 8 <= 512 and small["short"] < small["medium"] < small["long"]
 
 
+def test_a_packaged_length_category_left_out_is_not_read_as_a_content_set():
+    """The demo's default runs short and long prompts only: the packaged medium prompts are left out, not taken
+    for a content set."""
+    prompts = load_prompts(_tokenizer(), {"short": 8, "long": 24}, ("prose", "code", "qa"), 1, 1, 16)
+    assert {p.category for p in prompts} == {"short", "long", "prose", "code", "qa", "filler"}
+    assert all(p.kind == "length" for p in prompts if p.category in ("short", "long"))
+
+
 def test_content_prompts_keep_their_end(tmp_path):
     tok = _tokenizer()
     f = tmp_path / "p.jsonl"
