@@ -32,7 +32,8 @@ def test_not_a_terminal_prints_one_line_per_phase_and_the_result_lines():
             assert out.getvalue() == ""  # quiet while it runs
         bar.note("      (b) W4 target: 335.1 tok/s")
     lines = out.getvalue().splitlines()
-    assert lines == ["      (b) W4 target: 335.1 tok/s", "latency runs: 4 calls in 1s"]  # the clock read at the start and the end
+    # (the clock is read at the start and at the end: 1 s)
+    assert lines == ["      (b) W4 target: 335.1 tok/s", "latency runs: 4 calls in 1s"]
 
 
 def test_a_phase_cut_short_says_how_far_it_got_and_closing_twice_prints_once():

@@ -21,8 +21,8 @@ from specquant.bench.config import BenchConfig
 # "specquant demo"); the W4 draft keeps GPTQ's 32 sequences. Two timed rounds, not the bench's 3: the latency runs
 # were 57% of the demo, and the first two of a full demo's three rounds gave every row's speedup within 1% of the
 # three rounds' on the Qwen3 pair, with the rows' order unchanged on both pairs (docs/BENCH.md, "specquant demo").
-# "default" (no flag): one row per story, sized for 5 minutes on a 2-core Zen 1 (docs/BENCH.md, "The demo's
-# default preset": what each part costs and tells, and the measured times).
+# "default" (no flag): one row per story, sized for 5 minutes on a 2-core Zen 1 (docs/BENCH.md, "The default
+# preset": what each part costs and tells, and the measured times).
 FULL = dict(runs=2, prompts_per_length=2, prompts_per_set=2, cost_reps=10,
             curve_fractions=(1 / 16, 1 / 4, 1 / 2, 3 / 4),
             quant_overrides={"calib_samples": 16, "awq": {"grid": 10}},
