@@ -46,7 +46,7 @@ import sys
 from specquant.bench.demo import demo_config, hybrid_config
 from specquant.bench.prepare import check_inputs, prepare_quantized
 out, pair, target = sys.argv[1:4]
-cfg = hybrid_config(out, False, {}) if pair == "hybrid" else demo_config(out, quick=False)
+cfg = hybrid_config(out, "full", {}) if pair == "hybrid" else demo_config(out, "full")
 paths = check_inputs(target, "tiny-draft")
 prepare_quantized(cfg, paths, log=lambda m: print(m, file=sys.stderr))
 print(paths["qad_target"])

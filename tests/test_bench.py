@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 
 import pytest
@@ -39,8 +40,11 @@ from specquant.train.draft import init_block_drafter
 
 TOKENIZER = BUNDLED_DIR / "tiny-target"
 # smallest settings that still run every row on every category and content set
-SMALL = ["--max-new-tokens", "8", "--runs", "1", "--warmup", "1", "--draft-window", "16", "--prompts-per-length", "1",
-         "--prompts-per-set", "1", "--qad-steps", "2", "--qad-prompts", "4", "--qad-new-tokens", "8"]
+# (no warm-up round and 3 cost repetitions: what this file checks is the bookkeeping, not the times; the warm-up's
+# rounds are checked by test_interleaved_rounds_limit_one_runner_and_time_each)
+SMALL = ["--max-new-tokens", "8", "--runs", "1", "--warmup", "0", "--draft-window", "16", "--prompts-per-length", "1",
+         "--prompts-per-set", "1", "--qad-steps", "2", "--qad-prompts", "4", "--qad-new-tokens", "8",
+         "--cost-reps", "3"]
 SMALL_CFG = dict(max_new_tokens=8, runs=1, warmup=1, spec=SpecConfig(draft_window=16), prompts_per_length=1,
                  prompts_per_set=1,
                  cost_reps=3, curve_fractions=(1 / 8, 1 / 2), qad_steps=2, qad_prompts=4, qad_new_tokens=8)
@@ -241,6 +245,14 @@ def test_packaged_prompts_hit_lengths_exactly_and_are_small():
     assert max(small.values()) + 8 <= 512 and small["short"] < small["medium"] < small["long"]
 
 
+def test_a_packaged_length_category_left_out_is_not_read_as_a_content_set():
+    """The demo's default runs short and long prompts only: the packaged medium prompts are left out, not taken
+    for a content set."""
+    prompts = load_prompts(_tokenizer(), {"short": 8, "long": 24}, ("prose", "code", "qa"), 1, 1, 16)
+    assert {p.category for p in prompts} == {"short", "long", "prose", "code", "qa", "filler"}
+    assert all(p.kind == "length" for p in prompts if p.category in ("short", "long"))
+
+
 def test_content_prompts_keep_their_end(tmp_path):
     tok = _tokenizer()
     f = tmp_path / "p.jsonl"
@@ -359,7 +371,7 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, hybrid_pair, tm
     logged = []
     tiny_quant = {"calib_samples": 2, "seq_len": 32, "awq": {"grid": 2, "clip": False}}
     block_quant = {"method": "gptq", "bits": 4, "group_size": 128, "calib_samples": 2, "seq_len": 32}
-    results = run_demo(str(tmp_path / "demo"), quick=True, target=str(pair["target"]), draft=str(pair["draft"]),
+    results = run_demo(str(tmp_path / "demo"), "quick", target=str(pair["target"]), draft=str(pair["draft"]),
                        log=logged.append, hf_compare=False, quant_overrides=tiny_quant,
                        block_draft=str(pair["block"]), block_draft_quant=block_quant, block_draft_len=3,
                        hybrid=hybrid_pair, hybrid_overrides={"lengths": {"short": 8, "medium": 16, "long": 24},
@@ -470,6 +482,60 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, hybrid_pair, tm
             assert r["seconds"] >= timed > 0  # its timed runs, plus its warm-up and acceptance passes
 
 
+def test_rows_keep_what_they_need_and_carry_their_interval(pair, tmp_path):
+    """BenchConfig.rows: only the rows asked for, plus row (a) and the target-only row each kept draft row is
+    checked against; every speedup carries its 95% interval (bench/spread.py), recomputed here from results.json's
+    runs; a row id that does not exist, or whose inputs were not given, is refused before anything is written."""
+    from specquant.bench.ablation import run_bench
+    from specquant.bench.spread import intervals
+
+    cfg = dataclasses.replace(BenchConfig(), out=str(tmp_path / "out"), rows=["e", "s"], qad=False,
+                              hf_compare=False, lengths={"short": 8, "medium": 16, "long": 24}, content_max_tokens=24,
+                              **{**SMALL_CFG, "runs": 2, "warmup": 0, "curve_fractions": (1 / 2,)})
+    logged = []
+    results, _ = run_bench(cfg, pair["target"], pair["draft"], pair["qtarget"], pair["qdraft"], log=logged.append)
+    data = results.to_json()
+    assert [r["id"] for r in data["rows"]] == ["a", "b", "e", "s"]  # (b): (e) and (s) draft against the W4 target
+    runs = {r["id"]: {cat: {pid: [s["latency_s"] for s in ss] for pid, ss in e["samples"].items()}
+                      for cat, e in r["categories"].items()} for r in data["rows"]}
+    for r in data["rows"]:
+        want = intervals(runs["a"], runs[r["id"]])
+        assert r["speedup_avg_interval"] == pytest.approx(list(want["avg"]))
+        assert r["speedup_avg_interval"][0] <= r["speedup_avg"] <= r["speedup_avg_interval"][1]
+        for cat, e in r["categories"].items():
+            assert e["speedup_interval"] == pytest.approx(list(want[cat]))
+    # a line per row once the latency runs end, with its tok/s and interval, before the acceptance passes
+    row_lines = [i for i, line in enumerate(logged) if re.match(r" +\([abes]\) .*: [\d.]+ tok/s, [\d.]+x row \(a\) "
+                                                               r"\(95% interval [\d.]+-[\d.]+\)$", line)]
+    assert len(row_lines) == 4
+    assert row_lines[-1] < next(i for i, line in enumerate(logged) if "acceptance, content" in line)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "Rows by average speedup" in report and "| (e) W4 target + W4 draft + window |" in report
+    assert "| (d)" not in report  # not asked for
+    for rows, message in ((["e", "zz"], "rows zz: no such row"), (["g"], "rows g need inputs")):
+        bad = dataclasses.replace(cfg, out=str(tmp_path / "bad"), rows=rows)
+        with pytest.raises(SpecquantError, match=message):
+            run_bench(bad, pair["target"], pair["draft"], pair["qtarget"], pair["qdraft"], log=logged.append)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_demo_default_rows_tell_each_story_on_both_pairs():
+    """The default preset's rows exist on both pairs and are the stories the demo tells: W4 target, W4 + QAD, the
+    W4 LM drafter without and with its window, the W4 block drafter, the suffix drafter, the W4 MTP layer."""
+    from specquant.bench.ablation import rows_for, select_rows
+    from specquant.bench.demo import demo_config, hybrid_config
+
+    for cfg, mtp in ((demo_config("x"), False), (hybrid_config("x", "default", {}), True)):
+        kept = {r.id: r for r in select_rows(rows_for(True, True, mtp), cfg.rows)}
+        assert set(kept) == {"a", "b", "q", "d", "e", "g", "s"} | ({"n"} if mtp else set())
+        assert (kept["d"].draft, kept["d"].window, kept["e"].window) == ("w4", False, True)
+        assert kept["g"].drafter == "block" and kept["g"].draft == "w4" and kept["s"].drafter == "suffix"
+        assert all(r.target == "qad" for r in kept.values() if r.draft is not None)
+        assert not cfg.hf_compare and not cfg.whole_block_pass and cfg.runs >= 3  # 3 runs: a bootstrap to read
+    assert kept["n"].drafter == "mtp" and kept["n"].draft == "w4"
+    assert demo_config("x", "full").rows == []  # --full: every row
+
+
 def test_interleaved_rounds_limit_one_runner_and_time_each():
     """rounds={name: n}: that runner runs in the first n rounds only (warm-up included); seconds adds up each
     runner's calls."""
@@ -502,7 +568,7 @@ def test_interleaved_rounds_limit_one_runner_and_time_each():
 def test_demo_shares_the_w4_draft_only_when_checkpoint_and_settings_match(pair, tmp_path):
     from specquant.bench.demo import _shared_draft, demo_config, hybrid_config
 
-    cfg, hcfg = demo_config(str(tmp_path), True), hybrid_config(str(tmp_path), True, {})
+    cfg, hcfg = demo_config(str(tmp_path), "quick"), hybrid_config(str(tmp_path), "quick", {})
     w4 = {"path": str(tmp_path / "cache" / "draft"), "method": "gptq", "produced": True}
     d = str(pair["draft"])
     assert _shared_draft(cfg, hcfg, d, d, w4, print) == tmp_path / "cache" / "draft"

@@ -477,14 +477,16 @@ def test_demo_serve_step_times_the_pair(monkeypatch):
     monkeypatch.setattr(kl, "demo_gate", lambda *a, **k: {"passed": True})
     monkeypatch.setattr(report, "summary_table", lambda results: "")
     logged = []
-    assert "served" not in run_demo("unused", quick=True, log=logged.append)
-    out = run_demo("unused", quick=True, log=logged.append, serve=True)
+    assert "served" not in run_demo("unused", "quick", log=logged.append)
+    out = run_demo("unused", "quick", log=logged.append, serve=True)
     row = out["served"]["categories"]["short"]
     assert out["served"]["config"]["runs"] == 3 and abs(row["prompt_tokens"] - 64) <= 2
     assert row["median_ms"] > 0 and 1.0 <= row["mean_acceptance_length"] <= 4.0
     assert any("specquant latency --server http://127.0.0.1:" in line for line in logged)
     parser, _ = cli.build_parser()
     assert parser.parse_args(["demo"]).serve is False and parser.parse_args(["demo", "--serve"]).serve is True
+    presets = [parser.parse_args(argv).preset for argv in (["demo"], ["demo", "--full"], ["demo", "--quick"])]
+    assert presets == ["default", "full", "quick"]
 
 
 def test_serve_load_benchmark_at_a_tiny_setting(capsys):

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, ForwardKey, MTPForward, Probe,
+from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, ForwardKey, MTPForward, Probe, Sample,
                                      environment, forward_times, hf_assisted, interleaved, ours_speculative,
                                      ours_target_only, summarize)
 from specquant.bench.predict import StepCosts, predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
 from specquant.bench.results import BenchResults, CategoryCosts, CategoryResult, RowResult, SameTokens
+from specquant.bench.spread import Runs, intervals, speedup
 from specquant.bench.stages import StageTimes
 from specquant.loader import load_model
 from specquant.quant.linear import resolve_w4_activations
@@ -121,6 +122,38 @@ def rows_for(with_qad: bool, with_block: bool = False, with_mtp: bool = False,
     return (*[r for r in table if r.draft is None], QAD_ROW, *drafted)
 
 
+ALL_ROWS = (*ROWS, *BLOCK_ROWS, *MTP_ROWS, SUFFIX_ROW, *LEVER_BLOCK_ROWS, QAD_ROW, PRUNED_ROW, HF_ROW)
+# what a kept row needs besides itself: the baseline (every speedup is over it) and its own target's row (its
+# greedy tokens are checked against that row's: SameTokens)
+OWN_ROW = {"hp": BASELINE, "w4": "b", "qad": QAD_ROW.id}
+
+
+def check_row_ids(wanted) -> None:
+    """BenchConfig.rows: every id names a row; raises SpecquantError naming the unknown ones."""
+    from specquant.errors import SpecquantError
+
+    known = list(dict.fromkeys(r.id for r in ALL_ROWS))
+    unknown = [r for r in wanted if r not in known]
+    if unknown:
+        raise SpecquantError(f"rows {' '.join(unknown)}: no such row; the rows are {' '.join(known)}")
+
+
+def select_rows(table: tuple[Row, ...], wanted) -> tuple[Row, ...]:
+    """The rows of `table` that BenchConfig.rows keeps (all when it is empty), with the rows they need (OWN_ROW).
+    A wanted row the run's inputs do not allow (a block row without --block-draft) raises SpecquantError."""
+    from specquant.errors import SpecquantError
+
+    if not wanted:
+        return table
+    ids = {r.id for r in table}
+    missing = [w for w in wanted if w not in ids and w not in (HF_ROW.id, PRUNED_ROW.id)]
+    if missing:
+        raise SpecquantError(f"rows {' '.join(missing)} need inputs this run was not given (block rows: "
+                             "--block-draft; MTP rows: an MTP drafter; q: --qad); run without them")
+    keep = set(wanted) | {BASELINE} | {OWN_ROW[r.target] for r in table if r.id in wanted and r.draft is not None}
+    return tuple(r for r in table if r.id in keep)
+
+
 # --- the run -----------------------------------------------------------------------------------------------------
 
 
@@ -131,15 +164,40 @@ def _load_hf(path: Path, dtype: torch.dtype, device):
 
 
 def _bar(total: int, desc: str):
-    from tqdm import tqdm
+    from specquant.util.progress import Progress
 
-    return tqdm(total=total, desc=desc, unit="call", disable=None, leave=False)
+    return Progress(total, desc, "rep", summary=False)  # bench logs each pass's wall time as a stage
+
+
+def row_lines(rows: list[Row], samples: dict, prompts: list[Prompt]) -> list[str]:
+    """One line per row that ran: its tokens/s and its average speedup over row (a) with the 95% interval, from
+    the latency runs' samples ({row id: {prompt id: samples}}), as the report computes them."""
+    by_cat: dict[str, list[str]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p.id)
+
+    def per_category(rid: str) -> dict[str, dict[str, list[Sample]]]:
+        return {cat: {pid: samples[rid][pid] for pid in pids} for cat, pids in by_cat.items()}
+
+    base, lines = latency_runs(per_category(BASELINE)), []
+    for r in rows:
+        if r.id not in samples:
+            continue
+        cats = per_category(r.id)
+        tok_s = sum(summarize(pp).tokens_per_s for pp in cats.values()) / len(cats)
+        runs = latency_runs(cats)
+        point = sum(speedup(base, runs).values()) / len(cats)
+        iv = intervals(base, runs)["avg"]
+        lines.append(f"      ({r.id}) {r.name}: {tok_s:.1f} tok/s, {point:.2f}x row (a) "
+                     f"(95% interval {iv.low:.2f}-{iv.high:.2f})")
+    return lines
 
 
 def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
-                 times: StageTimes | None = None) -> BenchResults:
+                 times: StageTimes | None = None, log=None) -> BenchResults:
     """Measure every row; returns the results that report.py writes. paths: check_inputs' output plus the
-    quantized_target / quantized_draft checkpoints. times: each measuring pass's wall time is recorded there."""
+    quantized_target / quantized_draft checkpoints. times: each measuring pass's wall time is recorded there.
+    log: where given, one line per row once the latency runs end (its tok/s and speedup)."""
     env = environment(device)  # before the run: the load average it records is the one the run started under
     times = times if times is not None else StageTimes()
     t_load, cpu_load = time.perf_counter(), time.process_time()
@@ -158,6 +216,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
     table = rows_for("qad_target" in paths, (BLOCK, "hp") in models, (MTP, "hp") in models, cfg.suffix.cache_tokens > 0)
     if "pruned_target" in paths:
         table = (*table, PRUNED_ROW)
+    table = select_rows(table, cfg.rows)
     if (BLOCK, "w4") in models:  # row (p): its own copy of the W4 block drafter, with the token map
         models[(BLOCK, "w4", "pruned")] = _pruned_block(cfg, paths, runtime)
     context = min(models[("target", "hp")].config.max_position_embeddings,
@@ -180,7 +239,9 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
             continue
         engines[row.id] = _engine(cfg, runtime, row, models, tokenizer, draft_tokenizer)
         runners[row.id] = ours_speculative(engines[row.id], cfg.max_new_tokens, sampling)
-    if cfg.hf_compare:
+    if cfg.rows and HF_ROW.id not in cfg.rows:
+        pass  # not among the rows asked for: not in the table at all
+    elif cfg.hf_compare:
         try:
             dtype = DTYPES[runtime.dtype]
             hf_target, hf_draft = _load_hf(paths["target"], dtype, device), _load_hf(paths["draft"], dtype, device)
@@ -189,7 +250,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
             skipped[HF_ROW.id] = f"transformers could not load the pair: {type(e).__name__}: {str(e)[:200]}"
     else:
         skipped[HF_ROW.id] = "disabled (hf_compare false)"
-    rows = [*table, HF_ROW]
+    rows = [*table, HF_ROW] if not cfg.rows or HF_ROW.id in cfg.rows else list(table)
     times.add("load models, build the rows' engines", time.perf_counter() - t_load, time.process_time() - cpu_load)
 
     def transformers_failed(rid: str, e: Exception) -> bool:
@@ -206,6 +267,9 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
                               seconds=row_seconds,
                               rounds={HF_ROW.id: cfg.warmup + cfg.hf_runs} if cfg.hf_runs is not None else None,
                               warmup_prompts=None if cfg.warmup_all_prompts else 1)
+    if log is not None:
+        for line in row_lines(rows, samples, length_prompts):
+            log(line)
 
     spec_runners = {r.id: runners[r.id] for r in rows if r.draft is not None and r.impl == "specquant"}
     by_source = {}  # a hybrid row's steps per source, per pass (content sets, filler sets)
@@ -226,7 +290,7 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
     # the rows whose drafter fixes its longest draft (a block drafter: block_size - 1) again at that length:
     # acceptance at every block position
     whole, t_whole, cpu_whole = {}, time.perf_counter(), time.process_time()
-    for r in rows:
+    for r in rows if cfg.whole_block_pass else ():
         if r.draft is not None and r.impl == "specquant":
             drafter = _engine(cfg, runtime, r, models, tokenizer, draft_tokenizer).drafter
             longest = getattr(drafter, "max_draft_len", None)
@@ -234,12 +298,13 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
                 whole[r.id] = ours_speculative(_engine(cfg, runtime, r, models, tokenizer, draft_tokenizer, longest),
                                                cfg.max_new_tokens, sampling)
     passed = interleaved(whole, content_prompts, 1, 0, device, desc="acceptance, whole block", seconds=row_seconds)
-    times.add(f"acceptance, whole block: {len(whole)} rows x {len(content_prompts)} prompts",
-              time.perf_counter() - t_whole, time.process_time() - cpu_whole)
+    if whole:
+        times.add(f"acceptance, whole block: {len(whole)} rows x {len(content_prompts)} prompts",
+                  time.perf_counter() - t_whole, time.process_time() - cpu_whole)
     whole_block = {rid: SpecMetrics.total(ss[0].spec for ss in per_prompt.values()) for rid, per_prompt in passed.items()}
 
     with times(f"forward costs: {len(lengths)} contexts x {cfg.cost_reps} reps"):
-        costs = measure_costs(cfg, models, lengths)
+        costs = measure_costs(cfg, models, lengths, rows)
     with times(f"drafter latency curve: {len(cfg.curve_fractions)} contexts"):
         curve = drafter_curve(cfg, models[(LM, "w4")], context)
 
@@ -339,46 +404,59 @@ def _pruned_quality(paths: dict, runtime: RuntimeConfig) -> dict:
             "passed": all(r.passed for r in rows), "rows": [r.to_dict() for r in rows]}
 
 
-def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int]) -> dict[str, CategoryCosts]:
+def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int],
+                  rows: list[Row] | None = None) -> dict[str, CategoryCosts]:
     """Per length category, forward times at the mean decode context (prompt + max_new_tokens / 2), all timed
     interleaved: each target's one-token step (between other probes, and alone: after its own step) and (k+1)-token
     verify, each draft's one-token step (the W4 draft also with the window); with block rows, each block drafter's
     forward and its accept of 1 .. block_draft_len + 1 rows (together its per-step cost), and each target's verify
     of block_draft_len + 1 tokens; with MTP rows, each MTP layer's chained forward and head (one per drafted
-    token, against the W4 target's embeddings and head, as its rows draft)."""
+    token, against the W4 target's embeddings and head, as its rows draft). rows: only the forwards these rows'
+    predictions read (None: every row the models allow)."""
     k1 = cfg.spec.draft_len + 1
-    targets = [t for t in ("hp", "w4", "qad") if ("target", t) in models]  # not the pruned one: nothing predicts it
+    # (drafter kind, precision, window) of every predicted row; None: all the loaded drafters', both windows
+    drafted_by = None if rows is None else {(r.drafter, r.draft, r.window) for r in rows
+                                            if r.draft is not None and r.impl == "specquant" and r.drafter in PREDICTED}
+
+    def wanted(kind, precision, window=False) -> bool:
+        return (kind, precision) in models and (drafted_by is None or (kind, precision, window) in drafted_by)
+
+    # not the pruned one: nothing predicts it; the baseline always (every prediction is rescaled by its step)
+    used = None if rows is None else {r.target for r in rows} | {"hp"}
+    targets = [t for t in ("hp", "w4", "qad") if ("target", t) in models and (used is None or t in used)]
     probes: dict[ForwardKey, Probe] = {}
     for t in targets:
         probes[ForwardKey("target", t)] = Probe(models[("target", t)])
         probes[ForwardKey("target", t, alone=True)] = Probe(models[("target", t)], burst=WARM_BURST)
         probes[ForwardKey("target", t, "verify")] = Probe(models[("target", t)], k1)
-    probes.update({ForwardKey(LM, "hp"): Probe(models[(LM, "hp")]),
-                   ForwardKey(LM, "w4"): Probe(models[(LM, "w4")]),
-                   ForwardKey(LM, "w4", window=True): Probe(models[(LM, "w4")], window=cfg.spec.draft_window)})
+    for precision, window in (("hp", False), ("w4", False), ("w4", True)):
+        if wanted(LM, precision, window):
+            probes[ForwardKey(LM, precision, window=window)] = Probe(
+                models[(LM, precision)], window=cfg.spec.draft_window if window else None)
     if (BLOCK, "hp") in models:
         kb = cfg.block_draft_len
         for t in targets:
             probes[ForwardKey("target", t, "verify_block")] = Probe(models[("target", t)], kb + 1)
         for kind in ("hp", "w4"):
-            if (BLOCK, kind) not in models:
+            windows = [w for w in ((False, True) if kind == "w4" else (False,)) if wanted(BLOCK, kind, w)]
+            if not windows:
                 continue
             fwd, acc = BlockForward(models[(BLOCK, kind)], kb), BlockAccept(models[(BLOCK, kind)])
-            for windowed in ((False, True) if kind == "w4" else (False,)):
+            for windowed in windows:
                 window = cfg.spec.draft_window if windowed else None
                 probes[ForwardKey(BLOCK, kind, window=windowed)] = Probe(fwd, window=window)
-                for rows in range(1, kb + 2):  # accept after 0 .. kb accepted drafts: 1 .. kb + 1 rows
-                    probes[ForwardKey(BLOCK, kind, "accept", rows, windowed)] = Probe(acc, rows, window=window)
+                for n in range(1, kb + 2):  # accept after 0 .. kb accepted drafts: 1 .. kb + 1 rows
+                    probes[ForwardKey(BLOCK, kind, "accept", n, windowed)] = Probe(acc, n, window=window)
     drafted = next(models[("target", t)] for t in ("qad", "w4", "hp") if ("target", t) in models)
     for kind in ("hp", "w4"):
-        if (MTP, kind) in models:
+        if wanted(MTP, kind):
             probes[ForwardKey(MTP, kind)] = Probe(MTPForward(models[(MTP, kind)], drafted))
     out = {}
-    with _bar(len(lengths), "forward costs") as bar:
+    with _bar(len(lengths) * (2 + cfg.cost_reps), "forward costs") as bar:
         for cat, n in lengths.items():
             ctx = n + cfg.max_new_tokens // 2
-            out[cat] = CategoryCosts(ctx, forward_times(probes, ctx, cfg.cost_reps))
-            bar.update(1)
+            out[cat] = CategoryCosts(ctx, forward_times(probes, ctx, cfg.cost_reps,
+                                                        lambda: bar.update(1, status=f"{cat} context {ctx}")))
     return out
 
 
@@ -387,12 +465,11 @@ def drafter_curve(cfg: BenchConfig, draft, context: int) -> dict:
     contexts = sorted({max(1, int(f * context)) for f in cfg.curve_fractions})
     probes = {"full": Probe(draft), "window": Probe(draft, window=cfg.spec.draft_window)}
     full, windowed = [], []
-    with _bar(len(contexts), "drafter latency") as bar:
+    with _bar(len(contexts) * (2 + cfg.cost_reps), "drafter latency") as bar:
         for ctx in contexts:
-            t = forward_times(probes, ctx, cfg.cost_reps)
+            t = forward_times(probes, ctx, cfg.cost_reps, lambda: bar.update(1, status=f"context {ctx}"))
             full.append(t["full"])
             windowed.append(t["window"])
-            bar.update(1)
     return {"contexts": contexts, "full_s": full, "window_s": windowed, "window": cfg.spec.draft_window}
 
 
@@ -446,16 +523,27 @@ def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped
     return res
 
 
+def latency_runs(per_category: dict[str, dict[str, list[Sample]]]) -> Runs:
+    """{category: {prompt id: samples}} -> the per-run latencies bench/spread.py reads."""
+    return {cat: {pid: [s.latency_s for s in ss] for pid, ss in per_prompt.items()}
+            for cat, per_prompt in per_category.items()}
+
+
 def _add_speedups(rows: list[RowResult]):
-    """speedup = baseline latency / row latency per category; decode_speedup the same on TPOT (the averages are
-    RowResult's properties); same_tokens_as: the row produced the baseline-precision target's own tokens."""
+    """speedup = baseline latency / row latency per category, with its 95% interval (bench/spread.py);
+    decode_speedup the same on TPOT (the averages are RowResult's properties); same_tokens_as: the row produced the
+    baseline-precision target's own tokens."""
     base = next(r for r in rows if r.id == BASELINE)
-    own = {"hp": BASELINE, "w4": "b", "qad": QAD_ROW.id}
+    own = OWN_ROW
     by_id = {r.id: r for r in rows}
+    base_runs = latency_runs({cat: e.samples for cat, e in base.categories.items()})
     for r in rows:
         if not r.ok:
             continue
+        spread = intervals(base_runs, latency_runs({cat: e.samples for cat, e in r.categories.items()}))
+        r.speedup_avg_interval = spread["avg"]
         for cat, e in r.categories.items():
+            e.speedup_interval = spread[cat]
             b = base.categories[cat].timing
             e.speedup = b.latency_s / e.timing.latency_s
             e.decode_speedup = b.tpot_s / e.timing.tpot_s if e.timing.tpot_s > 0 else float("nan")
@@ -483,6 +571,9 @@ def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_
                      quantized_block_draft)
     if pruned_target is not None:
         paths["pruned_target"] = check_pruned_target(paths, pruned_target)
+    check_row_ids(cfg.rows)  # and that the inputs allow them, before anything is written:
+    available = rows_for(cfg.qad or "qad_target" in paths, block_draft is not None, mtp_draft is not None)
+    select_rows((*available, PRUNED_ROW) if pruned_target is not None else available, cfg.rows)
     claim_out_dir(cfg.out, cfg.overwrite)
     times = StageTimes(log)
     quantized = prepare_quantized(cfg, paths, log, times)
@@ -492,7 +583,7 @@ def run_bench(cfg: BenchConfig, target, draft, quantized_target=None, quantized_
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     torch.manual_seed(cfg.sampling.seed)
-    results = run_ablation(cfg, paths, torch.device(device), times)
+    results = run_ablation(cfg, paths, torch.device(device), times, log)
     results.quantized, results.stages = quantized, times
     t0 = time.perf_counter()
     files = write_report(results, Path(cfg.out))

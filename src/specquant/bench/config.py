@@ -103,7 +103,16 @@ class BenchConfig:
     pruned_head_fraction: float = field(default=0.5, metadata={
         "help": "row (p): the share of the vocabulary the block drafter's head keeps (the most frequent ids on the "
                 "calibration text)"})
-    cost_reps: int = 15  # repetitions per forward timing (c, verify ratio, drafter latency curve); median kept
+    # Which rows run: their ids (e.g. a b q d e g s n); empty: every row the inputs allow. Row (a), the baseline
+    # every speedup is over, always runs; so does the row of each target a kept row drafts against (b or q), whose
+    # tokens the row must reproduce. The demo's default preset keeps one row per story (demo.PRESETS).
+    rows: list[str] = field(default_factory=list, metadata={
+        "help": "run only these rows (ids, e.g. a b q d e s); row (a) and the target-only row each kept draft row "
+                "checks its tokens against always run"})
+    # the block rows again with k = block_size - 1 on the content prompts (untimed): acceptance at every block position
+    whole_block_pass: bool = True
+    cost_reps: int = field(default=15, metadata={
+        "help": "repetitions per forward timing (c, verify ratio, drafter latency curve); the median is kept"})
     # contexts (fractions of the model context) at which the drafter's one-token forward is timed for the plot
     curve_fractions: tuple[float, ...] = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)
 
@@ -160,8 +169,12 @@ class BenchConfig:
         # one checkpoint, at the last step (the trainer always writes that one): each holds the latent weights and
         # both Adam moments (145 MB for the bundled target), and an interrupted run of this size loses less by
         # training again than a mid-run checkpoint costs every run
+        # warm-up: TrainConfig's 10 steps, or a quarter of a shorter run (the demo's default QAD: 20 steps would
+        # spend half of them warming up)
+        warmup = min(TrainConfig().warmup, self.qad_steps // 4)
         return QADRecipe(regen=RegenConfig(limit=self.qad_prompts, max_new_tokens=self.qad_new_tokens),
-                         train=TrainConfig(steps=self.qad_steps, eval_every=0, save_every=self.qad_steps),
+                         train=TrainConfig(steps=self.qad_steps, warmup=warmup, eval_every=0,
+                                           save_every=self.qad_steps),
                          qad=QADConfig(eval_samples=self.qad_eval_samples))
 
     def quant_overrides_for(self, role: str) -> dict:

@@ -164,7 +164,7 @@ def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, r
     hits all runners alike and ratios between them are taken side by side. on_error(name, exception) -> True drops
     that runner and goes on (e.g. transformers' assisted generation failing); otherwise the error propagates.
     """
-    from tqdm import tqdm
+    from specquant.util.progress import Progress
 
     runners, rounds = dict(runners), rounds or {}
     samples = {name: {p.id: [] for p in prompts} for name in runners}
@@ -173,12 +173,13 @@ def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, r
 
     calls = sum(len(prompts_of(rep)) for name in runners for rep in range(min(rounds.get(name, repetitions),
                                                                                repetitions)))
-    with tqdm(total=calls, desc=desc, unit="call", disable=None, leave=False) as bar:
+    # no closing line: bench logs each pass's wall time as a stage (bench/stages.py)
+    with Progress(calls, desc, "call", summary=False) as bar:
         for rep in range(repetitions):
             for p in prompts_of(rep):
                 ids = torch.tensor([p.ids], device=device)
                 for name in [n for n in runners if rep < rounds.get(n, repetitions)]:
-                    t0 = time.perf_counter()
+                    t0, s = time.perf_counter(), None
                     try:
                         s = runners[name](ids)
                     except Exception as e:
@@ -187,7 +188,7 @@ def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, r
                         del runners[name], samples[name]
                         continue
                     finally:
-                        bar.update(1)
+                        bar.update(1, status=f"{name}: {s.tokens_per_s:.0f} tok/s" if s is not None else None)
                         if seconds is not None:
                             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
                     if rep >= warmup:
@@ -331,9 +332,9 @@ class Probe:
 
 
 @torch.no_grad()
-def forward_times(probes: dict, context: int, reps: int) -> dict:
+def forward_times(probes: dict, context: int, reps: int, on_rep: Callable[[], None] | None = None) -> dict:
     """Median seconds of each probe's cached forward after `context` earlier tokens: {key: Probe} -> {key: seconds},
-    any hashable key (bench uses ForwardKey).
+    any hashable key (bench uses ForwardKey). on_rep: called after each of the 2 + reps repetitions (progress).
 
     Interleaved: every repetition times every probe once, so background load hits them alike and ratios between
     them (c, verify ratio, window vs full) are taken side by side. Each (model, window) gets its own prefilled
@@ -370,6 +371,8 @@ def forward_times(probes: dict, context: int, reps: int) -> dict:
             sync(x.device)
             if rep >= 2:
                 samples[name].append(time.perf_counter() - t0)
+        if on_rep is not None:
+            on_rep()
     for model in instances.values():
         model.clear_cache()
     return {name: statistics.median(v) for name, v in samples.items()}

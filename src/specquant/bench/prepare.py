@@ -23,6 +23,7 @@ from specquant.spec_decode.drafter import check_vocab
 from specquant.util.device import check_device
 from specquant.util.dtypes import DTYPES
 from specquant.util.files import atomic_write, check_out_dir
+from specquant.util.progress import BAR_ONLY  # bench logs each preparing step's own line (bench/stages.py)
 
 
 def fingerprint(path: Path) -> dict:
@@ -55,7 +56,7 @@ def quantized_checkpoint(src: Path, role: str, method: str, overrides: dict, cac
     scale_dtype = DTYPES.get(dtype_name, torch.float32)
     t0 = time.perf_counter()
     model = load_model(src, torch.float32)  # calibrate in fp32 (as `specquant quantize` does), store scales as src
-    report = quantize(model, qcfg, load_tokenizer(src), scale_dtype=scale_dtype, progress=True)
+    report = quantize(model, qcfg, load_tokenizer(src), scale_dtype=scale_dtype, progress=BAR_ONLY)
     model.to(scale_dtype)
     save_quantized(model, dest, tokenizer_from=src, cfg=qcfg)
     # record the source in the checkpoint itself (not in its name); a crash before this line only costs a re-run
@@ -217,7 +218,7 @@ def quantized_block_drafter(src: Path, target_path: Path, overrides: dict, cache
     target = load_model(target_path, torch.float32)
     drafter = load_block_draft(src, torch.float32)
     tokens = calibration_tokens(load_tokenizer(target_path), qcfg.calib_path(), qcfg.calib_samples, qcfg.seq_len)
-    report = gptq_block_drafter(drafter, target, tokens, qcfg)
+    report = gptq_block_drafter(drafter, target, tokens, qcfg, progress=BAR_ONLY)
     save_block_drafter(drafter, dest, tokenizer_from=src, extra_config={
         "quantization_config": quantization_config(drafter, qcfg), "specquant_bench_source": source,
         "specquant_bench_quant": want_quant})

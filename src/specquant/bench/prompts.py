@@ -82,6 +82,9 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+PACKAGED_LENGTHS = ("short", "medium", "long")  # the length categories of DEFAULT_PROMPTS
+
+
 def load_prompts(tokenizer, lengths: dict[str, int], content_sets: tuple[str, ...], per_length: int, per_set: int,
                  content_max_tokens: int, path: str | Path | None = None,
                  filler_sets: tuple[str, ...] = ()) -> list[Prompt]:
@@ -101,7 +104,10 @@ def load_prompts(tokenizer, lengths: dict[str, int], content_sets: tuple[str, ..
         raise SpecquantError(f"prompts file {str(path)!r} has no prompt in the length categories "
                              f"{', '.join(lengths)}; latency is measured on those")
     order = [c for c in lengths if c in by_cat] + [c for c in (*content_sets, *filler_sets) if c in by_cat]
-    order += sorted(c for c in by_cat if c not in order)
+    # the packaged file's length categories that this run leaves out (the demo's default runs short and long) are
+    # left out, not read as content sets
+    unused = set(PACKAGED_LENGTHS) - set(lengths) if path == DEFAULT_PROMPTS else set()
+    order += sorted(c for c in by_cat if c not in order and c not in unused)
     prompts = []
     for cat in order:
         is_length = cat in lengths

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from specquant.bench.results import BenchResults, RowResult
+from specquant.bench.spread import RESAMPLES, SEED, ranking
 from specquant.bench.stages import StageTimes
 from specquant.spec_decode.metrics import SpecMetrics
 from specquant.spec_decode.drafters import kind_named
@@ -39,8 +40,27 @@ def content_sets(results: BenchResults, kind: str = "content") -> list[str]:
     return seen
 
 
+def _xi(x, interval) -> str:
+    """A speedup with its 95% interval: "1.55x (1.48-1.62)"."""
+    if interval is None or _x(x) == "-":
+        return _x(x)
+    return f"{_x(x)} ({interval.low:.2f}-{interval.high:.2f})"
+
+
+def ranking_line(results: BenchResults) -> str:
+    """The rows by average speedup, ">" only where the intervals do not overlap (bench/spread.py)."""
+    rows = [(f"({r.id})", r.speedup_avg, r.speedup_avg_interval) for r in results.ok_rows()
+            if r.speedup_avg_interval is not None]
+    order = ranking(rows)
+    if not order:
+        return ""
+    return ("Rows by average speedup, \">\" where the next row's 95% interval lies wholly below every faster row's, "
+            f"\"~\" where they overlap (not ranked: this run cannot tell them apart): {order}")
+
+
 def summary_table(results: BenchResults) -> str:
-    """The main table (markdown): per row, averages over length categories, speedup per category, acceptance."""
+    """The main table (markdown): per row, averages over length categories, speedup per category with its 95%
+    interval, acceptance; then the ranking line (rows whose intervals overlap are not ranked)."""
     cats, sets, fillers = list(results.lengths), content_sets(results), content_sets(results, "filler")
     head = (["row", "TTFT ms", "TPOT ms", "latency ms", "tok/s"] + [f"speedup {c}" for c in cats]
             + ["speedup avg", "predicted avg"] + [f"MAL {s}" for s in sets] + [f"MAL {s}" for s in fillers])
@@ -52,14 +72,16 @@ def summary_table(results: BenchResults) -> str:
             continue
         avg = r.timing_avg
         cells = [label, _ms(avg.ttft_s), _ms(avg.tpot_s), _ms(avg.latency_s), _f(avg.tokens_per_s, 1)]
-        cells += [_x(r.categories[c].speedup) if c in r.categories else "-" for c in cats]
-        cells += [_x(r.speedup_avg), _x(r.predicted_speedup_avg)]
+        cells += [_xi(r.categories[c].speedup, r.categories[c].speedup_interval) if c in r.categories else "-"
+                  for c in cats]
+        cells += [_xi(r.speedup_avg, r.speedup_avg_interval), _x(r.predicted_speedup_avg)]
         acc = r.acceptance or {}
         cells += [_f(acc[s].mean_acceptance_length) if s in acc else "-" for s in sets]
         filler = r.filler or {}
         cells += [_f(filler[s].mean_acceptance_length) if s in filler else "-" for s in fillers]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    order = ranking_line(results)
+    return "\n".join(lines) + (f"\n\n{order}" if order else "")
 
 
 def detail_table(results: BenchResults) -> str:
@@ -229,9 +251,17 @@ def drafter_verdict(results: BenchResults) -> str:
                 + (f" at {co['per_token']:.2f} target steps per token (step {co['step']:.2f}, MAL {co['mal']:.2f})"
                    if co else "") + ".")
     kind = kind_named(win_kind).title
-    return ("\n\n## Which drafter wins\n\n" + "\n".join(lines)
-            + f"\n\nThe {kind} wins in this run: ({winner.id}) {winner.timing_avg.tokens_per_s:.1f} vs "
-              f"({loser.id}) {loser.timing_avg.tokens_per_s:.1f} tok/s.{why}")
+    iw, il = winner.speedup_avg_interval, loser.speedup_avg_interval
+    if iw is not None and il is not None and iw.overlaps(il):  # not ranked: the run cannot tell them apart
+        other = kind_named(ranked[1][0]).title
+        head = (f"The {kind} and the {other} are not told apart in this run: ({winner.id}) "
+                f"{winner.timing_avg.tokens_per_s:.1f} vs ({loser.id}) {loser.timing_avg.tokens_per_s:.1f} tok/s, "
+                f"and their average speedups' 95% intervals overlap ({iw.low:.2f}-{iw.high:.2f} and "
+                f"{il.low:.2f}-{il.high:.2f}).")
+    else:
+        head = (f"The {kind} wins in this run: ({winner.id}) {winner.timing_avg.tokens_per_s:.1f} vs "
+                f"({loser.id}) {loser.timing_avg.tokens_per_s:.1f} tok/s.")
+    return "\n\n## Which drafter wins\n\n" + "\n".join(lines) + f"\n\n{head}{why}"
 
 
 def time_table(results: BenchResults) -> str:
@@ -287,7 +317,10 @@ Prompt lengths (target tokens): {lengths}.
 
 Latency is end to end (prefill + decode) per request, the median over runs per prompt, then the mean over a
 category's prompts; TTFT / TPOT / latency / tok/s columns are means over the length categories. speedup = baseline
-(a) latency / row latency per length category; "avg" is the mean of the per-category speedups. "predicted" is the
+(a) latency / row latency per length category; "avg" is the mean of the per-category speedups. In brackets, each
+speedup's 95% interval: a paired percentile bootstrap over each prompt's timed runs ({RESAMPLES} resamples, seed
+{SEED}; bench/spread.py); with {cfg.runs} timed run{'s' if cfg.runs != 1 else ''} per prompt it shows the
+round-to-round spread only. "predicted" is the
 decode-phase speedup from measured acceptance and forward costs (see predict.py): S = E / (k·c + verify_ratio +
 accept_ratio), rescaled to the baseline's step time (timed alone, as row (a) decodes). MAL = mean acceptance
 length = 1 + num_accepted_tokens / num_drafts, per content set.

@@ -19,6 +19,7 @@ from specquant.bench.config import BenchConfig
 from specquant.bench.measure import ForwardKey, Sample, Timing
 from specquant.bench.predict import Prediction
 from specquant.bench.prompts import Prompt
+from specquant.bench.spread import Interval
 from specquant.bench.stages import StageTimes
 from specquant.spec_decode.metrics import SpecMetrics
 
@@ -55,6 +56,7 @@ class CategoryResult:
     prediction: Prediction | None = None
     step_ratio: float | None = None
     speedup: float = math.nan
+    speedup_interval: Interval | None = None  # 95%, from the per-run latencies (bench/spread.py)
     decode_speedup: float = math.nan
     same_tokens_as: SameTokens | None = None
 
@@ -82,6 +84,8 @@ class CategoryResult:
         elif self.step_ratio is not None:
             out["predicted"] = {"speedup": self.step_ratio}
         out["speedup"], out["decode_speedup"] = self.speedup, self.decode_speedup
+        if self.speedup_interval is not None:
+            out["speedup_interval"] = list(self.speedup_interval)
         if self.same_tokens_as is not None:
             out["same_tokens_as"] = self.same_tokens_as._asdict()
         return out
@@ -115,6 +119,7 @@ class RowResult:
     lossy: dict | None = None
     # wall time of the row's decoding in this bench: warm-up and timed runs, its acceptance passes
     seconds: float | None = None
+    speedup_avg_interval: Interval | None = None  # 95%, of speedup_avg (bench/spread.py)
 
     @property
     def ok(self) -> bool:
@@ -171,6 +176,8 @@ class RowResult:
             out["by_source"] = {run: {src: m.to_dict() for src, m in srcs.items()}
                                 for run, srcs in self.by_source.items()}
         avg = self.timing_avg
+        if self.speedup_avg_interval is not None:
+            out["speedup_avg_interval"] = list(self.speedup_avg_interval)
         out.update(speedup_avg=self.speedup_avg, decode_speedup_avg=self.decode_speedup_avg,
                    latency_avg_s=avg.latency_s, ttft_avg_s=avg.ttft_s, tpot_avg_s=avg.tpot_s,
                    tokens_per_s_avg=avg.tokens_per_s)

@@ -36,8 +36,9 @@ def calibration_anchors(batch: int, seq_len: int, anchors: int, device=None) -> 
 
 @torch.no_grad()
 def drafter_hessians(drafter: BlockDraftModel, target, tokens: torch.Tensor, anchors: int = 16,
-                     batch: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """tokens [N, L] -> ({Linear name: H [in, in] float32}, {name: a subsample of its inputs, for the report})."""
+                     batch: int = 4, on_batch=None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """tokens [N, L] -> ({Linear name: H [in, in] float32}, {name: a subsample of its inputs, for the report});
+    on_batch: called after each batch of `batch` sequences (progress)."""
     linears = {n: m for n, m in drafter.named_modules() if isinstance(m, nn.Linear)}
     sums = {n: torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
     counts = dict.fromkeys(linears, 0)
@@ -59,6 +60,8 @@ def drafter_hessians(drafter: BlockDraftModel, target, tokens: torch.Tensor, anc
             tok = tokens[i : i + batch]
             _, hidden = target(tok, hidden_layers=ids, hidden_only=True)  # [b, L, taps, hidden]
             drafter.block_logits(hidden.flatten(2), tok, calibration_anchors(len(tok), tok.shape[1], anchors))
+            if on_batch is not None:
+                on_batch()
     finally:
         for h in handles:
             h.remove()
@@ -67,8 +70,11 @@ def drafter_hessians(drafter: BlockDraftModel, target, tokens: torch.Tensor, anc
 
 @torch.no_grad()
 def gptq_block_drafter(drafter: BlockDraftModel, target, tokens: torch.Tensor, cfg: QuantConfig,
-                       anchors: int = 16) -> dict:
-    """Quantize every Linear of the drafter in place (GPTQ, cfg.bits / group / damp); returns a report."""
+                       anchors: int = 16, progress: bool | str = False) -> dict:
+    """Quantize every Linear of the drafter in place (GPTQ, cfg.bits / group / damp); returns a report.
+    progress: a bar over the calibration batches and the Linears (util/progress.py: True, BAR_ONLY or False)."""
+    from specquant.util.progress import progress_for
+
     cfg = cfg.validate()
     started = time.perf_counter()
     drafter.eval()
@@ -77,14 +83,19 @@ def gptq_block_drafter(drafter: BlockDraftModel, target, tokens: torch.Tensor, c
     for n, m in linears.items():
         cfg.group_for(n, m.in_features)  # every group size checked before any work
     bytes_before = tensor_bytes(drafter)
-    hessians, samples = drafter_hessians(drafter, target, tokens, anchors)
-    scale_dtype = drafter.norm.weight.dtype
-    rows = []
-    for name, lin in linears.items():
-        res = gptq_quantize(lin.weight, hessians[name], cfg, cfg.group_for(name, lin.in_features), scale_dtype, name)
-        deq = dequantize(res.codes, res.scale.float(), res.zero)
-        rows.append(_error_row(name, res, deq, samples.get(name), cfg.seed))
-        _swap(drafter, name, res, lin, cfg.bits)
+    batches = -(-len(tokens) // 4)  # drafter_hessians' default batch
+    with progress_for(progress, batches + len(linears), "GPTQ block drafter", "step") as bar:
+        hessians, samples = drafter_hessians(drafter, target, tokens, anchors,
+                                             on_batch=lambda: bar.update(1, status="calibration"))
+        scale_dtype = drafter.norm.weight.dtype
+        rows = []
+        for name, lin in linears.items():
+            res = gptq_quantize(lin.weight, hessians[name], cfg, cfg.group_for(name, lin.in_features), scale_dtype,
+                                name)
+            deq = dequantize(res.codes, res.scale.float(), res.zero)
+            rows.append(_error_row(name, res, deq, samples.get(name), cfg.seed))
+            _swap(drafter, name, res, lin, cfg.bits)
+            bar.update(1, status=name)
     drafter.quant_config = cfg
     return {"method": "gptq", "config": cfg.to_json(), "layers": rows, "quantized_linears": len(rows),
             "calibration": {"sequences": len(tokens), "seq_len": tokens.shape[1], "anchors_per_sequence": anchors},

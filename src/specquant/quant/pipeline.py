@@ -124,13 +124,14 @@ def _warn_rank_deficient(tokens: int, targets: dict[str, nn.Linear], cfg: QuantC
 
 @torch.no_grad()
 def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.Tensor | None = None,
-             scale_dtype: torch.dtype | None = None, progress: bool = False) -> dict:
+             scale_dtype: torch.dtype | None = None, progress: bool | str = False) -> dict:
     """Quantize model's Linears in place with config.method; returns a report (per-layer error, bytes).
 
     calib_tokens [samples, seq_len] overrides reading config.calib with tokenizer. scale_dtype defaults to the
     model's dtype (pass bfloat16 to calibrate an fp32 model but store bf16 scales). RTN needs no calibration;
     given a tokenizer or tokens it still captures inputs to report output errors.
     Linears outside the decoder layers (lm_head when not ignored) are quantized with RTN.
+    progress: a bar per layer (util/progress.py: True, BAR_ONLY or False).
     """
     cfg = config.validate()
     check_unfused(model, "quantize")
@@ -195,20 +196,15 @@ def quantize(model, config: QuantConfig, tokenizer=None, *, calib_tokens: torch.
             return None
         return swap  # run_sequential calls it once the stream has gone through the stand-ins
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from specquant.util.progress import progress_for
 
-        bar = tqdm(total=n_layers, desc=f"{cfg.method_name} {cfg.bits}-bit", unit="layer")
-    if calib_tokens is not None:
-        run_sequential(model, calib_tokens, per_layer, progress=bar)
-    else:
-        for i, layer in enumerate(model.model.layers):
-            per_layer(i, layer, None)
-            if bar is not None:
+    with progress_for(progress, n_layers, f"{cfg.method_name} {cfg.bits}-bit", "layer") as bar:
+        if calib_tokens is not None:
+            run_sequential(model, calib_tokens, per_layer, progress=bar)
+        else:
+            for i, layer in enumerate(model.model.layers):
+                per_layer(i, layer, None)
                 bar.update(1)
-    if bar is not None:
-        bar.close()
     for name, lin in targets.items():
         if not name.startswith("model.layers."):
             res = rtn.quantize_linear(name, lin, cfg, scale_dtype)

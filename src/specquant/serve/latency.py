@@ -157,46 +157,57 @@ def _mal(before: tuple[float, float] | None, after: tuple[float, float] | None) 
     return None
 
 
-def measure(client: Client, prompts: dict, config: LatencyConfig) -> dict:
+def measure(client: Client, prompts: dict, config: LatencyConfig, progress: bool = False, name: str = "") -> dict:
     """category -> {median_ms, p90_ms, mean_new_tokens, mean_acceptance_length (None without counters), and the
     category's first request apart: first_ms, first_mean_acceptance_length}. The first request is the first
     warm-up (else the first timed run, also counted there): a server that drafts from earlier answers (`serve
-    --draft suffix`'s response cache) replays from the second on, so the two differ."""
+    --draft suffix`'s response cache) replays from the second on, so the two differ.
+    progress: a bar over the requests (util/progress.py) and a line per category as it finishes."""
+    from specquant.util.progress import Progress
+
     out = {}
-    for cat, (prompt, _) in prompts.items():
-        new = CATEGORIES[cat][1]
-        times, tokens, cached = [], [], []
+    label = f"latency {name}".rstrip()
+    with Progress(len(prompts) * (config.warmup + config.runs), label, "request", enabled=progress) as bar:
+        for cat, (prompt, _) in prompts.items():
+            new = CATEGORIES[cat][1]
+            times, tokens, cached = [], [], []
 
-        def timed():
-            t0 = time.perf_counter()
-            reply = client.complete(prompt, new, config.temperature)
-            times.append((time.perf_counter() - t0) * 1e3)
-            tokens.append(reply["usage"]["completion_tokens"])
-            details = reply["usage"].get("prompt_tokens_details") or {}
-            if details.get("cached_tokens") is not None:
-                cached.append(details["cached_tokens"])
+            def timed():
+                t0 = time.perf_counter()
+                reply = client.complete(prompt, new, config.temperature)
+                times.append((time.perf_counter() - t0) * 1e3)
+                tokens.append(reply["usage"]["completion_tokens"])
+                details = reply["usage"].get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    cached.append(details["cached_tokens"])
 
-        before = client.spec_counters()
-        timed()
-        first_ms, first_mal = times[0], _mal(before, client.spec_counters())
-        if config.warmup:  # the first request was a warm-up: untimed
-            del times[:], tokens[:], cached[:]
-            for _ in range(config.warmup - 1):
-                client.complete(prompt, new, config.temperature)
-        before = client.spec_counters() if config.warmup else before
-        while len(times) < config.runs:
+            before = client.spec_counters()
             timed()
-        mal = _mal(before, client.spec_counters())
-        out[cat] = {"median_ms": statistics.median(times), "p90_ms": percentile(times, 90),
-                    "mean_new_tokens": statistics.fmean(tokens), "mean_acceptance_length": mal,
-                    "mean_cached_prompt_tokens": statistics.fmean(cached) if len(cached) == len(times) else None,
-                    "first_ms": first_ms, "first_mean_acceptance_length": first_mal}
+            bar.update(1, status=f"{cat}: first request")
+            first_ms, first_mal = times[0], _mal(before, client.spec_counters())
+            if config.warmup:  # the first request was a warm-up: untimed
+                del times[:], tokens[:], cached[:]
+                for _ in range(config.warmup - 1):
+                    client.complete(prompt, new, config.temperature)
+                    bar.update(1, status=f"{cat}: warm-up")
+            before = client.spec_counters() if config.warmup else before
+            while len(times) < config.runs:
+                timed()
+                bar.update(1, status=f"{cat}: {times[-1]:.0f} ms")
+            mal = _mal(before, client.spec_counters())
+            out[cat] = {"median_ms": statistics.median(times), "p90_ms": percentile(times, 90),
+                        "mean_new_tokens": statistics.fmean(tokens), "mean_acceptance_length": mal,
+                        "mean_cached_prompt_tokens": statistics.fmean(cached) if len(cached) == len(times) else None,
+                        "first_ms": first_ms, "first_mean_acceptance_length": first_mal}
+            bar.note(f"{label} {cat}: median {out[cat]['median_ms']:.1f} ms, "
+                     f"{1e3 * out[cat]['mean_new_tokens'] / out[cat]['median_ms']:.1f} tok/s")
     return out
 
 
 def time_server(config: LatencyConfig, server: str, model: str | None = None, baseline_server: str | None = None,
-                baseline_model: str | None = None, say=print) -> dict:
-    """The protocol against server (and baseline_server): the table through say, the JSON line's object back."""
+                baseline_model: str | None = None, say=print, progress: bool = False) -> dict:
+    """The protocol against server (and baseline_server): the table through say, the JSON line's object back;
+    progress: a bar per server on stderr, one line per category (util/progress.py)."""
     client = Client(server, model, config.timeout_s)
     baseline = Client(baseline_server, baseline_model or model, config.timeout_s) if baseline_server else None
     contexts = [c for c in (client.context(), baseline.context() if baseline else None) if c]
@@ -206,8 +217,8 @@ def time_server(config: LatencyConfig, server: str, model: str | None = None, ba
     if scale < 1:
         say(f"context {min(contexts)} tokens: prompt lengths scaled by {scale:.4f} ("
             + ", ".join(f"{c} {CATEGORIES[c][0]} -> {prompts[c][1]}" for c in config.categories) + ")")
-    ours = measure(client, prompts, config)
-    base = measure(baseline, prompts, config) if baseline else None
+    ours = measure(client, prompts, config, progress, "server" if baseline else "")
+    base = measure(baseline, prompts, config, progress, "baseline") if baseline else None
     rows = {}
     for cat in config.categories:
         row = {"prompt_tokens": prompts[cat][1], "max_tokens": CATEGORIES[cat][1], **ours[cat]}
@@ -240,7 +251,8 @@ def time_server(config: LatencyConfig, server: str, model: str | None = None, ba
 def run(args):
     config = config_from_args(LatencyConfig, args).validate()
     say = (lambda *a: None) if args.json else print
-    print_json(time_server(config, args.server, args.model, args.baseline_server, args.baseline_model, say))
+    print_json(time_server(config, args.server, args.model, args.baseline_server, args.baseline_model, say,
+                           progress=True))  # on stderr: the JSON line stays alone on stdout
     return 0
 
 

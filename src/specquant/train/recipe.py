@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specquant.train.config import QADConfig, RegenConfig, TrainConfig
+from specquant.util.progress import BAR_ONLY  # the pipeline logs its own line per step (bench/stages.py)
 
 
 @dataclass
@@ -46,14 +47,14 @@ def qad_target(teacher: Path, student: Path, cache: Path, recipe: QADRecipe, log
     t0 = time.perf_counter()
     data = root / "regen.jsonl"
     t_regen, cpu_regen = time.perf_counter(), time.process_time()
-    made = regen(str(teacher), "bundled", data, recipe.regen, progress=False)
+    made = regen(str(teacher), "bundled", data, recipe.regen, progress=BAR_ONLY)
     log(f"      regen: {made['written'] + made['skipped']} prompts x {recipe.regen.max_new_tokens} tokens from the "
         f"teacher ({made['seconds']:.0f} s)")
     regen_s, regen_cpu_s = time.perf_counter() - t_regen, time.process_time() - cpu_regen
     run = root / "run"
     resume = (run / "checkpoints").exists()
     result = run_qad(str(teacher), str(student), run, recipe.train, recipe.qad, data=str(data), resume=resume,
-                     overwrite=not resume and run.exists(), progress=False)
+                     overwrite=not resume and run.exists(), progress=BAR_ONLY)
     info = {"method": f"QAD, {result['steps']} steps", "seconds": time.perf_counter() - t0, "steps": result["steps"], "best_step": result["best"]["step"],
             "start_kl": result["start_eval"]["kl"], "best_kl": result["best_eval"]["kl"],
             "seconds_per_step": result["seconds_per_step"], "regen_tokens": made["new_tokens"],

@@ -129,9 +129,9 @@ def read_done(out: Path, sampling: dict, sha: str) -> set[str]:
 
 
 def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None = None, device: str = "cpu",
-          progress: bool = True, overwrite: bool = False) -> dict:
+          progress: bool | str = True, overwrite: bool = False) -> dict:
     """Write continuations for every prompt not yet in `out` (every prompt, replacing `out`, with overwrite);
-    returns counts and tokens/s."""
+    returns counts and tokens/s. progress: util/progress.py's True, BAR_ONLY or False."""
     import time
 
     from specquant.spec_decode.engine import generate
@@ -171,13 +171,11 @@ def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None
     out.parent.mkdir(parents=True, exist_ok=True)
     if overwrite:
         out.unlink(missing_ok=True)  # every input is checked: start the file over
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from specquant.util.progress import progress_for
 
-        bar = tqdm(total=sum(len(b) for _, b in todo), desc="regen", unit="prompt")
+    bar = progress_for(progress, sum(len(b) for _, b in todo), "regen", "prompt")
     new_tokens, t0, written = 0, time.perf_counter(), 0
-    with out.open("a", encoding="utf-8") as f:
+    with bar, out.open("a", encoding="utf-8") as f:
         for i, batch in todo:
             ids = torch.tensor([p["prompt_ids"] for p in batch], device=device)
             batch_sampling = dataclasses.replace(sampling, seed=cfg.seed + i)
@@ -198,10 +196,7 @@ def regen(model_dir: str, prompts: str, out, cfg: RegenConfig, draft: str | None
             f.flush()
             os.fsync(f.fileno())
             written += len(lines)
-            if bar is not None:
-                bar.update(len(batch))
-    if bar is not None:
-        bar.close()
+            bar.update(len(batch))
     seconds = time.perf_counter() - t0
     return {"out": str(out), "prompts": len(items), "skipped": len(done), "written": written,
             "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0}

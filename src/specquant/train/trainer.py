@@ -191,13 +191,13 @@ def checkpoints(out_dir: Path) -> list[Path]:
 
 class Trainer:
     def __init__(self, task: Task, data: BlockOrder, cfg: TrainConfig, out_dir, device: torch.device | None = None,
-                 progress: bool = True, run_info: dict | None = None):
+                 progress: bool | str = True, run_info: dict | None = None):
         self.task, self.data, self.cfg = task, data, cfg.validate()
         self.out_dir = Path(out_dir)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.device = device or next(task.module.parameters()).device
-        self.progress = progress and self.rank == 0
+        self.progress = progress if self.rank == 0 else False  # util/progress.py: True, BAR_ONLY or False
         self.run_info = run_info or {}
         self.names = [n for n, p in task.module.named_parameters() if p.requires_grad]
         if not self.names:
@@ -358,11 +358,9 @@ class Trainer:
         if start_metrics is not None:
             self._record_eval(start_metrics)
         self.task.module.train()
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
+        from specquant.util.progress import progress_for
 
-            bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        bar = progress_for(self.progress, cfg.steps - self.step, "train", "step")
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
         step_times, final = [], None
         while self.step < cfg.steps:
@@ -374,17 +372,14 @@ class Trainer:
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 self._log({"step": self.step, "loss": loss, **stats, "lr": lr_at(self.step - 1, cfg),
                            "tokens_per_s": tokens / dt, "seconds": dt, "samples_consumed": self.samples})
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", **{k: f"{v:.4f}" for k, v in stats.items()},
-                                tok_s=f"{tokens / dt:.0f}")
-                bar.update(1)
+            bar.update(1, status=", ".join([f"loss {loss:.4f}", *(f"{k} {v:.4f}" for k, v in stats.items()),
+                                            f"{tokens / dt:.0f} tok/s"]))
             last = self.step == cfg.steps
             if last or (cfg.eval_every and self.step % cfg.eval_every == 0):
                 final = self._eval_and_export()
             if last or self.step % cfg.save_every == 0:
                 self.save_checkpoint()
-        if bar is not None:
-            bar.close()
+        bar.close()
         if final is None:  # resumed at (or past) the last step, e.g. with --steps lowered to stop a run early:
             final = self._eval_and_export()  # nothing left to train, but these weights may be the best: record them
         self._log({"step": self.step, "event": "train_end", "best_step": self.best["step"],

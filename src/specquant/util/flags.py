@@ -79,7 +79,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, prefix: str = "", def
                                 help=meta["help"])
         elif typing.get_origin(hint) is list:
             parser.add_argument(flag, dest=dest, nargs="+", default=list(default), metavar=meta.get("metavar"),
-                                help=f"{meta['help']}; replaces the default {' '.join(map(str, default))}")
+                                help=f"{meta['help']}; replaces the default {' '.join(map(str, default))}"
+                                if default else meta["help"])
         else:
             args = typing.get_args(hint)
             base = next((a for a in args if a is not type(None)), hint) if args else hint
