@@ -276,3 +276,17 @@ def test_the_vllm_layout_of_a_w4_hybrid_loads_back_with_the_same_logits(tmp_path
         theirs = load_model(tmp_path / "out" / "target", dtype=torch.float32).eval()(tokens)
         ours = load_model(hybrid_pair["w4"], dtype=torch.float32).eval()(tokens)
     assert torch.equal(theirs, ours)
+
+
+def test_vllm_export_mtp_drafter(tmp_path):
+    """--draft mtp: a target with an MTP layer is served with vLLM's method "mtp"; one without is refused naming
+    what it lacks, and nothing is written."""
+    from specquant.export.vllm import export_vllm
+
+    report = export_vllm("tiny-hybrid", "mtp", tmp_path / "mtp", ExportConfig(num_speculative_tokens=2))
+    assert report["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert '"method":"mtp"' in report["command"] and "--language-model-only" in report["command"]
+    assert (tmp_path / "mtp" / "target" / "config.json").exists()
+    with pytest.raises(SpecquantError, match="no MTP layer"):
+        export_vllm("tiny-target", "mtp", tmp_path / "dense", ExportConfig())
+    assert not (tmp_path / "dense").exists()
