@@ -18,9 +18,7 @@ import pytest
 import torch
 
 from specquant.errors import SpecquantError
-from specquant.export.config import ExportConfig
-from specquant.export.vllm import export_vllm
-from specquant.export.vllm_engine import counters_as_vllm, greedy_gaps, run_vllm, vllm_python
+from specquant.export.vllm_engine import bundled_engines, counters_as_vllm, greedy_gaps, run_vllm, vllm_python
 from specquant.loader import load_model
 from specquant.spec_decode.build import build_engine
 from specquant.spec_decode.config import SpecConfig
@@ -38,39 +36,13 @@ PROMPTS = [[5, 17, 301, 42, 99, 7], [100, 200, 300, 400], [11, 12, 13, 14, 15, 1
 N = 24  # greedy tokens per prompt
 TIE = 0.25  # logits: bf16 activations move these tiny models' logits by up to ~0.1; a real mismatch is ~1-10
 RATE = 0.12  # |acceptance rate vLLM - ours| where vLLM runs bf16 and ours fp32
-HYBRID = {"language_model_only": True, "enable_prefix_caching": False}  # prefix caching: see the export's notes
-
-
-def _w4(name: str, out):
-    from specquant.quant.checkpoint import save_quantized
-    from specquant.quant.config import QuantConfig
-    from specquant.quant.pipeline import quantize
-
-    model = load_model(name, torch.float32)
-    cfg = QuantConfig(method="rtn", group_size=32)
-    quantize(model, cfg, scale_dtype=torch.bfloat16)
-    model.to(torch.bfloat16)
-    return save_quantized(model, out, tokenizer_from=name, cfg=cfg)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """vLLM's output per engine, and the exports (name -> dir)."""
-    root = tmp_path_factory.mktemp("vllm")
-    w4_target, w4_draft = _w4("tiny-target", root / "w4-target"), _w4("tiny-draft", root / "w4-draft")
-    pairs = {"draft": ("tiny-target", "tiny-draft", 3), "dflash": ("tiny-target", "tiny-block-draft", None),
-             "hybrid_mtp": ("tiny-hybrid", "mtp", 2), "hybrid_dflash": ("tiny-hybrid", "tiny-hybrid-block-draft", None),
-             "w4_draft": (w4_target, w4_draft, 3)}
-    engines, exports = [], {}
-    for name, (target, draft, k) in pairs.items():
-        report = export_vllm(target, draft, root / name, ExportConfig(num_speculative_tokens=k or 3))
-        spec = report["speculative_config"]
-        hybrid = name.startswith("hybrid")
-        engines.append({"name": name, "model": report["target"], "speculative_config": spec,
-                        "dtype": "bfloat16" if hybrid or name.startswith("w4") else "float32",
-                        "llm_args": HYBRID if hybrid else {}, "needs_wna16": name.startswith("w4")})
-        exports[name] = (target, draft, spec["num_speculative_tokens"])
-    return run_vllm(engines, PROMPTS, N), exports
+    """vLLM's output per engine, and name -> (target, draft, k) for ours."""
+    engines, ours = bundled_engines(tmp_path_factory.mktemp("vllm"))
+    return run_vllm(engines, PROMPTS, N), ours
 
 
 def _vllm(runs, name):

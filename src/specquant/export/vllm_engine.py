@@ -95,3 +95,44 @@ def greedy_gaps(model, prompt: list[int], tokens: list[int]) -> list[float]:
     logits = model(ids)[0, len(prompt) - 1 : len(prompt) - 1 + len(tokens)].float()  # [len(tokens), vocab]
     chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
     return (logits.max(1).values - chosen).tolist()
+
+
+# vLLM's CPU build: Gated DeltaNet is bf16-only, W4A16 (cpu_gemm_wna16) has no fp32 form, and a hybrid's
+# speculative state copy with prefix caching on is a Triton kernel it lacks
+HYBRID_LLM_ARGS = {"language_model_only": True, "enable_prefix_caching": False}
+
+
+def _rtn_w4(name: str, out: Path) -> Path:
+    from specquant.loader import load_model
+    from specquant.quant.checkpoint import save_quantized
+    from specquant.quant.config import QuantConfig
+    from specquant.quant.pipeline import quantize
+
+    model = load_model(name, torch.float32)
+    cfg = QuantConfig(method="rtn", group_size=32)
+    quantize(model, cfg, scale_dtype=torch.bfloat16)
+    model.to(torch.bfloat16)
+    return save_quantized(model, out, tokenizer_from=name, cfg=cfg)
+
+
+def bundled_engines(root: Path) -> tuple[list[dict], dict]:
+    """The bundled pairs exported for vLLM into root, one per drafter kind vLLM offers, plus an RTN W4 pair:
+    (engine specs for run_vllm, name -> (target, draft, k) for our engine). Used by tests/test_vllm.py and
+    benchmarks/vllm_acceptance.py."""
+    from specquant.export.config import ExportConfig
+    from specquant.export.vllm import export_vllm
+
+    w4 = (_rtn_w4("tiny-target", root / "w4-target"), _rtn_w4("tiny-draft", root / "w4-draft"))
+    pairs = {"draft": ("tiny-target", "tiny-draft", 3), "dflash": ("tiny-target", "tiny-block-draft", None),
+             "hybrid_mtp": ("tiny-hybrid", "mtp", 2), "hybrid_dflash": ("tiny-hybrid", "tiny-hybrid-block-draft", None),
+             "w4_draft": (*w4, 3)}
+    engines, ours = [], {}
+    for name, (target, draft, k) in pairs.items():
+        report = export_vllm(target, draft, root / name, ExportConfig(num_speculative_tokens=k or 3))
+        spec = report["speculative_config"]
+        hybrid, w4_pair = name.startswith("hybrid"), name.startswith("w4")
+        engines.append({"name": name, "model": report["target"], "speculative_config": spec,
+                        "dtype": "bfloat16" if hybrid or w4_pair else "float32",
+                        "llm_args": HYBRID_LLM_ARGS if hybrid else {}, "needs_wna16": w4_pair})
+        ours[name] = (target, draft, spec["num_speculative_tokens"])
+    return engines, ours

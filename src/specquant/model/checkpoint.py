@@ -168,15 +168,7 @@ def load_submodule(module: torch.nn.Module, tensors: dict[str, torch.Tensor], de
     module.to(dtype)
     expected = module.state_dict(keep_vars=True)
     for name, p in expected.items():
-        if name not in tensors:
-            raise SpecquantError(f"tensor {name!r} is missing from the checkpoint (shape {list(p.shape)} expected)")
-        t = tensors[name]
-        if tuple(t.shape) != tuple(p.shape):
-            raise SpecquantError(f"tensor {name!r} has shape {list(t.shape)}; the config implies {list(p.shape)}")
-        if not p.is_floating_point() and t.dtype != p.dtype:
-            raise SpecquantError(f"tensor {name!r} has dtype {t.dtype}; this layer needs {p.dtype}")
-        with torch.no_grad():
-            p.data.copy_(t)
+        _copy_checked(name, p, tensors)
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise SpecquantError(f"checkpoint has {len(unexpected)} tensors this module does not use, e.g. "
@@ -239,15 +231,7 @@ def load_dense_into(model: Transformer, tensors: dict[str, torch.Tensor]):
     for name, p in expected.items():
         if name == "lm_head.weight" and tied:
             continue
-        if name not in tensors:
-            raise SpecquantError(f"tensor {name!r} is missing from the checkpoint (shape {list(p.shape)} expected)")
-        t = tensors[name]
-        if tuple(t.shape) != tuple(p.shape):
-            raise SpecquantError(f"tensor {name!r} has shape {list(t.shape)}; the config implies {list(p.shape)}")
-        if not p.is_floating_point() and t.dtype != p.dtype:
-            raise SpecquantError(f"tensor {name!r} has dtype {t.dtype}; this layer needs {p.dtype}")
-        with torch.no_grad():
-            p.data.copy_(t)  # converts the dtype in the same pass (no temporary copy of a bf16 checkpoint)
+        _copy_checked(name, p, tensors)
     unexpected = set(tensors) - set(expected) - {"lm_head.weight"}
     unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
     if unexpected:
@@ -334,3 +318,17 @@ def load_tokenizer(name_or_dir):
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise SpecquantError(f"no tokenizer files (tokenizer.json) in {path}; copy them from the base model")
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+
+
+def _copy_checked(name: str, p: torch.Tensor, tensors: dict) -> None:
+    """Copy tensors[name] into p after the name, shape and integer-dtype checks; the copy converts the dtype in the
+    same pass (no temporary copy of a bf16 checkpoint)."""
+    if name not in tensors:
+        raise SpecquantError(f"tensor {name!r} is missing from the checkpoint (shape {list(p.shape)} expected)")
+    t = tensors[name]
+    if tuple(t.shape) != tuple(p.shape):
+        raise SpecquantError(f"tensor {name!r} has shape {list(t.shape)}; the config implies {list(p.shape)}")
+    if not p.is_floating_point() and t.dtype != p.dtype:
+        raise SpecquantError(f"tensor {name!r} has dtype {t.dtype}; this layer needs {p.dtype}")
+    with torch.no_grad():
+        p.data.copy_(t)
