@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(NO_VLLM is not None, reason=NO_VLLM or "")
 
 PROMPTS = [[5, 17, 301, 42, 99, 7], [100, 200, 300, 400], [11, 12, 13, 14, 15, 16, 17, 18]]
 N = 24  # greedy tokens per prompt
-TIE = 0.25  # logits: bf16 activations move these tiny models' logits by up to ~0.1; a real mismatch is ~1-10
+TIE = 0.1  # logits: the near-ties where bf16 flipped a token here were under 0.01 apart; a real mismatch is ~1-10
 RATE = 0.12  # |acceptance rate vLLM - ours| where vLLM runs bf16 and ours fp32
 
 
