@@ -381,13 +381,15 @@ def test_suffix_continuation_tree_holds_the_chain_and_only_continuations_that_oc
         match = sam.match
         if match.length == 0:
             continue
-        chain = sam.continuation(match, rng.randint(1, 6))
+        suffix = text[len(text) - match.length :]
+        # the chain: what followed the suffix's most recent earlier occurrence (brute force; the drafter's draft)
+        at = max(i for i in range(len(text) - match.length) if text[i : i + match.length] == suffix)
+        chain = text[at + match.length : at + match.length + rng.randint(1, 6)]
         nodes = rng.randint(1, 16)
         tokens, parents = continuation_tree(sam, sam.link[sam.last], chain, nodes)
         tree = layout(parents)
         assert tokens[: min(nodes, len(chain))] == chain[:nodes] and len(tokens) <= nodes
         assert max(tree.depth) <= len(chain)
-        suffix = text[len(text) - match.length :]
         for node in range(min(nodes, len(chain)) + 1, len(tree)):  # every branch off the chain occurred after it
             path = [tokens[c - 1] for c in tree.path(node)[1:]]
             want = suffix + path
