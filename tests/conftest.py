@@ -101,6 +101,24 @@ def save_tiny_checkpoint(path):
     return save_model(randomize_(Transformer(cfg), seed=0), path, tokenizer_from=BUNDLED_DIR / "tiny-target")
 
 
+def small_block_draft(target: Transformer, block_size: int = 6, target_layer_ids=(1, 2), seed: int = 2,
+                      copy_norm: bool = True):
+    """A one-layer block drafter (DFlash-style) for target, its weights scaled by 0.3 so its drafts agree with the
+    target only sometimes; copy_norm: its final norm is the target's (it leans on the last layer's features)."""
+    from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
+
+    dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=block_size,
+                                       target_layer_ids=list(target_layer_ids), mask_token_id=5)
+    torch.manual_seed(seed)
+    draft = BlockDraftModel(dcfg).eval()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.mul_(0.3)
+        if copy_norm:
+            draft.norm.weight.copy_(target.model.norm.weight)
+    return draft
+
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

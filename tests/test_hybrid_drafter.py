@@ -8,11 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import needs_bundled, peaky_pair
+from conftest import needs_bundled, peaky_pair, small_block_draft
 from specquant.decode.compiled import Stepper
 from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.build import build_engine
@@ -37,15 +36,7 @@ def pair():
 @pytest.fixture(scope="module")
 def block_model(pair):
     target, _ = pair
-    dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=6, target_layer_ids=[1, 2],
-                                       mask_token_id=5)
-    torch.manual_seed(2)
-    draft = BlockDraftModel(dcfg).eval()
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.mul_(0.3)
-        draft.norm.weight.copy_(target.model.norm.weight)
-    return draft
+    return small_block_draft(target)
 
 
 def repeating(n_repeats: int, seed: int, tail: int) -> torch.Tensor:

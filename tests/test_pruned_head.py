@@ -7,11 +7,10 @@ import json
 import pytest
 import torch
 
-from conftest import needs_bundled, peaky_pair
+from conftest import needs_bundled, peaky_pair, small_block_draft
 from specquant.cli import main
 from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.modules import Linear
 from specquant.quant.head import CastLinear
 from specquant.quant.linear import QuantLinear
@@ -103,15 +102,7 @@ PROMPTS = [torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_se
 
 
 def block_model(target, seed=2):
-    dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=6, target_layer_ids=[1, 2],
-                                       mask_token_id=5)
-    torch.manual_seed(seed)
-    draft = BlockDraftModel(dcfg).eval()
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.mul_(0.3)
-        draft.norm.weight.copy_(target.model.norm.weight)
-    return draft
+    return small_block_draft(target, seed=seed)
 
 
 def drafter(kind, target, draft, ids, spec):

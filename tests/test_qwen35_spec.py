@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _qwen35_models import VOCAB, hf_model
-from conftest import assert_follows_target_law, target_law
+from conftest import assert_follows_target_law, small_block_draft, target_law
 
-from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.drafters.block import BlockDrafter
@@ -46,13 +45,7 @@ def drafters(target):
         for d in (dense,):
             d.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
             d.lm_head.weight.copy_(target.lm_head.weight)
-    dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=16, target_layer_ids=[1, 3],
-                                       mask_token_id=5)
-    torch.manual_seed(13)
-    block = BlockDraftModel(dcfg).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.mul_(0.3)
+    block = small_block_draft(target, block_size=16, target_layer_ids=(1, 3), seed=13, copy_norm=False)
     return {"lm-hybrid": hybrid, "lm-dense": dense, "block": block}
 
 

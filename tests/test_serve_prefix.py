@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from _qwen35_models import VOCAB, hf_model
-from conftest import peaky_pair
+from conftest import peaky_pair, small_block_draft
 
 from specquant.decode.sampling import SamplingConfig
-from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
+from specquant.model.block_draft import BlockDraftModel
 from specquant.model.cache import KVCache
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
@@ -32,13 +32,7 @@ def ours(theirs) -> Transformer:
 def hybrid():
     target = ours(hf_model("gva", 4, seed=11, scale=0.35))
     draft = ours(hf_model("mha", 2, seed=12, scale=0.35))  # a hybrid LM drafter: its DeltaNet layers are cached too
-    dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=8, target_layer_ids=[1, 3],
-                                       mask_token_id=5)
-    torch.manual_seed(13)
-    block = BlockDraftModel(dcfg).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.mul_(0.3)
+    block = small_block_draft(target, block_size=8, target_layer_ids=(1, 3), seed=13, copy_norm=False)
     return target, {"lm": draft, "block": block, "none": None, "suffix": "suffix"}
 
 

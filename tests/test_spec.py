@@ -4,11 +4,10 @@
 import pytest
 import torch
 
-from conftest import assert_follows_target_law, target_law
+from conftest import assert_follows_target_law, small_block_draft, target_law
 from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
-from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.drafters.block import BlockDrafter
@@ -212,15 +211,7 @@ def test_rejection_sampler_point_mass_emits_target_distribution():
 def block_draft(pair):
     """A block drafter (DFlash-style) for the same target, leaning on its last layer's features."""
     target, _ = pair
-    dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=6, target_layer_ids=[1, 2],
-                                       mask_token_id=5)
-    torch.manual_seed(2)
-    draft = BlockDraftModel(dcfg).eval()
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.mul_(0.3)
-        draft.norm.weight.copy_(target.model.norm.weight)
-    return BlockDrafter(draft, target, SpecConfig(draft_len=3))
+    return BlockDrafter(small_block_draft(target), target, SpecConfig(draft_len=3))
 
 
 @pytest.mark.parametrize("kind", ["lm", "block"])

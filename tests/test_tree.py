@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from _qwen35_models import hf_model
-from conftest import assert_follows_target_law, needs_bundled, peaky_model, target_law
+from conftest import assert_follows_target_law, peaky_model, small_block_draft, target_law
 
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
@@ -337,18 +337,10 @@ def test_greedy_tree_speculation_equals_target_greedy(models, name, nodes):
 def test_tree_sampling_end_to_end_follows_the_target_law():
     """The block drafter's best-first trees (point masses) under sampling: the first two new tokens follow the
     target's law (conftest.assert_follows_target_law states the test's odds)."""
-    from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
     from specquant.spec_decode.drafters.block import BlockDrafter
 
     target = peaky_model(3, 0)
-    dcfg = BlockDraftConfig.for_target(target.config, num_hidden_layers=1, block_size=6, target_layer_ids=[1, 2],
-                                       mask_token_id=5)
-    torch.manual_seed(2)
-    draft = BlockDraftModel(dcfg).eval()
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.mul_(0.3)
-        draft.norm.weight.copy_(target.model.norm.weight)
+    draft = small_block_draft(target)
     cfg = SpecConfig(draft_len=3, tree_nodes=8)
     prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(5))
     law = target_law(target, prompt)
