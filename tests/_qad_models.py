@@ -74,3 +74,20 @@ def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "specquant.cli", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, **kw)
+
+
+def distill_args(pair: tuple[Path, Path], out: Path, *flags) -> list[str]:
+    """`specquant distill target` on a (teacher, student) pair into out, with flags."""
+    return ["distill", "target", "--teacher", str(pair[0]), "--student", str(pair[1]), "--out", str(out), *flags]
+
+
+def run_in_process(args: list[str]) -> None:
+    """The CLI in this process, on one thread like the subprocesses (so results can be compared bit for bit)."""
+    from specquant.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(args) == 0
+    finally:
+        torch.set_num_threads(threads)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from _qad_models import ROOT, write_pair
+from _qad_models import ROOT, distill_args, run_in_process, write_pair
 from safetensors.torch import load_file
 
 from specquant.cli import main
@@ -37,18 +37,7 @@ def dense_pair(tmp_path_factory):
 
 
 def _args(pair, out, *extra):
-    return ["distill", "target", "--teacher", str(pair[0]), "--student", str(pair[1]), "--out", str(out), *RUN,
-            *extra]
-
-
-def _in_process(args):
-    """The CLI here on one thread like the subprocesses, so their results can be compared bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(args) == 0
-    finally:
-        torch.set_num_threads(threads)
+    return distill_args(pair, out, *RUN, *extra)
 
 
 def _eval_tokens(student, n=2, t=32):
@@ -87,7 +76,7 @@ def test_lean_export_is_exactly_what_the_blocks_ran(pair, tmp_path):
     difference); every tensor off the grid is the student's (norms and a hybrid's dense DeltaNet tensors frozen);
     the held-out KL the run reports is the KL of the written checkpoint as load_model loads it."""
     out = tmp_path / "run"
-    _in_process(_args(pair, out, "--steps", "6", "--lr", "3e-3", "--save-every", "2"))
+    run_in_process(_args(pair, out, "--steps", "6", "--lr", "3e-3", "--save-every", "2"))
     exported, original = load_file(out / "model" / "model.safetensors"), load_file(pair[1] / "model.safetensors")
     assert set(exported) == set(original)
     packed = [k for k in original if k.endswith("weight_packed")]
@@ -136,12 +125,12 @@ def test_sigkill_then_resume_gives_the_same_checkpoint(dense_pair, tmp_path, whe
     """Killed inside block 0 (after a block checkpoint), between blocks (the activations entering block 1 written)
     and inside block 1 (after its step-0 export): --resume ends with the checkpoint an uninterrupted run writes."""
     steps = ["--steps", "6", "--save-every", "2", "--lr", "3e-3"]
-    _in_process(_args(dense_pair, tmp_path / "ref", *steps))
+    run_in_process(_args(dense_pair, tmp_path / "ref", *steps))
     out = tmp_path / "killed"
     _kill_when(out, where, _args(dense_pair, out, *steps))
     assert list(out.glob(where)), f"{where} never appeared before the kill"
     assert not (out / "model").exists(), "the run finished before it could be killed; the test proves nothing"
-    _in_process(_args(dense_pair, out, *steps, "--resume"))
+    run_in_process(_args(dense_pair, out, *steps, "--resume"))
     ref, got = load_file(tmp_path / "ref" / "model" / "model.safetensors"), load_file(out / "model" /
                                                                                        "model.safetensors")
     assert set(ref) == set(got)

@@ -9,10 +9,9 @@ import time
 
 import pytest
 import torch
-from _qad_models import ROOT, run_cli, write_pair
+from _qad_models import ROOT, distill_args, run_cli, run_in_process, write_pair
 from safetensors.torch import load_file
 
-from specquant.cli import main
 from specquant.train.trainer import checkpoints
 
 RUN = ["--seq-len", "32", "--batch", "2", "--eval-samples", "2", "--eval-seq-len", "32", "--eval-every", "0",
@@ -25,18 +24,7 @@ def pair(tmp_path_factory):
 
 
 def _args(pair, out, *extra):
-    return ["distill", "target", "--teacher", str(pair[0]), "--student", str(pair[1]), "--out", str(out), *RUN,
-            *extra]
-
-
-def _in_process(args):
-    """The CLI in this process, on one thread like the subprocesses (so results can be compared bit for bit)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(args) == 0
-    finally:
-        torch.set_num_threads(threads)
+    return distill_args(pair, out, *RUN, *extra)
 
 
 def _final(out):
@@ -45,7 +33,7 @@ def _final(out):
 
 def test_sigkill_then_resume_is_bit_identical(pair, tmp_path):
     steps = ["--steps", "12", "--save-every", "2"]
-    _in_process(_args(pair, tmp_path / "ref", *steps))
+    run_in_process(_args(pair, tmp_path / "ref", *steps))
 
     out = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -91,7 +79,7 @@ def test_two_process_ddp_matches_one_process(pair, tmp_path):
     steps = ["--steps", "3", "--save-every", "3"]
     two = _torchrun(_args(pair, tmp_path / "two", *steps), 2)
     assert two.returncode == 0, two.stderr[-2000:]
-    _in_process(_args(pair, tmp_path / "one", *steps, "--batch", "4"))
+    run_in_process(_args(pair, tmp_path / "one", *steps, "--batch", "4"))
     log2 = [json.loads(ln) for ln in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]
     log1 = [json.loads(ln) for ln in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
     end = next(e for e in log2 if e.get("event") == "train_end")
@@ -115,8 +103,8 @@ def test_two_process_ddp_matches_one_process(pair, tmp_path):
 def test_gradient_accumulation_matches_one_large_batch(pair, tmp_path):
     """batch 2 × grad_accum 2 reads the same rows per step as batch 4 and averages the same per-token KL."""
     steps = ["--steps", "2", "--save-every", "2"]
-    _in_process(_args(pair, tmp_path / "big", *steps, "--batch", "4"))
-    _in_process(_args(pair, tmp_path / "acc", *steps, "--grad-accum", "2"))
+    run_in_process(_args(pair, tmp_path / "big", *steps, "--batch", "4"))
+    run_in_process(_args(pair, tmp_path / "acc", *steps, "--grad-accum", "2"))
     loss = lambda p: [json.loads(ln)["loss"] for ln in (p / "log.jsonl").read_text().splitlines() if '"loss"' in ln]
     torch.testing.assert_close(torch.tensor(loss(tmp_path / "acc")), torch.tensor(loss(tmp_path / "big")),
                                rtol=1e-4, atol=0)
