@@ -55,11 +55,10 @@ def _vllm(runs, name):
     return out
 
 
-def _ours(target, draft, k):
+def _counters(target, draft, k):
+    """Our fp32 engine's counters for the pair, summed as vLLM sums them."""
     engine = build_engine(target, draft, RuntimeConfig(dtype="float32"), SpecConfig(draft_len=k))
-    alone = build_engine(target, "none", RuntimeConfig(dtype="float32"))
-    tokens = [alone.generate(torch.tensor([p]), N, stop_on_eos=False).token_ids[0] for p in PROMPTS]
-    return tokens, counters_as_vllm(engine, PROMPTS, N, k)
+    return counters_as_vllm(engine, PROMPTS, N, k)
 
 
 @pytest.mark.parametrize("name", ["draft", "dflash"])
@@ -67,9 +66,10 @@ def test_vllm_dense_pair_tokens_and_counters_equal_ours(runs, name):
     """fp32 in both: vLLM's speculative tokens are our target-only tokens, and its drafts, accepted tokens and
     accepted-per-position counters are ours exactly (dflash: the capture-layer ids and the window keys)."""
     out = _vllm(runs, name)
-    tokens, counters = _ours(*runs[1][name])
-    assert out["tokens"] == tokens
-    assert out["counters"] == counters
+    target, draft, k = runs[1][name]
+    alone = build_engine(target, "none", RuntimeConfig(dtype="float32"))
+    assert out["tokens"] == [alone.generate(torch.tensor([p]), N, stop_on_eos=False).token_ids[0] for p in PROMPTS]
+    assert out["counters"] == _counters(target, draft, k)
 
 
 @pytest.mark.parametrize("name", ["hybrid_mtp", "hybrid_dflash", "w4_draft"])
@@ -83,7 +83,7 @@ def test_vllm_bf16_engines_follow_our_target(runs, name):
     assert len(gaps) == N * len(PROMPTS)
     assert max(gaps) <= TIE, f"a vLLM token is {max(gaps):.3f} logits below our argmax"
     assert sum(g == 0 for g in gaps) >= 0.9 * len(gaps)
-    _, ours = _ours(target, draft, k)
+    ours = _counters(target, draft, k)
     theirs = out["counters"]
     assert theirs["num_draft_tokens"] == theirs["num_drafts"] * k
     rate = lambda c: c["num_accepted_tokens"] / c["num_draft_tokens"]  # noqa: E731
