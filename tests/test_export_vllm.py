@@ -12,7 +12,7 @@ import torch
 from specquant.cli import main
 from specquant.errors import SpecquantError
 from specquant.export.config import REPORT, ExportConfig
-from specquant.export.vllm import drafter_kind, speculative_config, tp_notes
+from specquant.export.vllm import drafter_kind, export_vllm, speculative_config, tp_notes
 from specquant.loader import load_model
 from specquant.model.checkpoint import BUNDLED_DIR, read_hf_config
 
@@ -290,3 +290,33 @@ def test_vllm_export_mtp_drafter(tmp_path):
     with pytest.raises(SpecquantError, match="no MTP layer"):
         export_vllm("tiny-target", "mtp", tmp_path / "dense", ExportConfig())
     assert not (tmp_path / "dense").exists()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_vllm_export_writes_a_w4_lm_head_dense_with_its_exact_values(tmp_path, symmetric):
+    """vLLM's lm_head is not a Linear: it loads no compressed-tensors lm_head (`lm_head.weight_packed` stopped its
+    loader). The export writes code x scale in fp32, which is what our W4 lm_head multiplies by, and names lm_head
+    in the ignore list; every other tensor is copied as it is."""
+    from safetensors.torch import load_file
+
+    from specquant.quant.checkpoint import save_quantized
+    from specquant.quant.config import QuantConfig
+    from specquant.quant.pipeline import quantize
+
+    model = load_model("tiny-draft", torch.float32)
+    cfg = QuantConfig(method="rtn", group_size=32, ignore=["embed_tokens"], symmetric=symmetric)
+    quantize(model, cfg, scale_dtype=torch.bfloat16)
+    model.to(torch.bfloat16)
+    src = save_quantized(model, tmp_path / "w4", tokenizer_from="tiny-draft", cfg=cfg)
+    assert "lm_head.weight_packed" in load_file(src / "model.safetensors")
+    report = export_vllm("tiny-target", src, tmp_path / "out", ExportConfig())
+    assert any("lm_head written dense" in n for n in report["notes"])
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "draft" / "model.safetensors")
+    assert not any(k.startswith("lm_head.weight_") for k in after)
+    assert after["lm_head.weight"].dtype == torch.float32
+    assert torch.equal(after["lm_head.weight"], load_model(src, torch.float32).lm_head.dequantized_weight())
+    assert {k: v for k, v in before.items() if not k.startswith("lm_head")}.keys() == \
+        {k for k in after if k != "lm_head.weight"}
+    assert all(torch.equal(before[k], after[k]) for k in after if k != "lm_head.weight")
+    qc = json.loads((tmp_path / "out" / "draft" / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in qc["ignore"]

@@ -212,6 +212,54 @@ def write_target(src: Path, dst: Path, hf: dict) -> None:
     (dst / "config.json").write_text(json.dumps(layout_config(hf, layout), indent=2) + "\n")
 
 
+def dense_lm_head(model_dir: Path) -> str | None:
+    """Rewrite a W4 lm_head in model_dir as its dequantized weight (`lm_head.weight`, fp32: code x scale exactly, the
+    values our engine multiplies by; rounded to the scale's 16-bit dtype they would not all be). vLLM's lm_head is a ParallelLMHead, not a Linear, and compressed-tensors
+    quantizes Linears only, so it loads no `lm_head.weight_packed` (its loader stops at the first forward's
+    weights); written dense it loads and computes the same logits. Returns the export's note, None when lm_head
+    is not quantized."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from specquant.model.checkpoint import _safetensors_files
+    from specquant.quant.grid import dequantize
+    from specquant.quant.pack import unpack_codes
+
+    def holds_lm_head(f: Path) -> bool:
+        with safe_open(f, "pt") as h:
+            return "lm_head.weight_packed" in h.keys()
+
+    files = [f for f in _safetensors_files(model_dir) if holds_lm_head(f)]
+    if not files:
+        return None
+    config = json.loads((model_dir / "config.json").read_text())
+    holder = config.get("text_config", config) if "quantization_config" not in config else config
+    qc = holder["quantization_config"]
+    bits = next(iter(qc["config_groups"].values()))["weights"]["num_bits"]
+    with safe_open(files[0], "pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+        meta = h.metadata()
+    shape = tensors.pop("lm_head.weight_shape").tolist()
+    codes = unpack_codes(tensors.pop("lm_head.weight_packed"), bits, shape[1])
+    scale = tensors.pop("lm_head.weight_scale")
+    zero = tensors.pop("lm_head.weight_zero_point", None)
+    if zero is not None:
+        zero = unpack_codes(zero, bits, shape[0], dim=0)
+    tensors["lm_head.weight"] = dequantize(codes, scale.float(), zero).contiguous()
+    save_file(tensors, files[0], metadata=meta or {"format": "pt"})
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: v for k, v in data["weight_map"].items() if not k.startswith("lm_head.")}
+        data["weight_map"]["lm_head.weight"] = files[0].name
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    qc["ignore"] = sorted(set(qc.get("ignore") or []) | {"lm_head"})
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    mb = shape[0] * shape[1] * 4 / 2**20
+    return (f"{model_dir.name}: W4 lm_head written dense (fp32, {mb:.1f} MiB; vLLM casts it to its dtype): vLLM "
+            "loads no quantized lm_head from a compressed-tensors checkpoint; same values as the W4 codes")
+
+
 # --- the block drafter's config -----------------------------------------------------------------------------------
 
 
@@ -335,6 +383,7 @@ def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = F
         if block:
             (tmp / "draft" / "config.json").write_text(
                 json.dumps(vllm_draft_config(draft_hf, target_hf), indent=2, sort_keys=True) + "\n")
+        notes += [n for n in (dense_lm_head(tmp / part) for part in ("target", "draft") if (tmp / part).is_dir()) if n]
         (tmp / "serve.sh").write_text("#!/usr/bin/env bash\n" + command + "\n")
         report = {"engine": "vllm", "out": str(out), "target": str(out_target),
                   "draft": "mtp" if mtp else (str(out_draft) if draft else None), "speculative_config": spec,
