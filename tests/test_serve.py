@@ -535,3 +535,18 @@ def test_serve_vs_generate_benchmark_at_a_tiny_setting(capsys):
     assert row["generate_mal"] == row["served_mal"] and 1.0 <= row["served_mal"] <= 3.0
     assert row["ratio"] > 0 and row["cpu_ratio"] > 0
     assert bench.main(["--categories", "huge"]) == 2
+
+
+def test_latency_reads_spec_counters_with_and_without_labels():
+    """vLLM labels its counters (model_name, engine: one series per engine core): they are summed; ours and
+    llama-server's carry none; the per-position series never count as totals."""
+    from specquant.serve.latency import spec_totals
+
+    vllm = ('vllm:spec_decode_num_drafts_total{engine="0",model_name="pair"} 10.0\n'
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="pair"} 2.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="pair"} 17.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="pair",position="0"} 9.0\n')
+    assert spec_totals(vllm) == (12.0, 17.0)
+    assert spec_totals("specquant:spec_decode_num_drafts_total 4\nspec_decode_num_accepted_tokens_total 6\n"
+                       'specquant:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 3\n') == (4.0, 6.0)
+    assert spec_totals("specquant:requests_total 3\n") is None

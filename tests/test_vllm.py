@@ -40,9 +40,10 @@ RATE = 0.12  # |acceptance rate vLLM - ours| where vLLM runs bf16 and ours fp32
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """vLLM's output per engine, and name -> (target, draft, k) for ours."""
+    """vLLM's output per engine, and name -> (target, draft, k) for ours. Timed as `bench --engine vllm` times
+    (each prompt alone; one round), so that path is what these tests check."""
     engines, ours = bundled_engines(tmp_path_factory.mktemp("vllm"))
-    return run_vllm(engines, PROMPTS, N), ours
+    return run_vllm(engines, PROMPTS, N, timed={"warmup": 0, "runs": 1}), ours
 
 
 def _vllm(runs, name):
@@ -66,6 +67,7 @@ def test_vllm_dense_pair_tokens_and_counters_equal_ours(runs, name):
     """fp32 in both: vLLM's speculative tokens are our target-only tokens, and its drafts, accepted tokens and
     accepted-per-position counters are ours exactly (dflash: the capture-layer ids and the window keys)."""
     out = _vllm(runs, name)
+    assert [len(t) for t in out["latency_s"]] == [1] * len(PROMPTS) and min(min(out["latency_s"])) > 0
     target, draft, k = runs[1][name]
     alone = build_engine(target, "none", RuntimeConfig(dtype="float32"))
     assert out["tokens"] == [alone.generate(torch.tensor([p]), N, stop_on_eos=False).token_ids[0] for p in PROMPTS]
@@ -88,3 +90,20 @@ def test_vllm_bf16_engines_follow_our_target(runs, name):
     assert theirs["num_draft_tokens"] == theirs["num_drafts"] * k
     rate = lambda c: c["num_accepted_tokens"] / c["num_draft_tokens"]  # noqa: E731
     assert abs(rate(theirs) - rate(ours)) <= RATE, (theirs, ours)
+
+
+def test_latency_times_vllm_serve_of_our_export_beside_specquant_serve():
+    """`specquant latency --engine specquant --baseline-engine vllm`: both servers started here from the engine
+    table on loopback, one at a time, the same prompts; vLLM serves our export with the export's own command line.
+    fp32 dense pair: both generate the same greedy text (same lengths), and vLLM's /metrics counters (labelled)
+    give a mean acceptance length close to ours (the two count the last, shortened drafts differently)."""
+    from specquant.serve.config import LatencyConfig
+    from specquant.serve.latency import time_engines
+
+    out = time_engines(LatencyConfig(categories=["short"], runs=2, warmup=0), "tiny-target", "tiny-draft", 3,
+                       "specquant", "vllm", say=lambda *a: None)
+    row = out["categories"]["short"]
+    assert row["mean_new_tokens"] == row["baseline_mean_new_tokens"] == 128
+    assert row["median_ms"] > 0 and row["baseline_median_ms"] > 0
+    ours, theirs = row["mean_acceptance_length"], row["baseline_mean_acceptance_length"]
+    assert ours is not None and theirs is not None and abs(ours - theirs) <= 0.2, (ours, theirs)

