@@ -56,9 +56,9 @@ def server(pair: RowPair, workdir: Path, port: int, host: str, threads: int = 0,
     argv[:3] = [str(vllm_python()), "-I", "-m", SERVER_MODULE, "--model", argv[2]]
     if spec["speculative_config"] is not None and "--speculative-config" not in argv:  # a model-free drafter
         argv += ["--speculative-config", json.dumps(spec["speculative_config"], separators=(",", ":"))]
-    if context:
+    if context:  # what the requests need, within the model's own context (vLLM sizes its KV cache for it)
         at = argv.index("--max-model-len")
-        argv[at + 1] = str(context)
+        argv[at + 1] = str(min(context, int(argv[at + 1])))
     argv += ["--dtype", spec["dtype"], "--enforce-eager", "--host", host, "--port", str(port),
              "--served-model-name", pair.id, "--seed", "0"]
     if spec["llm_args"].get("enable_prefix_caching") is False:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,17 +47,58 @@ def run_vllm(engines: list[dict], prompts: list[list[int]], max_tokens: int, tim
         env = child_env()
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         with open(log, "w") as f:
-            try:  # -I: the runner's folder (export/, which has a vllm.py of ours) must not shadow the vllm package
-                proc = subprocess.run([str(python), "-I", str(RUNNER), str(job), str(out)], stdout=f, stderr=f,
-                                      stdin=subprocess.DEVNULL, timeout=timeout, env=env)
-            except subprocess.TimeoutExpired:
-                raise SpecquantError(f"vLLM ran past {timeout:.0f} s on {len(engines)} engines") from None
+            # -I: the runner's folder (export/, which has a vllm.py of ours) must not shadow the vllm package
+            proc = subprocess.Popen([str(python), "-I", str(RUNNER), str(job), str(out)], stdout=f, stderr=f,
+                                    stdin=subprocess.DEVNULL, env=env)
+            _follow(proc, log, timeout, stream, len(engines))
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-8:])
             raise SpecquantError(f"vLLM exited with {proc.returncode}: {tail}")
+        result = json.loads(out.read_text())
+        root_causes(result, log.read_text(errors="replace"))
         if stream is not None:
             print(f"vllm: {len(engines)} engines run ({', '.join(e['name'] for e in engines)})", file=stream)
-        return json.loads(out.read_text())
+        return result
+
+
+_CAUSE = re.compile(r"(?:^|\] |\) )((?:[A-Z]\w*(?:Error|Exception)): .+)$")
+
+
+def root_causes(result: dict, log: str) -> None:
+    """An engine that failed in a worker process reports only "Engine core initialization failed. See root cause
+    above": its error gains the first exception line its worker logged between its start and its end markers."""
+    for name, out in result["engines"].items():
+        if "error" not in out or "root cause" not in out["error"]:
+            continue
+        start = log.find(f" {name}: starting")
+        end = log.find(f" {name}: failed", start)
+        for line in log[start:end if end > 0 else None].splitlines():
+            m = _CAUSE.search(line.strip())
+            if m and "root cause" not in m.group(1):
+                out["error"] += f" (worker: {m.group(1)[:300]})"
+                break
+
+
+def _follow(proc: subprocess.Popen, log: Path, timeout: float, stream, engines: int) -> None:
+    """Wait for the runner, passing its own progress lines ("vllm_run: ...", one as each engine starts and ends)
+    from vLLM's log to stream as they come; kill it past timeout."""
+    import time
+
+    deadline, seen = time.monotonic() + timeout, 0
+    while True:
+        done = proc.poll() is not None
+        lines = log.read_text(errors="replace").splitlines()
+        for line in lines[seen:]:
+            if line.startswith("vllm_run: ") and stream is not None:
+                print(line, file=stream, flush=True)
+        seen = len(lines)
+        if done:
+            return
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise SpecquantError(f"vLLM ran past {timeout:.0f} s on {engines} engines")
+        time.sleep(1.0)
 
 
 @torch.no_grad()

