@@ -44,7 +44,7 @@ def test_our_rows_protocol_and_the_comparison_table():
         assert row["same_tokens"] == row["prompts"] == 2
         assert row["engine_acceptance_rate"] == row["our_acceptance_rate"]
     text = format_table({"engine": "specquant", "prompts": ["p0", "p1"], "max_new_tokens": 12, "runs": 2, "warmup": 1,
-                         "engine_model_free": "suffix", "our_model_free": "suffix", "load_avg": 0.0, "rows": table})
+                         "engine_model_free": "suffix", "our_model_free": "suffix", "load_avg": [0.0, 0.0, 0.0], "rows": table})
     assert "target + draft" in text and "2/2" in text
 
 

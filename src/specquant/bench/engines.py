@@ -12,7 +12,8 @@ Protocol, both engines: greedy, EOS ignored, max_new_tokens per request, each pr
 untimed rounds then `runs` timed ones, each request timed end to end around its call (prefill and decode);
 tok/s per prompt = max_new_tokens / the median over runs, averaged over prompts. Each engine's rows are
 interleaved prompt by prompt; the two engines run one after the other (the outside one first, in its own
-process), so machine load between them is not cancelled: the load average is in the report. Acceptance is each
+process), so machine load between them is not cancelled: the load average before, between and after is in the
+report. Acceptance is each
 engine's own counters over every round (rate = accepted / drafted; MAL = 1 + accepted / drafts). `same` counts the
 prompts whose tokens the outside engine generated exactly as ours did: expected for every row where both run the
 same dtype; the hybrid and W4 rows run bf16 in vLLM's CPU build (engines/vllm.py), where near-ties can flip.
@@ -97,8 +98,8 @@ def format_table(result: dict) -> str:
                      + (f"  ({why})" if why else ""))
     lines.append(f"({len(result['prompts'])} prompts x {result['max_new_tokens']} new tokens, median of "
                  f"{result['runs']} runs after {result['warmup']} warm-up, each prompt alone; model-free row: "
-                 f"{name} {result['engine_model_free']} vs our {result['our_model_free']}; load average "
-                 f"{result['load_avg']})")
+                 f"{name} {result['engine_model_free']} vs our {result['our_model_free']}; 1-min load average at "
+                 f"the start, between the engines and at the end: {', '.join(map(str, result['load_avg']))})")
     return "\n".join(lines)
 
 
@@ -133,12 +134,15 @@ def run_bench(cfg, name: str, target, draft, quantized_target=None, quantized_dr
                            cfg.content_max_tokens, cfg.prompts)
     ids = [p.ids for p in prompts]
     log(f"{name}: {len(rows)} rows x {len(ids)} prompts x {cfg.warmup} + {cfg.runs} rounds")
+    load = [round(os.getloadavg()[0], 2)]
     theirs = outside.run_rows(rows, ids, cfg.max_new_tokens, cfg.warmup, cfg.runs, out / name, log)
+    load.append(round(os.getloadavg()[0], 2))
     log("specquant: the same rows")
     mine = ours.run_rows(rows, ids, cfg.max_new_tokens, cfg.warmup, cfg.runs, log=log, runtime=cfg.runtime)
+    load.append(round(os.getloadavg()[0], 2))
     result = {"engine": name, "prompts": [p.id for p in prompts], "max_new_tokens": cfg.max_new_tokens,
               "runs": cfg.runs, "warmup": cfg.warmup, "engine_model_free": outside.MODEL_FREE, "our_model_free": ours.MODEL_FREE,
-              "load_avg": round(os.getloadavg()[0], 2), "rows": table_rows(rows, theirs, mine, cfg.max_new_tokens)}
+              "load_avg": load, "rows": table_rows(rows, theirs, mine, cfg.max_new_tokens)}
     atomic_write(out / f"engine-{name}.json", json.dumps(result, indent=2) + "\n")
     atomic_write(out / f"engine-{name}.md", "```\n" + format_table(result) + "\n```\n")
     return result
