@@ -4,7 +4,9 @@ llama.cpp command lines, drafter-kind detection and the --out safety rules."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch
 from specquant.cli import main
 from specquant.errors import SpecquantError
 from specquant.export.config import REPORT, ExportConfig
-from specquant.export.vllm import drafter_kind, export_vllm, speculative_config, tp_notes
+from specquant.export.vllm import LAYOUTS, MTP_DENSE, drafter_kind, export_vllm, speculative_config, tp_notes
 from specquant.loader import load_model
 from specquant.model.checkpoint import BUNDLED_DIR, read_hf_config
 
@@ -258,10 +260,31 @@ def test_vllm_export_renames_the_ignore_list_with_the_tensors(tmp_path, hybrid_p
     export_vllm(ref, None, tmp_path / "out", ExportConfig(engine="vllm"))
     ignore = read_hf_config(tmp_path / "out" / "target")["quantization_config"]["ignore"]
     names = set(_tensors(tmp_path / "out" / "target"))
+    assert MTP_DENSE not in ignore  # no MTP layer in this checkpoint
     assert sum(".in_proj_a" in n for n in ignore) == 3 and sum(".in_proj_b" in n for n in ignore) == 3
+    assert LAYOUTS["qwen3_5_text"].dense_modules[0] in ignore  # the wrapper's vision tower (no weights) stays dense
     for n in ignore:
+        if n.startswith("re:"):
+            assert n in LAYOUTS["qwen3_5_text"].dense_modules, n
+            continue
         assert n == "lm_head" or n.startswith("model.language_model."), n
         assert f"{n}.weight" in names and f"{n}.weight_packed" not in names, n
+
+
+def test_vllm_export_of_a_w4_hybrid_keeps_its_dense_mtp_layer_dense(tmp_path):
+    """Our quantizers leave the MTP layer dense: the export names it in the ignore list (as a pattern: vLLM's
+    prefix for it differs from ours), or vLLM applies the W4 scheme to mtp.fc and finds a dense weight. A W4
+    hybrid without an MTP layer gets no such entry."""
+    from specquant.export.vllm_engine import _rtn_w4
+
+    w4 = _rtn_w4("tiny-hybrid", tmp_path / "w4")
+    names = _tensors(w4)
+    assert any(n.startswith("mtp.") for n in names) and not any(n.startswith("mtp.") and "packed" in n for n in names)
+    report = export_vllm(w4, "mtp", tmp_path / "out", ExportConfig(num_speculative_tokens=2))
+    ignore = read_hf_config(Path(report["target"]))["quantization_config"]["ignore"]
+    assert MTP_DENSE in ignore and LAYOUTS["qwen3_5_text"].dense_modules[0] in ignore
+    assert re.match(MTP_DENSE[3:], "mtp.fc") and re.match(MTP_DENSE[3:], "language_model.mtp.layers.0.mlp.gate_up_proj")
+    assert not re.match(MTP_DENSE[3:], "language_model.model.layers.0.mlp.gate_up_proj")
 
 
 def test_the_vllm_layout_of_a_w4_hybrid_loads_back_with_the_same_logits(tmp_path, hybrid_pair):

@@ -74,7 +74,7 @@ def test_vllm_dense_pair_tokens_and_counters_equal_ours(runs, name):
     assert out["counters"] == _counters(target, draft, k)
 
 
-@pytest.mark.parametrize("name", ["hybrid_mtp", "hybrid_dflash", "w4_draft"])
+@pytest.mark.parametrize("name", ["hybrid_mtp", "hybrid_dflash", "w4_draft", "w4_hybrid_mtp"])
 def test_vllm_bf16_engines_follow_our_target(runs, name):
     """vLLM in bf16 (its only CPU form for Gated DeltaNet and W4A16), ours in fp32: every vLLM token is our argmax
     on vLLM's own path, or a near-tie within TIE; most are exact; acceptance within RATE of ours."""

@@ -118,10 +118,12 @@ class VllmLayout:
     model_type: str  # its config.json model_type; ours goes under text_config
     prefix: tuple[str, str]  # (our tensor-name prefix, the one its weight mapper reads)
     serve_flags: tuple[str, ...]  # what `vllm serve` needs to load it as a text model
+    dense_modules: tuple[str, ...] = ()  # modules of the wrapper that the quantization scheme must not touch
 
 
 LAYOUTS = {"qwen3_5_text": VllmLayout("Qwen3_5ForConditionalGeneration", "qwen3_5", ("model.", "model.language_model."),
-                                      ("--language-model-only",))}
+                                      ("--language-model-only",), ("re:^visual\\.",))}
+MTP_DENSE = "re:.*mtp\\."  # vLLM's MTP modules, whatever their prefix (re.match from the name's start)
 # Linears vLLM fuses into one (merged column-parallel) layer: one quantization scheme each
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z"),
          ("in_proj_b", "in_proj_a"))
@@ -168,9 +170,10 @@ def _rename(name: str, prefix: tuple[str, str]) -> str:
     return theirs + name[len(ours):] if name.startswith(ours) and not name.startswith(theirs) else name
 
 
-def layout_config(hf: dict, layout: VllmLayout) -> dict:
+def layout_config(hf: dict, layout: VllmLayout, names=()) -> dict:
     """Our config.json -> the one vLLM's `layout.architecture` reads: ours as text_config, the wrapper's own keys,
-    quantization_config at the top with its ignore names renamed as the tensors are."""
+    quantization_config at the top with its ignore names renamed as the tensors are. names: the checkpoint's
+    tensor names (a dense MTP layer beside a W4 model is added to the ignore list)."""
     text = {k: v for k, v in hf.items() if k not in ("architectures", "quantization_config", "torch_dtype", "dtype")}
     out = {"architectures": [layout.architecture], "model_type": layout.model_type, "text_config": text}
     for key in ("tie_word_embeddings", "torch_dtype", "dtype", "bos_token_id", "eos_token_id"):
@@ -180,6 +183,15 @@ def layout_config(hf: dict, layout: VllmLayout) -> dict:
     if qc:
         qc = dict(qc)
         qc["ignore"] = [n if n.startswith("re:") else _rename(n, layout.prefix) for n in qc.get("ignore") or []]
+        # the wrapper builds its vision tower (from a default vision_config) even with --language-model-only, and
+        # applies the checkpoint's scheme to its Linears unless ignored: vLLM's CPU W4A16 kernel then refuses its
+        # 4304-wide MLP ("multiples of 32") before a weight is read. The tower has no weights here: it stays dense.
+        qc["ignore"] += [n for n in layout.dense_modules if n not in qc["ignore"]]
+        # our quantizers leave the MTP layer dense (a W4 MTP drafter is a directory of its own); vLLM would apply
+        # the scheme to its fc and projections and then find `mtp.fc.weight` where it expects weight_packed
+        mtp = [n for n in names if n.startswith("mtp.")]
+        if mtp and not any(n.endswith(".weight_packed") for n in mtp):
+            qc["ignore"].append(MTP_DENSE)
         out["quantization_config"] = qc
     return out
 
@@ -209,7 +221,7 @@ def write_target(src: Path, dst: Path, hf: dict) -> None:
         data = json.loads(index.read_text())
         data["weight_map"] = {_rename(k, layout.prefix): v for k, v in data["weight_map"].items()}
         (dst / index.name).write_text(json.dumps(data, indent=2) + "\n")
-    (dst / "config.json").write_text(json.dumps(layout_config(hf, layout), indent=2) + "\n")
+    (dst / "config.json").write_text(json.dumps(layout_config(hf, layout, tensor_names(src)), indent=2) + "\n")
 
 
 def dense_lm_head(model_dir: Path) -> str | None:

@@ -172,7 +172,8 @@ def _rtn_w4(name: str, out: Path) -> Path:
 
 
 def bundled_engines(root: Path) -> tuple[list[dict], dict]:
-    """The bundled pairs exported for vLLM into root, one per drafter kind vLLM offers, plus an RTN W4 pair:
+    """The bundled pairs exported for vLLM into root, one per drafter kind vLLM offers, plus RTN W4 pairs (dense
+    Qwen3 with a W4 draft; the hybrid with its own, dense, MTP layer):
     (engine specs for run_vllm, name -> (target, draft, k) for our engine). Used by tests/test_vllm.py and
     benchmarks/vllm_acceptance.py."""
     from specquant.export.config import ExportConfig
@@ -181,7 +182,7 @@ def bundled_engines(root: Path) -> tuple[list[dict], dict]:
     w4 = (_rtn_w4("tiny-target", root / "w4-target"), _rtn_w4("tiny-draft", root / "w4-draft"))
     pairs = {"draft": ("tiny-target", "tiny-draft", 3), "dflash": ("tiny-target", "tiny-block-draft", None),
              "hybrid_mtp": ("tiny-hybrid", "mtp", 2), "hybrid_dflash": ("tiny-hybrid", "tiny-hybrid-block-draft", None),
-             "w4_draft": (*w4, 3)}
+             "w4_draft": (*w4, 3), "w4_hybrid_mtp": (_rtn_w4("tiny-hybrid", root / "w4-hybrid"), "mtp", 2)}
     engines, ours = [], {}
     for name, (target, draft, k) in pairs.items():
         report = export_vllm(target, draft, root / name, ExportConfig(num_speculative_tokens=k or 3))
