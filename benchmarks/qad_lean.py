@@ -30,17 +30,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/shapes.py: the shapes' configs
-from shapes import SHAPES, random_model  # noqa: E402
+from safetensors.torch import save_file
 
-from safetensors.torch import save_file  # noqa: E402
-from specquant.loader import load_model  # noqa: E402
-from specquant.model.checkpoint import BUNDLED_DIR, copy_tokenizer, load_tokenizer  # noqa: E402
-from specquant.quant import QuantConfig, quantize  # noqa: E402
-from specquant.quant.checkpoint import quantization_config  # noqa: E402
-from specquant.quant.quality import compare, heldout_tokens, logprobs  # noqa: E402
-from specquant.train.qad import BUNDLED_HELDOUT  # noqa: E402
-from specquant.util.files import atomic_dir, claim_out_dir  # noqa: E402
+from specquant.bench.shapes import SHAPES, random_model
+from specquant.loader import load_model
+from specquant.model.checkpoint import BUNDLED_DIR, copy_tokenizer, load_tokenizer
+from specquant.quant import QuantConfig, quantize
+from specquant.quant.checkpoint import quantization_config
+from specquant.quant.quality import compare, heldout_tokens, logprobs
+from specquant.train.qad import BUNDLED_HELDOUT
+from specquant.util.files import atomic_dir, claim_out_dir
 
 
 def cli(args: list[str], **kw) -> subprocess.CompletedProcess:

@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -68,57 +67,16 @@ from pathlib import Path
 
 import torch
 
+from specquant.bench.shapes import BESIDE, MODES, PRESETS, SHAPES, build, gguf_path, gguf_weights
 from specquant.kernels import LIBRARIES, ops
 from specquant.model.attention import NATIVE_MAX_ROWS, Attention
-from specquant.model.checkpoint import read_config
-from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.model.deltanet import GatedDeltaNet
-from specquant.model.fuse import fuse_projections
 from specquant.model.gated_delta import gated_delta_rule, l2_normalize
 from specquant.model.modules import Linear
-from specquant.model.norms import ZeroCentredRMSNorm
-from specquant.quant.head import HEAD_PRECISIONS, set_lm_head
+from specquant.quant.head import HEAD_PRECISIONS
 from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
 from specquant.runtime import child_env, openmp_wait
-
-QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,
-             num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-             max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True)
-# Qwen3.5 text configs. 4B: ../shared/HYBRID.md (third-party copies of the config); 0.8B: two third-party copies of
-# its config.json agree; 2B: hidden 2048 from a third-party copy, the other fields as the family's (24 layers,
-# 8 query / 2 KV heads of 256, DeltaNet 16 + 16 heads of 128) and FFN 3 x hidden, not checked against the hub file
-QWEN35 = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7,
-              max_position_embeddings=262144, tie_word_embeddings=True, qk_norm=True, partial_rotary_factor=0.25,
-              attn_output_gate=True, zero_centred_norms=True, linear_key_head_dim=128, linear_value_head_dim=128,
-              linear_conv_kernel_dim=4)
-
-
-def _hybrid(layers: int, **kw) -> ModelConfig:
-    """A Qwen3.5 shape: every fourth layer gated full attention, the rest Gated DeltaNet."""
-    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers))
-    return ModelConfig(num_hidden_layers=layers, layer_types=types, **{**QWEN35, **kw})
-
-
-SHAPES = {
-    "tiny-target": lambda: read_config("tiny-target"),
-    "qwen3-0.6b": lambda: ModelConfig(hidden_size=1024, intermediate_size=3072, **QWEN3),
-    "qwen3-1.7b": lambda: ModelConfig(hidden_size=2048, intermediate_size=6144, **QWEN3),
-    "qwen3-4b": lambda: ModelConfig(**{**QWEN3, "num_hidden_layers": 36, "num_attention_heads": 32},
-                                    hidden_size=2560, intermediate_size=9728),
-    "qwen3.5-0.8b": lambda: _hybrid(24, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
-                                    num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16),
-    "qwen3.5-2b": lambda: _hybrid(24, hidden_size=2048, intermediate_size=6144, num_attention_heads=8,
-                                  num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16),
-    "qwen3.5-4b": lambda: _hybrid(32, hidden_size=2560, intermediate_size=9216, num_attention_heads=16,
-                                  num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32),
-}
-# each hybrid beside the pure-attention Qwen3 of about its parameter count; `--shapes hybrid` runs these pairs
-BESIDE = {"qwen3.5-0.8b": "qwen3-0.6b", "qwen3.5-2b": "qwen3-1.7b", "qwen3.5-4b": "qwen3-4b"}
-PRESETS = {"hybrid": [s for pair in BESIDE.items() for s in pair]}
-MODES = {"fp32": torch.float32, "bf16": torch.bfloat16, "w4": torch.float32, "w4a8": torch.float32}
-# the GGUF of each mode's llama.cpp column: DIR/shapes/<shape>-<kind>.gguf (benchmarks/shapes_gguf.py writes them)
-GGUF_KINDS = {"fp32": "f32", "bf16": "bf16", "w4": "q4_0", "w4a8": "q4_0"}
 
 
 def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
@@ -131,56 +89,6 @@ def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
         buf.sum()
         samples.append(time.perf_counter() - t0)
     return buf.numel() * 4 / statistics.median(samples) / 1e9
-
-
-def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Random-init model of the shape in `dtype` (N(0, 0.02) matrices, unit norms, seed 0; speed does not depend
-    on the values), allocated once in that dtype. benchmarks/quantize_time.py (fp32) and shapes_gguf.py (f32 and
-    bf16 files) build the same models."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to(dtype).to_empty(device="cpu")  # the dtype set on the meta tensors: one allocation, in it
-    if cfg.tie_word_embeddings:  # to_empty gave the head its own storage; tied before the fill, it is never touched
-        model.lm_head.weight = model.model.embed_tokens.weight  # (the head is the last parameter: values unchanged)
-    gen = torch.Generator().manual_seed(0)
-    zero_centred = {id(m.weight) for m in model.modules() if isinstance(m, ZeroCentredRMSNorm)}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # unit scale: y = w·x̂, or (1 + w)·x̂ for Qwen3.5's zero-centred norms
-            if "norm" in name.split(".")[-2]:
-                p.fill_(0.0 if id(p) in zero_centred else 1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    model._set_rope(cfg.max_position_embeddings)
-    return model
-
-
-def widen_dense(model: Transformer, dtype: torch.dtype = torch.float32):
-    """Every floating tensor outside the QuantLinears in `dtype`, in place (QuantLinear._apply would widen its bf16
-    scales too); parameters keep their identity, so a tied head stays tied."""
-    for m in model.modules():
-        if not isinstance(m, QuantLinear):
-            m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
-
-
-def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
-    """Random-init model in the mode's dtype (W4: RTN g32 of the bf16 weights, the rest widened to float32), fused
-    like the engine's loads."""
-    w4 = mode in ("w4", "w4a8")
-    model = random_model(cfg, torch.bfloat16 if w4 else MODES[mode]).eval()
-    if w4:
-        from specquant.quant.config import QuantConfig
-        from specquant.quant.linear import set_w4_activations
-        from specquant.quant.pipeline import quantize
-
-        # bf16 scales: what `specquant quantize` writes for a bf16 checkpoint; its module choice (target_linears:
-        # QuantConfig's default --ignore and DENSE_BY_KIND), not a list of our own
-        quantize(model, QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True), scale_dtype=torch.bfloat16)
-        widen_dense(model, MODES[mode])
-        set_lm_head(model, lm_head, torch.bfloat16)
-        set_w4_activations(model, "int8" if mode == "w4a8" else "float")
-    fuse_projections(model)
-    return model
 
 
 def dense_layer_linears(model: Transformer) -> list[str]:
@@ -333,39 +241,6 @@ def weight_bytes(model: Transformer) -> int:
     """Bytes of the weights one step reads: every decoder layer's tensors (linears, norms, a DeltaNet's conv, A_log
     and dt_bias), the final norm and the head; the embedding only as the tied head (a step reads one row of it)."""
     return sum(module_bytes(m) for m in (*model.model.layers, model.model.norm, model.lm_head))
-
-
-def gguf_path(root: Path, shape: str, mode: str) -> Path:
-    return root / "shapes" / f"{shape}-{GGUF_KINDS[mode]}.gguf"
-
-
-def gguf_weights(path: Path) -> dict:
-    """From a GGUF's tensor table: the weight bytes one llama.cpp step reads (the same rule as weight_bytes: the
-    embedding counts only when no separate output.weight exists, since it is then the head), bytes and tensor counts
-    per GGML type, every matrix name pattern (blk.N -> blk.*) whose type is not the file's main type, and the
-    types of the 1-D tensors (norms, biases, DeltaNet A and dt: F32 in every file)."""
-    from gguf import GGUFReader  # the optional export extra; only read when a GGUF file is there
-
-    from specquant.export.gguf import main_kind
-
-    read = GGUFReader(path).tensors
-    tensors = [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in read]
-    names = {name for name, _, _ in tensors}
-    types: dict[str, dict] = {}
-    for _, kind, n in tensors:
-        row = types.setdefault(kind, {"tensors": 0, "bytes": 0})
-        row["tensors"] += 1
-        row["bytes"] += n
-    main = main_kind([t.tensor_type.name for t in read if len(t.shape) == 2])  # the rule the file type follows
-    step = sum(n for name, _, n in tensors if name != "token_embd.weight" or "output.weight" not in names)
-    other, vectors = {}, set()
-    for t in read:
-        if len(t.shape) < 2:
-            vectors.add(t.tensor_type.name)
-        elif t.tensor_type.name != main:
-            other[re.sub(r"^blk\.\d+\.", "blk.*.", t.name)] = t.tensor_type.name
-    return {"file": path.name, "bytes": path.stat().st_size, "weight_bytes": step, "main_type": main, "types": types,
-            "other_types": dict(sorted(other.items())), "vector_types": sorted(vectors)}
 
 
 def step_bytes(model: Transformer, context: int, t: int) -> int:

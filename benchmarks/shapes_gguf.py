@@ -32,14 +32,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import SHAPES, gguf_weights, random_model  # noqa: E402
-
-from specquant.bench.llama_cpp import llama_quantize  # noqa: E402
-from specquant.errors import SpecquantError  # noqa: E402
-from specquant.export.gguf import source_from_model, write_gguf  # noqa: E402
-from specquant.model.decoder import Transformer  # noqa: E402
-from specquant.util.files import claim_out_dir  # noqa: E402
+from specquant.bench.llama_cpp import llama_quantize
+from specquant.bench.shapes import SHAPES, gguf_weights, random_model
+from specquant.errors import SpecquantError
+from specquant.export.gguf import source_from_model, write_gguf
+from specquant.model.decoder import Transformer
+from specquant.util.files import claim_out_dir
 
 # shapes with more parameters get no f32 file by default (--f32 auto): Qwen3-1.7B and Qwen3.5-0.8B do, 2B / 4B not
 F32_MAX_PARAMETERS = 2_000_000_000

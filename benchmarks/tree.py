@@ -29,12 +29,11 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from specquant.bench import shapes
 from specquant.bench.prompts import DEFAULT_PROMPTS, encode, read_jsonl
 from specquant.loader import load_model
 from specquant.model.checkpoint import load_tokenizer, resolve
@@ -122,9 +121,6 @@ def shape_trees(nodes: int) -> dict[str, TreeLayout]:
 
 
 def run_shape(args) -> list[dict]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import shapes
-
     cfg = shapes.SHAPES[args.shape]()
     cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers, layer_types=cfg.layer_types[: args.layers])
     model = shapes.build(cfg, args.mode, "dense")

@@ -123,18 +123,13 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def load_benchmark(script: str):
-    """A script under benchmarks/ imported as a module (its siblings importable, as when it runs), for tests of its
-    functions: the scripts are not a package."""
+    """A script under benchmarks/ imported as a module, for tests of its functions: the scripts are not a package
+    (each imports only specquant, never a sibling)."""
     import importlib.util
-    import sys
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_script_{script[:-3]}", BENCHMARKS / script)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"bench_script_{script[:-3]}", BENCHMARKS / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return mod
 
 

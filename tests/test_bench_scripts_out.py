@@ -20,7 +20,6 @@ SCRIPTS = {
     "gpu.py": (["--device", "cpu", "--tiny"], "--out", "environment", lambda d: d),
     "llama_cpp_quality.py": ([], "--out", "write_gguf", lambda d: d),
     "qad.py": ([], "--run-dir", "load_model", lambda d: d),
-    "block_draft.py": ([], "--cache", "load_tokenizer", lambda d: d),
     "shapes_gguf.py": ([], None, "make", lambda d: d / "shapes"),  # positional DIR; writes DIR/shapes
 }
 

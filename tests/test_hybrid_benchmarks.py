@@ -1,6 +1,6 @@
-"""benchmarks/shapes.py's Qwen3.5 rows and benchmarks/rollback.py, run at a tiny hybrid shape with one repetition
-(what they print is checked, not how fast anything is: times are noise here), plus their byte and memory formulas
-at the real 4B shape, which need no model."""
+"""benchmarks/shapes.py's Qwen3.5 rows and benchmarks/shapes_gguf.py, run at a tiny hybrid shape with one repetition
+(what they print is checked, not how fast anything is: times are noise here), plus the floor's byte formula at the
+real 4B shape, which needs no model. The shapes and their models are specquant.bench.shapes'."""
 
 from __future__ import annotations
 
@@ -10,27 +10,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from specquant.bench.shapes import hybrid, random_model
 
 
 @pytest.fixture()
 def bench(monkeypatch):
-    """shapes and rollback imported from benchmarks/, with a tiny hybrid beside a tiny dense model registered."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    import rollback
-    import shapes
-
+    """benchmarks/shapes.py imported, with a tiny hybrid beside a tiny dense model registered in the package's
+    SHAPES (the dict the script reads)."""
     from specquant.model.config import ModelConfig
 
-    monkeypatch.setitem(shapes.SHAPES, "qwen3.5-tiny", lambda: shapes._hybrid(
+    shapes = load_benchmark("shapes.py")
+    monkeypatch.setitem(shapes.SHAPES, "qwen3.5-tiny", lambda: hybrid(
         4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         linear_num_key_heads=2, linear_num_value_heads=4, vocab_size=300))
     monkeypatch.setitem(shapes.SHAPES, "qwen3-tiny", lambda: ModelConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=300))
     monkeypatch.setitem(shapes.BESIDE, "qwen3.5-tiny", "qwen3-tiny")
-    return shapes, rollback
+    return shapes
 
 
 def _run(module, argv, monkeypatch, capsys) -> tuple[str, dict]:
@@ -41,7 +40,7 @@ def _run(module, argv, monkeypatch, capsys) -> tuple[str, dict]:
 
 
 def test_shapes_runs_hybrid_rows_beside_dense(bench, monkeypatch, capsys):
-    shapes, _ = bench
+    shapes = bench
     out, res = _run(shapes, ["--shapes", "qwen3.5-tiny,qwen3-tiny", "--modes", "fp32,bf16,w4,w4a8", "--reps", "1",
                              "--context", "8", "--rows", "1,2,16", "--threads", "1"], monkeypatch, capsys)
     rows = {(r["shape"], r["mode"]) for r in res["results"]}
@@ -68,9 +67,9 @@ def test_w4_hybrid_quantizes_what_specquant_quantize_would(bench):
     from specquant.quant.linear import QuantLinear
     from specquant.quant.pipeline import kept_dense, target_linears
 
-    shapes, _ = bench
+    shapes = bench
     cfg = shapes.SHAPES["qwen3.5-tiny"]()
-    fresh = shapes.random_model(cfg, torch.bfloat16)
+    fresh = random_model(cfg, torch.bfloat16)
     kept = kept_dense(fresh)
     assert kept == {f"model.layers.{i}.linear_attn.in_proj_{ab}" for i in (0, 1, 2) for ab in "ab"}
     quantized = set(target_linears(fresh, QuantConfig(group_size=32)))
@@ -94,7 +93,7 @@ def test_w4_hybrid_quantizes_what_specquant_quantize_would(bench):
 def test_shapes_preset_and_floor_bytes_at_the_4b_shape(bench):
     """`--shapes hybrid` is each Qwen3.5 shape beside its Qwen3; a 4B step moves every weight once, the K/V of the
     8 attention layers and the 24 DeltaNet states twice (read, write): 2 MiB each in fp32."""
-    shapes, _ = bench
+    shapes = bench
     assert shapes.PRESETS["hybrid"] == ["qwen3.5-0.8b", "qwen3-0.6b", "qwen3.5-2b", "qwen3-1.7b", "qwen3.5-4b",
                                         "qwen3-4b"]
     with torch.device("meta"):
@@ -107,34 +106,6 @@ def test_shapes_preset_and_floor_bytes_at_the_4b_shape(bench):
     kv = 2 * 8 * 4 * (128 + 1) * 256 * 2  # layers x KV heads x positions x head_dim x bf16
     assert shapes.step_bytes(model, 128, 1) == weights + kv + 24 * 2 * (2 << 20)
     assert 4.1e9 < model.num_parameters() < 4.3e9
-
-
-def test_rollback_runs_every_design_and_k(bench, monkeypatch, capsys):
-    _, rollback = bench
-    _, res = _run(rollback, ["--shape", "qwen3.5-tiny", "--ks", "1,3", "--reps", "1", "--context", "8",
-                             "--threads", "1"], monkeypatch, capsys)
-    assert [(r["design"], r["k"]) for r in res["results"]] == [(d, k) for k in (1, 3) for d in rollback.DESIGNS]
-    assert res["rerun_model"] and all(r["back_ms"] > 0 for r in res["results"])
-    _, res = _run(rollback, ["--shape", "qwen3.5-tiny", "--ks", "1", "--reps", "1", "--no-rerun"], monkeypatch,
-                  capsys)
-    assert not res["rerun_model"] and res["results"][-1]["rerun_back"] == "rule only"
-    with pytest.raises(SystemExit, match="not a hybrid shape"):
-        _run(rollback, ["--shape", "qwen3-0.6b"], monkeypatch, capsys)
-
-
-def test_rollback_memory_at_the_4b_shape(bench):
-    """The figures in ../shared/HYBRID.md: per-position states hold (k+1) x 48 MiB; the rank-1 record 24.1 KiB of
-    factors a token and layer plus the pre-conv inputs, and the one anchor state."""
-    shapes, rollback = bench
-    shape = rollback.layer_shape(shapes.SHAPES["qwen3.5-4b"]())
-    assert shape == {"layers": 24, "hk": 16, "hv": 32, "dk": 128, "dv": 128, "conv": 8192, "kernel": 4}
-    slots = rollback.extra_mib(shape, "slots", 16, 2)
-    assert slots == pytest.approx(16 * 48 + 24 * 16 * 8192 * 3 * 2 / (1 << 20))
-    rank1 = rollback.extra_mib(shape, "rank1", 16, 2)
-    factors = 24 * 16 * (16 * 128 + 32 * 128 + 32) * 4 / (1 << 20)
-    assert rank1 == pytest.approx(factors + 24 * 19 * 8192 * 2 / (1 << 20) + 48)
-    assert factors / 16 / 24 * 1024 == pytest.approx(24.125)  # KiB per token and layer
-    assert rollback.extra_mib(shape, "rerun", 16, 2) < rank1 < slots / 10
 
 
 def test_shapes_gguf_writes_a_qwen35_file_llama_cpp_runs(bench, monkeypatch, tmp_path, capsys):
@@ -154,12 +125,11 @@ def test_shapes_gguf_writes_a_qwen35_file_llama_cpp_runs(bench, monkeypatch, tmp
             pytest.skip(f"llama.cpp build skipped deliberately (SPECQUANT_SKIP_LLAMA_CPP=1); {missing} not in {base}")
         pytest.fail(f"llama.cpp tools {missing} missing from {base}: run `bash scripts/setup.sh --test`, or set "
                     "SPECQUANT_SKIP_LLAMA_CPP=1 to skip these tests deliberately")
-    shapes, _ = bench
-    monkeypatch.syspath_prepend(str(BENCH))
-    import shapes_gguf
+    shapes = bench
+    shapes_gguf = load_benchmark("shapes_gguf.py")
 
     # the bundled tokenizer's 8192 ids need that vocabulary; head size 32 keeps each head one Q4_0 block
-    monkeypatch.setitem(shapes.SHAPES, "qwen3.5-gguf-tiny", lambda: shapes._hybrid(
+    monkeypatch.setitem(shapes.SHAPES, "qwen3.5-gguf-tiny", lambda: hybrid(
         4, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
         vocab_size=8192))

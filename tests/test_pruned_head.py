@@ -228,22 +228,3 @@ def test_prune_head_cli_writes_a_map_the_lm_drafter_loads(capsys, tmp_path):
     rc = main(["distill", "prune-head", "--draft", "tiny-draft", "--keep", "0", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err
     assert rc == 2 and "keep 0" in err and len(err.strip().splitlines()) == 1
-
-
-@needs_bundled("tiny-block-draft")
-def test_sweep_benchmark_runs_at_a_tiny_setting(tmp_path, capsys):
-    """benchmarks/prune_head.py: the full head first (ratios 1), each pruned N after it, the output always the
-    target's own (greedy_match), the head's cost measured for each; JSON last and in --out."""
-    from conftest import load_benchmark
-
-    mod = load_benchmark("prune_head.py")
-    rc = mod.main(["--drafts", "tiny-block-draft", "--keep", "2048", "--new-tokens", "4", "--reps", "1",
-                   "--context", "32", "--rounds", "2", "--out", str(tmp_path / "o")])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 0 and result == json.loads((tmp_path / "o" / "prune_head.json").read_text())
-    full, pruned = result["rows"]
-    assert (full["keep"], full["coverage"], full["step_vs_full"], full["mal_vs_full"]) == (8192, 1.0, 1.0, 1.0)
-    assert pruned["keep"] == 2048 and 0.5 < pruned["coverage"] < 1.0 and pruned["head_ms"] > 0
-    assert full["greedy_match"] and pruned["greedy_match"]
-    assert len(full["propose_ms_rounds"]) == len(pruned["propose_ms_rounds"]) == 2  # every N timed in each round
-    assert mod.main(["--keep", "0"]) == 2 and "at least 1" in capsys.readouterr().err

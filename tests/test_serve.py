@@ -450,17 +450,6 @@ def test_prefix_cache_serves_the_same_tokens_and_counts_hits(client):
     assert metric(text, "prefix_cache_entries") == 3 and metric(text, "prefix_cache_bytes") > 0
 
 
-def test_serve_prefix_benchmark_at_a_tiny_setting(capsys):
-    from conftest import load_benchmark
-
-    bench = load_benchmark("serve_prefix.py")
-    assert bench.main(["--prompt-tokens", "20", "--runs", "1", "--block", "8", "--new-tokens", "3"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["benchmark"] == "serve_prefix" and [r["case"] for r in result["rows"]] == list(bench.CASES)
-    assert all(r["same_text"] and r["ttft_on_ms"] > 0 and r["ttft_off_ms"] > 0 for r in result["rows"])
-    assert bench.main(["--prompt-tokens", "1"]) == 2
-
-
 def test_demo_serve_step_times_the_pair(monkeypatch):
     """`specquant demo --serve`: after the bench, the W4 pair (here the bundled one, the bench stubbed) is served
     on loopback and timed with latency's protocol; off by default."""
@@ -518,23 +507,6 @@ def test_serve_latency_benchmark_runs_our_server(tmp_path, capsys):
     assert row["mean_acceptance_length"] is None  # target only: no drafts, no MAL
     assert not (tmp_path / "w4-draft").exists()  # only the rows that need it quantize the draft
     assert bench.main(["--rows", "vllm"]) == 2
-
-
-def test_serve_vs_generate_benchmark_at_a_tiny_setting(capsys):
-    """benchmarks/serve_vs_generate.py: the same request through serve's app and generate's path on one engine,
-    the same text both ways, the same drafts (MAL) both ways, and the ratio the issue's goal is stated in."""
-    from conftest import load_benchmark
-
-    bench = load_benchmark("serve_vs_generate.py")
-    assert bench.main(["--tiny", "--draft-len", "2"]) == 0  # --draft-len: one of serve's flags, passed on
-    out = capsys.readouterr().out.strip().splitlines()
-    result = json.loads(out[-1])
-    row = result["rows"]["short"]
-    assert out[1].split()[0] == "short" and result["draft"] == "tiny-draft"
-    assert row["same_text"] and row["new_tokens"] == [8] and abs(row["prompt_tokens"] - 64) <= 2
-    assert row["generate_mal"] == row["served_mal"] and 1.0 <= row["served_mal"] <= 3.0
-    assert row["ratio"] > 0 and row["cpu_ratio"] > 0
-    assert bench.main(["--categories", "huge"]) == 2
 
 
 def test_latency_reads_spec_counters_with_and_without_labels():

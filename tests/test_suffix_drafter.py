@@ -476,32 +476,6 @@ def test_sampling_with_point_mass_drafts_keeps_the_target_law(one_hot):
     assert _chi2(second, p_second) < 40.0, (second, p_second)
 
 
-class Reached(Exception):
-    pass
-
-
-def test_benchmark_keeps_the_out_policy(tmp_path, capsys, monkeypatch):
-    """benchmarks/suffix.py --out: a user's non-empty folder is refused with one line before any work and left as
-    it was; with --overwrite the work starts (its first step, loading the tokenizer, is stubbed to stop here)."""
-    from conftest import load_benchmark
-
-    from specquant.util.files import MARKER
-
-    mod = load_benchmark("suffix.py")
-    monkeypatch.setattr(mod, "load_tokenizer", lambda *a, **k: (_ for _ in ()).throw(Reached()))
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    (mine / "notes.txt").write_text("my notes")
-    assert mod.main(["--out", str(mine)]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error:") and "--overwrite" in err, err
-    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
-    with pytest.raises(Reached):
-        mod.main(["--out", str(mine), "--overwrite"])
-    assert (mine / MARKER).exists() and (mine / "notes.txt").read_text() == "my notes"
-    assert mod.main(["--ks", "4,40"]) == 2 and "max_draft_len 40" in capsys.readouterr().err
-
-
 @needs_bundled("tiny-target")
 def test_comparison_benchmark_simulates_the_engine(tiny):
     """benchmarks/suffix_vs_arctic.py's simulation of a greedy stream counts what SpecEngine counts with the same

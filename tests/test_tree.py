@@ -427,12 +427,11 @@ def test_tree_benchmark_verify_cost_at_a_tiny_hybrid_shape(monkeypatch, capsys):
     import json
     import sys
 
-    from conftest import BENCHMARKS, load_benchmark
+    from conftest import load_benchmark
 
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import shapes
+    from specquant.bench.shapes import SHAPES, hybrid
 
-    monkeypatch.setitem(shapes.SHAPES, "qwen3.5-tiny", lambda: shapes._hybrid(
+    monkeypatch.setitem(SHAPES, "qwen3.5-tiny", lambda: hybrid(
         4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         linear_num_key_heads=2, linear_num_value_heads=4, vocab_size=300))
     tree_bench = load_benchmark("tree.py")

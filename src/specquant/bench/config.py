@@ -98,7 +98,7 @@ class BenchConfig:
     # suffix drafter with the cache, a replay of the bench's own repeated prompts (bench/ablation.py)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
-    # 0.5: about the 2nd leaderboard entry's 131,101 of 248,320 ids (../shared/PEERS.md); benchmarks/prune_head.py
+    # 0.5: about the 2nd leaderboard entry's 131,101 of 248,320 ids (../shared/PEERS.md); benchmarks/prune_head.py at dfedb37
     # sweeps it
     pruned_head_fraction: float = field(default=0.5, metadata={
         "help": "row (p): the share of the vocabulary the block drafter's head keeps (the most frequent ids on the "

@@ -51,7 +51,7 @@ AOT_MODES = ("off", "cached", "build")  # Stepper(aot=...): never / when a packa
 @dataclasses.dataclass
 class AotConfig:
     """How `specquant generate` runs its decode steps. Default "cached": a packaged step beats the eager one in a
-    fresh process whenever the package exists (benchmarks/compile_start.py, docs/SHAPES.md "Compiled steps"),
+    fresh process whenever the package exists (benchmarks/compile_start.py at dfedb37, docs/SHAPES.md "Compiled steps"),
     but a build costs more than any single request saves, so it is never built unasked."""
 
     aot: str = dataclasses.field(default="cached", metadata={

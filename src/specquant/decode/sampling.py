@@ -54,7 +54,7 @@ def argmax(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
 
     Hand-picked over torch.argmax for the decode loops' per-step argmaxes: max(dim).indices returns the same first
     maximal index (both documented so; tests/test_sampling.py compares them on ties) and on CPU runs 2-3x faster
-    (torch 2.13: 20 us vs 58 us for [4, 8192] float32; benchmarks/spec_overhead.py counts them per step).
+    (torch 2.13: 20 us vs 58 us for [4, 8192] float32; benchmarks/spec_overhead.py at dfedb37 counts them per step).
     """
     return x.max(dim=-1, keepdim=keepdim).indices
 

@@ -425,7 +425,7 @@ int specquant_delta_gates(const float* a, const float* b, int64_t rows, int64_t 
 // over the threads (each streams one contiguous stretch of w), and w comes from DRAM once per step whatever M:
 // - while x is small (M <= 4, or all of x fits in L1), weight row by weight row, up to 4 rows of x against each
 //   one: w is read as one sequential stream, prefetched LINEAR_AHEAD floats ahead (at 1 thread this streamed 1.4x
-//   the bytes per second of the 4-row tiles below; docs/BENCH.md "One weight stream");
+//   the bytes per second of the 4-row tiles below; docs/BENCH.md, git history);
 // - else in tiles of 4 weight rows, every row of x against a tile while it is in L1/L2 (x is read from cache once
 //   per tile rather than once per weight row), the next tile prefetched.
 // Why not F.linear: for one row it streams the weight at about half the bandwidth, and barely faster on two threads

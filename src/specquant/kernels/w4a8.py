@@ -7,7 +7,7 @@ rounded to int8 with one fp32 scale per block (`quantize_activations`), the weig
 every block is exact integer arithmetic, and the blocks are scaled and summed in fp32 in k order. So it is *not*
 W4A16: activations lose precision (at most half a step of max|x|/127 per element, against bf16's relative 2^-9),
 which is why QuantLinear runs it only for layers set to int8 activations (linear.set_w4_activations; targets opt in
-with `--w4-activations int8`, W4 drafters default to it); benchmarks/w4a8.py measures the cost in KL and top-1
+with `--w4-activations int8`, W4 drafters default to it); benchmarks/w4a8.py at dfedb37 measures the cost in KL and top-1
 agreement against the W4A16 model, beside the speed it buys.
 
 `reference_gemm` is the plain torch version of the same arithmetic, bit for bit (blockwise integer dots, fp32

@@ -84,7 +84,7 @@ class Attention(nn.Module):
         so K and V are read once per KV head instead of once per query head, and the mask is built once per step.
 
         CPU, GQA, sliced caches, FOLD_MIN_ROWS..FOLD_MAX_ROWS queries: measured with
-        benchmarks/few_query_attention.py (torch 2.13, 1 thread, interleaved, docs/SHAPES.md) at the Qwen3-0.6B
+        benchmarks/few_query_attention.py at dfedb37 (torch 2.13, 1 thread, interleaved, docs/SHAPES.md) at the Qwen3-0.6B
         and bundled-target shapes over 64-1024 keys. fp32: folded took 0.74-1.00x of SDPA-with-enable_gqa's time
         at 2..16 queries and 0.77-1.07x at one (the 1.07x: 13.4 vs 12.5 us, tiny-target, 64 keys). bf16:
         0.71-0.99x at 2..16 queries (one 1.09x: tiny-target, 256 keys, 8 queries) but 1.09-1.36x at one, so

@@ -6,7 +6,7 @@ layer kinds (Gated DeltaNet) keep their projections.
 One matmul call instead of three (and two), on the concatenated weight, and (Qwen3) one q/k normalization and one
 RoPE call on q and k together: each output column is the same dot product as before, so logits are unchanged (dense
 GEMMs may sum in another order). Why: at small sizes every call costs framework overhead comparable to the
-arithmetic; measured by benchmarks/fuse.py (docs/BENCH.md).
+arithmetic; measured by benchmarks/fuse.py at dfedb37 (docs/BENCH.md).
 
 Fusing is polymorphic: each linear kind concatenates itself with its `concat(mods)` classmethod (model.modules'
 Linear here; quant.linear.QuantLinear brings its own), so this file knows no quantized layer. A fused model is for

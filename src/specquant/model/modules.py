@@ -61,7 +61,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     dense in_proj_a / in_proj_b flips a rounding and grows to a changed token (the hybrid demo's 1024-token
     prompt did, with 21-row suffix verifies on F.linear). The bound is on positions, not rows, so a batch of
     sequences gets the same per-row results as one sequence. It also streams the weight faster than F.linear on
-    one or two threads (benchmarks/small_gemm.py, docs/BENCH.md). Longer blocks (prefill) take F.linear, whose
+    one or two threads (benchmarks/small_gemm.py at dfedb37, docs/BENCH.md). Longer blocks (prefill) take F.linear, whose
     GEMM wins there; training (gradients) always does.
 
     Elsewhere (no library, compiling, other dtypes): F.linear computes x·Wᵀ; from 5 rows on MKL then runs small-M

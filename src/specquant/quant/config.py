@@ -108,7 +108,7 @@ class QuantConfig:
     lm_head: str = field(
         default="dense",
         metadata={"help": "lm_head precision: dense (as the checkpoint), bf16, w8 (RTN per channel) or w4 (RTN "
-                          "g32); overrides 'lm_head' in --ignore; KL/top-1 of each: benchmarks/lm_head.py",
+                          "g32); overrides 'lm_head' in --ignore; KL/top-1 of each: docs/BENCH.md",
                   "choices": HEAD_PRECISIONS},
     )
     calib: str | None = field(default=None, metadata={"help": "calibration text file (default: bundled calib.txt)"})

@@ -8,7 +8,7 @@ off while the head stays dense fp32. The options, by bytes per step at that shap
   w8     RTN int8, one scale per output row (156 MB), run by torch's aten._weight_int8pack_mm;
   w4     RTN int4, group 32, symmetric (97 MB with fp32 scales), run by the W4 backends (native kernel first).
 The head gets its own weight (the embedding keeps the dense one), so quantizing it unties a tied checkpoint.
-KL and top-1 agreement of each against the dense head: benchmarks/lm_head.py (docs/SHAPES.md has the numbers).
+KL and top-1 agreement of each against the dense head: docs/BENCH.md "Quantization quality" (measured with benchmarks/lm_head.py at dfedb37).
 The reference recipe keeps the target's head BF16; QuantConfig's default stays dense (see docs/SHAPES.md).
 """
 

@@ -37,7 +37,7 @@ against `reference` (tests/test_quant_linear.py):
   triton_w4       quant/triton_w4.py: a Triton W4A16/W8A16 GEMM reading these buffers as they are (CUDA; tested on
                   CPU under TRITON_INTERPRET=1). Imported only when triton is installed and the input is on CUDA.
 
-`backend="auto"` (default) takes the first row of AUTO_ORDER that applies (benchmarks/quant_backends.py's
+`backend="auto"` (default) takes the first row of AUTO_ORDER that applies (benchmarks/quant_backends.py at dfedb37's
 measurement); a native backend runs its family's best variant for this CPU (kernels).
 """
 
@@ -399,7 +399,7 @@ def _float_or_bf16(m: QuantLinear, x: torch.Tensor, rows: int) -> bool:
     return x.dtype in (torch.float32, torch.bfloat16)
 
 
-# `auto`, first match wins; follows benchmarks/quant_backends.py's measurement (numbers in docs/BENCH.md, weights
+# `auto`, first match wins; follows benchmarks/quant_backends.py at dfedb37's measurement (numbers in docs/BENCH.md, weights
 # streamed from memory as in a forward pass). int8 activations run the W4A8 kernel at every row count, prefill
 # included, so one model runs one arithmetic. From LARGE_ROWS rows on (prompt prefill), dequantizing per call and
 # one dense GEMM beats the few-row kernels, without a dense copy. On CUDA, decode and verify shapes go to the Triton

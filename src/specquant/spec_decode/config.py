@@ -17,7 +17,7 @@ class SpecConfig:
     adaptive: bool = field(default=False, metadata={
         "help": "adapt k to acceptance: +2 after a fully accepted draft, -1 after a rejection (spec_decode/adaptive.py)"})
     max_draft_len: int = field(default=12, metadata={"help": "adaptive: the largest k"})
-    # off by default: on the bundled pair the draft's confidence is a weak signal (benchmarks/draft_confidence.py)
+    # off by default: on the bundled pair the draft's confidence is a weak signal (benchmarks/draft_confidence.py at dfedb37)
     draft_confidence: float = field(default=0.0, metadata={
         "help": "end a draft early when the draft's top probability is below this; 0 = never"})
     draft_window: int | None = field(default=None, metadata={

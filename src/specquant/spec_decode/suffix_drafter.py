@@ -42,7 +42,7 @@ from specquant.spec_decode.drafter import Draft
 from specquant.spec_decode.suffix_automaton import NO_MATCH, ROOT, DocumentCache, Match, MatchCursor, SuffixAutomaton
 
 # an upper estimate of a cached request's memory per token (about 2 states per token, each a dict of transitions
-# and five list slots; measured in docs/BENCH.md, "Suffix drafter v2"), for the --suffix-cache-tokens help
+# and five list slots; measured in docs/BENCH.md, "Suffix drafter"), for the --suffix-cache-tokens help
 BYTES_PER_CACHED_TOKEN = 1024
 
 
@@ -69,7 +69,7 @@ class SuffixConfig:
                 "this (0..1)", "flag": "--suffix-min-token-prob"})
     # "recent" by default: on the bundled targets' greedy streams it accepts as much as "frequent" or more on most
     # sets (loops in greedy output repeat their latest turn), and keeps the real-text MAL of the first suffix
-    # drafter, which drafted from the most recent occurrence (docs/BENCH.md, "Suffix drafter v2")
+    # drafter, which drafted from the most recent occurrence (docs/BENCH.md, "Suffix drafter")
     branch: str = field(default="recent", metadata={
         "help": "suffix drafter: at a branch take the most recent continuation, or the one that occurred most often "
                 "(ties: the most recent; arctic-inference's rule)", "choices": ("recent", "frequent"),
@@ -80,7 +80,7 @@ class SuffixConfig:
         "help": "suffix drafter: match lengths scored per source, the longest and shorter ones with other "
                 "occurrences (each costs a draft walk per step)", "flag": "--suffix-candidates"})
     # off by default: a bench repeats its prompts, so a cache would measure replay rather than drafting (see the
-    # replay row of benchmarks/suffix.py); `specquant serve` turns it on (serve/cli.py, SERVE_SUFFIX_DEFAULTS)
+    # replay row of benchmarks/suffix.py at dfedb37); `specquant serve` turns it on (serve/cli.py, SERVE_SUFFIX_DEFAULTS)
     cache_tokens: int = field(default=0, metadata={
         "help": "suffix drafter: keep earlier requests (first in first out, this many tokens in all; memory about "
                 f"{BYTES_PER_CACHED_TOKEN // 1024} KiB per token) as draft sources; 0 = the request's own text only",

@@ -145,7 +145,7 @@ def evaluate_blocks(objective: BlockDraftObjective, blocks: torch.Tensor, batch:
     """Held-out metrics with fixed anchors, against the target's greedy predictions: weighted CE, per-position
     accuracy and the mean greedy run length. The run length is a teacher-forced proxy of acceptance (position k's
     label is the target's prediction given the data prefix, not given the drafted one); `specquant bench` and
-    benchmarks/block_draft.py measure the real mean acceptance length."""
+    benchmarks/block_draft.py at dfedb37 measure the real mean acceptance length."""
     was = objective.drafter.training
     objective.drafter.eval()
     state = torch.get_rng_state()

@@ -47,14 +47,14 @@ PREFIX = "suffix+"  # `--draft suffix+DRAFT`
 class HybridConfig:
     # 3, the suffix drafter's own min_match: the match lengths the suffix drafter alone drafts on go to it here too.
     # (4 won a sweep over 1, 2, 4, 8 while every other step went to the model drafter, before the model gate below:
-    # docs/BENCH.md, "The hybrid drafter's threshold"; with the gate a short match's draft competes with an
+    # docs/BENCH.md, "Hybrid drafter"; with the gate a short match's draft competes with an
     # undrafted step, which is what the suffix drafter alone does.)
     min_match: int = field(default=3, metadata={
         "help": "hybrid drafter: draft from the suffix match when at least this many tokens of the sequence's end "
                 "matched earlier text, else with the model drafter while it pays (--hybrid-model-min-accept)",
         "flag": "--hybrid-min-match"})
 
-    # 0.5: between the two bundled pairs' block drafters, measured in the demo (docs/BENCH.md, "The hybrid drafter's
+    # 0.5: between the two bundled pairs' block drafters, measured in the demo (docs/BENCH.md, "Hybrid drafter
     # model gate"): on the Qwen3 pair the model steps accept 1.0-1.1 tokens and drafting them beat not drafting;
     # on the hybrid pair they accept 0.1-0.3 and not drafting won by 1.27x in tokens/s. A cost-aware rule (the
     # break-even is a model step's cost in plain steps, minus 1) would need the step times, which the rule does not
