@@ -56,7 +56,7 @@ class Row:
     impl: str = "specquant"  # or "transformers"
     drafter: str = LM  # the drafter kind's name (a key of spec_decode.drafters.KINDS)
     pruned: bool = False  # the drafter's head keeps BenchConfig.pruned_head_fraction of the vocabulary
-    replay: bool = False  # the suffix drafter keeps its response cache (BenchConfig.suffix.cache_tokens)
+    replay: bool = False  # the suffix drafter keeps its response cache (--suffix-cache-tokens)
 
 
 ROWS = (
@@ -213,7 +213,8 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
     for kind, precision, key in DRAFT_INPUTS:
         if key in paths:  # keyed by the rows' Row.drafter (a kind name) and Row.draft
             models[(kind, precision)] = KINDS[kind].load(paths[key], runtime)
-    table = rows_for("qad_target" in paths, (BLOCK, "hp") in models, (MTP, "hp") in models, cfg.suffix.cache_tokens > 0)
+    table = rows_for("qad_target" in paths, (BLOCK, "hp") in models, (MTP, "hp") in models,
+                     cfg.drafters[SUFFIX].cache_tokens > 0)
     if "pruned_target" in paths:
         table = (*table, PRUNED_ROW)
     table = select_rows(table, cfg.rows)
@@ -341,7 +342,7 @@ def _chain(spec: SpecConfig) -> SpecConfig:
 ROW_SPECS = {LM: lambda cfg, window, draft_len: _chain(cfg.spec_for(window)),
              BLOCK: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len),
              SUFFIX: lambda cfg, window, draft_len: dataclasses.replace(
-                 cfg.spec_for(window), draft_len=cfg.suffix.max_draft_len, adaptive=False),
+                 cfg.spec_for(window), draft_len=cfg.drafters[SUFFIX].max_draft_len, adaptive=False),
              HYBRID: lambda cfg, window, draft_len: _chain(cfg.block_spec_for(window, draft_len)),
              MTP: lambda cfg, window, draft_len: _chain(cfg.spec_for(window))}
 PREDICTED = (LM, BLOCK, MTP)  # the kinds whose forwards measure_costs probes (rows with a pruned head excepted)
@@ -351,19 +352,17 @@ def _engine(cfg: BenchConfig, runtime: RuntimeConfig, row: Row, models: dict, to
             draft_len: int | None = None) -> SpecEngine:
     """The SpecEngine of a speculative row (build_engine over the loaded models)."""
     target, spec = models[("target", row.target)], row_spec(cfg, row, draft_len)
-    suffix_config = cfg.suffix if row.replay else dataclasses.replace(cfg.suffix, cache_tokens=0)
+    options = cfg.drafters  # the kinds' settings; only row (r) keeps the suffix drafter's response cache
+    if not row.replay:
+        options = dataclasses.replace(options, **{SUFFIX: dataclasses.replace(options[SUFFIX], cache_tokens=0)})
     if row.drafter == SUFFIX:
         draft = SUFFIX
-    elif row.drafter == HYBRID:
-        from specquant.spec_decode.drafters.hybrid import HybridDrafter
-        from specquant.spec_decode.suffix_drafter import SuffixDrafter
-
-        draft = HybridDrafter(SuffixDrafter(suffix_config), KINDS[BLOCK].build(models[(BLOCK, row.draft)], target,
-                                                                                 spec), spec, cfg.hybrid)
+    elif row.drafter == HYBRID:  # suffix, else the row's loaded block drafter
+        draft = hybrid.HybridParts(KINDS[BLOCK], models[(BLOCK, row.draft)])
     else:
         draft = models[(row.drafter, row.draft, "pruned") if row.pruned else (row.drafter, row.draft)]
     return build_engine(target, draft, runtime, spec, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-                        suffix_config=suffix_config, hybrid_config=cfg.hybrid)
+                        draft_options=options)
 
 
 def _pruned_block(cfg: BenchConfig, paths: dict, runtime: RuntimeConfig):
