@@ -652,6 +652,16 @@ def test_cli_flag_defaults_come_from_bench_config():
     assert "drafters" not in data and data["suffix"]["min_match"] == 5 and data["hybrid"]["min_match"] == 7
 
 
+def test_cost_probes_cover_every_cost_model():
+    """Each DrafterKind.cost the registry allows has the probes that time it (a new kind of a known cost is a
+    file and a row; the bench predicts its rows)."""
+    from specquant.bench.ablation import COST_PROBES, predicted
+    from specquant.spec_decode.drafter import COST_MODELS
+    from specquant.spec_decode.drafters import KINDS
+
+    assert set(COST_PROBES) == set(COST_MODELS)
+    assert [k for k in KINDS if predicted(k)] == ["block", "mtp", "lm"]
+
 
 def test_w4_activations_flag_reaches_the_config_and_bad_values_are_refused():
     from specquant.cli import build_parser

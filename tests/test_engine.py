@@ -146,6 +146,8 @@ def test_drafter_options_by_kind():
     from specquant.spec_decode.suffix_drafter import SuffixConfig
 
     assert list(DrafterOptions()) == [name for name, kind in KINDS.items() if kind.options] == ["suffix", "hybrid"]
+    assert {name: kind.cost for name, kind in KINDS.items()} == {
+        "block": "block", "mtp": "head", "lm": "decoder", "none": None, "suffix": None, "hybrid": None}
     options = drafter_options({"suffix": SuffixConfig(max_draft_len=7)})
     assert options["suffix"].max_draft_len == 7 and options["hybrid"] == HybridConfig() and "none" not in options
     assert KINDS["suffix"].options_in(None) == SuffixConfig() and KINDS["suffix"].options_in(options) is \
@@ -161,6 +163,9 @@ def test_drafter_options_by_kind():
                                              r"class \(SuffixConfig\)"):
         DrafterKind(name="x", title="x", detect=lambda hf: False, load=None, build=None,
                     forwards_per_step=lambda k: k, options=SuffixConfig, serve_options=HybridConfig())
+    with pytest.raises(SpecquantError, match="cost 'gpu' is unknown; use one of decoder, block, head"):
+        DrafterKind(name="x", title="x", detect=lambda hf: False, load=None, build=None,
+                    forwards_per_step=lambda k: k, cost="gpu")
 
 
 def test_draft_names_kinds_and_directories():

@@ -11,6 +11,8 @@ A kind is a `DrafterKind` (spec_decode/drafter.py) named KIND in its file:
                               rollback); engine_options are compile, graphs, aot, target_tokenizer,
                               draft_tokenizer; take what you need, accept the rest as **kwargs
   forwards_per_step(k)        drafter forwards in a step that drafts k tokens (lm: k, block: 1, none: 0)
+  cost                        what those forwards are, for the bench's cost model (drafter.COST_MODELS; None: the
+                              bench predicts none of its rows)
   model_class                 loaded models of this class are wrapped by this kind (SpecEngine(target, model))
   options, serve_options      its settings' config dataclass (suffix: SuffixConfig, hybrid: HybridConfig) and
                               their defaults under `specquant serve`
