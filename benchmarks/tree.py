@@ -60,7 +60,7 @@ def engines(target, block_dir: str, budget: int) -> dict[str, object]:
     for shape, nodes in (("chain", 0), ("tree", budget)):
         suffix = SuffixConfig(max_draft_len=budget)
         out[f"suffix {shape}"] = build_engine(target, "suffix", spec=SpecConfig(tree_nodes=nodes),
-                                              suffix_config=suffix)
+                                              draft_options={"suffix": suffix})
         k = min(budget, BLOCK_MAX)
         out[f"block {shape}"] = build_engine(target, block_dir, spec=SpecConfig(draft_len=k if not nodes
                                                                                  else BLOCK_MAX, tree_nodes=nodes))

@@ -641,6 +641,26 @@ def test_cli_flag_defaults_come_from_bench_config():
     args = parser.parse_args(["bench", "--target", "x", "--draft", "y", "--draft-len", "5", "--temperature", "0.5"])
     cfg = config_from_args(BenchConfig, args)
     assert (cfg.spec.draft_len, cfg.spec.draft_window, cfg.sampling.temperature) == (5, 128, 0.5)
+    # the drafter kinds' flags (BenchConfig.drafters, flat: dests "suffix.x" as generate's) and results.json's keys
+    args = parser.parse_args(["bench", "--target", "x", "--draft", "y", "--suffix-min-match", "5",
+                              "--hybrid-min-match", "7"])
+    cfg = config_from_args(BenchConfig, args).validate()
+    assert (cfg.drafters["suffix"].min_match, cfg.drafters["hybrid"].min_match) == (5, 7)
+    data = cfg.to_json()
+    keys = list(data)
+    assert keys[keys.index("block_draft_quant") + 1:keys.index("pruned_head_fraction")] == ["suffix", "hybrid"]
+    assert "drafters" not in data and data["suffix"]["min_match"] == 5 and data["hybrid"]["min_match"] == 7
+
+
+def test_cost_probes_cover_every_cost_model():
+    """Each DrafterKind.cost the registry allows has the probes that time it (a new kind of a known cost is a
+    file and a row; the bench predicts its rows)."""
+    from specquant.bench.ablation import COST_PROBES, predicted
+    from specquant.spec_decode.drafter import COST_MODELS
+    from specquant.spec_decode.drafters import KINDS
+
+    assert set(COST_PROBES) == set(COST_MODELS)
+    assert [k for k in KINDS if predicted(k)] == ["block", "mtp", "lm"]
 
 
 def test_w4_activations_flag_reaches_the_config_and_bad_values_are_refused():
@@ -668,8 +688,10 @@ def test_the_response_cache_runs_in_its_own_replay_row_only():
     replay = [r for r in table if r.id == "r"]
     assert len(replay) == 1 and replay[0].replay and "replay" in replay[0].name and replay[0].target == "qad"
     cfg = BenchConfig()
-    cfg = dataclasses.replace(cfg, suffix=dataclasses.replace(cfg.suffix, cache_tokens=4096))
+    cfg = dataclasses.replace(cfg, drafters=dataclasses.replace(cfg.drafters, suffix=dataclasses.replace(
+        cfg.drafters["suffix"], cache_tokens=4096)))
     models = {("target", "w4"): load_model("tiny-target")}
     for row, cached in ((SUFFIX_ROW, False), (SUFFIX_REPLAY_ROW, True)):
         drafter = _engine(cfg, RuntimeConfig(), row, models, None, None).drafter
-        assert (drafter.cache is not None) == cached and drafter.config.max_draft_len == cfg.suffix.max_draft_len
+        assert (drafter.cache is not None) == cached and drafter.config.max_draft_len == cfg.drafters["suffix"].max_draft_len
+    assert cfg.drafters["suffix"].cache_tokens == 4096  # row (s) went without it on a copy

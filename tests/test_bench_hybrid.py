@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from _quant_models import hybrid_checkpoint, noisy_copy
 
-from specquant.bench.ablation import PREDICTED, rows_for, run_bench
+from specquant.bench.ablation import predicted, rows_for, run_bench
 from specquant.bench.config import BenchConfig
 from specquant.bench.measure import ForwardKey
 from specquant.loader import load_model
@@ -70,7 +70,7 @@ def test_every_row_runs_on_a_hybrid_target_and_keeps_its_tokens(models, tmp_path
         assert set(r.categories) == set(TINY["lengths"])
         if r.draft is not None:  # lossless: the W4 target's own greedy tokens, with every drafter
             assert all(e.same_tokens_as.row == "b" and e.same_tokens_as.match for e in r.categories.values()), rid
-            if r.drafter in PREDICTED and rid != "p":  # the levers' rows (s, u, p) are not predicted
+            if predicted(r.drafter) and rid != "p":  # the levers' rows (s, u, p) are not predicted
                 assert all(e.prediction is not None for e in r.categories.values()), rid
     lm_accept = [r.acceptance_all.mean_acceptance_length for rid, r in rows.items() if rid in "cde"]
     assert any(m > 1.0 for m in lm_accept), lm_accept  # the noisy copy is accepted sometimes: rollbacks happen

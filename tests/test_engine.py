@@ -137,6 +137,37 @@ def test_registry_kinds_costs_and_detection():
         kind_of({"model_type": "gpt2"})
 
 
+def test_drafter_options_by_kind():
+    """One settings object per kind that has settings, keyed by kind name and made from the rows; build_engine
+    takes some kinds' and completes the rest with defaults, refusing unknown names and wrong types."""
+    from specquant.spec_decode.drafter import DrafterKind
+    from specquant.spec_decode.drafters import DrafterOptions, drafter_options
+    from specquant.spec_decode.drafters.hybrid import HybridConfig
+    from specquant.spec_decode.suffix_drafter import SuffixConfig
+
+    assert list(DrafterOptions()) == [name for name, kind in KINDS.items() if kind.options] == ["suffix", "hybrid"]
+    assert {name: kind.cost for name, kind in KINDS.items()} == {
+        "block": "block", "mtp": "head", "lm": "decoder", "none": None, "suffix": None, "hybrid": None}
+    options = drafter_options({"suffix": SuffixConfig(max_draft_len=7)})
+    assert options["suffix"].max_draft_len == 7 and options["hybrid"] == HybridConfig() and "none" not in options
+    assert KINDS["suffix"].options_in(None) == SuffixConfig() and KINDS["suffix"].options_in(options) is \
+        options["suffix"]
+    with pytest.raises(SpecquantError, match="'ngram': no drafter kind with settings is called that; use suffix, "
+                                             "hybrid"):
+        drafter_options({"ngram": SuffixConfig()})
+    with pytest.raises(SpecquantError, match="for 'suffix' are a HybridConfig; pass a SuffixConfig"):
+        build_engine("tiny-target", "suffix", draft_options={"suffix": HybridConfig()})
+    with pytest.raises(SpecquantError, match="hybrid min_match 0 must be at least 1"):
+        build_engine("tiny-target", "suffix", draft_options={"hybrid": HybridConfig(min_match=0)})
+    with pytest.raises(SpecquantError, match="serve_options is a HybridConfig; give an instance of its options "
+                                             r"class \(SuffixConfig\)"):
+        DrafterKind(name="x", title="x", detect=lambda hf: False, load=None, build=None,
+                    forwards_per_step=lambda k: k, options=SuffixConfig, serve_options=HybridConfig())
+    with pytest.raises(SpecquantError, match="cost 'gpu' is unknown; use one of decoder, block, head"):
+        DrafterKind(name="x", title="x", detect=lambda hf: False, load=None, build=None,
+                    forwards_per_step=lambda k: k, cost="gpu")
+
+
 def test_draft_names_kinds_and_directories():
     assert parse_draft(None)[0].name == "none" and parse_draft("None") == (KINDS["none"], None)
     assert parse_draft("tiny-draft") == (KINDS["lm"], "tiny-draft")

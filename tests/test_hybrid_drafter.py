@@ -272,11 +272,11 @@ def test_draft_flag_builds_the_hybrid_with_its_own_k():
     kind, inner = parse_draft("suffix+tiny-block-draft")
     assert (kind.name, inner) == ("hybrid", "tiny-block-draft")
     engine = build_engine("tiny-target", "suffix+tiny-block-draft", spec=SpecConfig(draft_len=3),
-                          suffix_config=SuffixConfig(max_draft_len=20), hybrid_config=HybridConfig(5))
+                          draft_options={"suffix": SuffixConfig(max_draft_len=20), "hybrid": HybridConfig(5)})
     assert isinstance(engine.drafter, HybridDrafter) and isinstance(engine.drafter.model, BlockDrafter)
     assert engine.longest == 20 and engine.drafter.config.min_match == 5 and engine.drafter.model_k == 3
     suffix_only = build_engine("tiny-target", "suffix", spec=SpecConfig(draft_len=3),
-                               suffix_config=SuffixConfig(max_draft_len=17))
+                               draft_options={"suffix": SuffixConfig(max_draft_len=17)})
     assert suffix_only.longest == 17 and suffix_only.config.draft_len == 17
 
 

@@ -396,12 +396,13 @@ def test_serve_keeps_a_suffix_response_cache_by_default():
     """`serve --draft suffix` (and suffix+DRAFT) drafts from earlier responses unless --suffix-cache-tokens 0;
     generate keeps SuffixConfig's default (off)."""
     from specquant.serve.cli import build_app
-    from specquant.serve.config import SERVE_SUFFIX_DEFAULTS
+    from specquant.spec_decode.drafters import DrafterOptions, serving_options
     from specquant.spec_decode.suffix_drafter import SuffixConfig
 
     parser, _ = cli.build_parser()
-    assert SERVE_SUFFIX_DEFAULTS.cache_tokens > 0 == SuffixConfig().cache_tokens
-    for extra, want in (([], SERVE_SUFFIX_DEFAULTS.cache_tokens), (["--suffix-cache-tokens", "0"], 0)):
+    served = serving_options()["suffix"].cache_tokens
+    assert served > 0 == SuffixConfig().cache_tokens and serving_options()["hybrid"] == DrafterOptions()["hybrid"]
+    for extra, want in (([], served), (["--suffix-cache-tokens", "0"], 0)):
         app, _ = build_app(parser.parse_args(["serve", "--draft", "suffix", "--aot", "off", *extra]))
         drafter = app.state.worker.engine.drafter
         assert drafter.config.cache_tokens == want and (drafter.cache is None) == (want == 0)
@@ -410,7 +411,7 @@ def test_serve_keeps_a_suffix_response_cache_by_default():
     hybrid = app.state.worker.engine.drafter
     assert hybrid.suffix.cache is not None and hybrid.suffix.config.min_token_prob == 0.2
     gen = parser.parse_args(["generate", "--draft", "suffix"])
-    assert config_from_args(SuffixConfig, gen, prefix="suffix.").cache_tokens == 0
+    assert config_from_args(DrafterOptions, gen)["suffix"].cache_tokens == 0
 
 
 def test_shutdown_stops_the_running_request():

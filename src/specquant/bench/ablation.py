@@ -56,7 +56,7 @@ class Row:
     impl: str = "specquant"  # or "transformers"
     drafter: str = LM  # the drafter kind's name (a key of spec_decode.drafters.KINDS)
     pruned: bool = False  # the drafter's head keeps BenchConfig.pruned_head_fraction of the vocabulary
-    replay: bool = False  # the suffix drafter keeps its response cache (BenchConfig.suffix.cache_tokens)
+    replay: bool = False  # the suffix drafter keeps its response cache (--suffix-cache-tokens)
 
 
 ROWS = (
@@ -213,7 +213,8 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
     for kind, precision, key in DRAFT_INPUTS:
         if key in paths:  # keyed by the rows' Row.drafter (a kind name) and Row.draft
             models[(kind, precision)] = KINDS[kind].load(paths[key], runtime)
-    table = rows_for("qad_target" in paths, (BLOCK, "hp") in models, (MTP, "hp") in models, cfg.suffix.cache_tokens > 0)
+    table = rows_for("qad_target" in paths, (BLOCK, "hp") in models, (MTP, "hp") in models,
+                     cfg.drafters[SUFFIX].cache_tokens > 0)
     if "pruned_target" in paths:
         table = (*table, PRUNED_ROW)
     table = select_rows(table, cfg.rows)
@@ -341,29 +342,32 @@ def _chain(spec: SpecConfig) -> SpecConfig:
 ROW_SPECS = {LM: lambda cfg, window, draft_len: _chain(cfg.spec_for(window)),
              BLOCK: lambda cfg, window, draft_len: cfg.block_spec_for(window, draft_len),
              SUFFIX: lambda cfg, window, draft_len: dataclasses.replace(
-                 cfg.spec_for(window), draft_len=cfg.suffix.max_draft_len, adaptive=False),
+                 cfg.spec_for(window), draft_len=cfg.drafters[SUFFIX].max_draft_len, adaptive=False),
              HYBRID: lambda cfg, window, draft_len: _chain(cfg.block_spec_for(window, draft_len)),
              MTP: lambda cfg, window, draft_len: _chain(cfg.spec_for(window))}
-PREDICTED = (LM, BLOCK, MTP)  # the kinds whose forwards measure_costs probes (rows with a pruned head excepted)
+
+
+def predicted(kind: str) -> bool:
+    """Whether the rows of a drafter kind get a prediction (rows with a pruned head excepted): its row names what its
+    step costs (DrafterKind.cost), which measure_costs times."""
+    return KINDS[kind].cost is not None
 
 
 def _engine(cfg: BenchConfig, runtime: RuntimeConfig, row: Row, models: dict, tokenizer, draft_tokenizer,
             draft_len: int | None = None) -> SpecEngine:
     """The SpecEngine of a speculative row (build_engine over the loaded models)."""
     target, spec = models[("target", row.target)], row_spec(cfg, row, draft_len)
-    suffix_config = cfg.suffix if row.replay else dataclasses.replace(cfg.suffix, cache_tokens=0)
+    options = cfg.drafters  # the kinds' settings; only row (r) keeps the suffix drafter's response cache
+    if not row.replay:
+        options = dataclasses.replace(options, **{SUFFIX: dataclasses.replace(options[SUFFIX], cache_tokens=0)})
     if row.drafter == SUFFIX:
         draft = SUFFIX
-    elif row.drafter == HYBRID:
-        from specquant.spec_decode.drafters.hybrid import HybridDrafter
-        from specquant.spec_decode.suffix_drafter import SuffixDrafter
-
-        draft = HybridDrafter(SuffixDrafter(suffix_config), KINDS[BLOCK].build(models[(BLOCK, row.draft)], target,
-                                                                                 spec), spec, cfg.hybrid)
+    elif row.drafter == HYBRID:  # suffix, else the row's loaded block drafter
+        draft = hybrid.HybridParts(KINDS[BLOCK], models[(BLOCK, row.draft)])
     else:
         draft = models[(row.drafter, row.draft, "pruned") if row.pruned else (row.drafter, row.draft)]
     return build_engine(target, draft, runtime, spec, target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-                        suffix_config=suffix_config, hybrid_config=cfg.hybrid)
+                        draft_options=options)
 
 
 def _pruned_block(cfg: BenchConfig, paths: dict, runtime: RuntimeConfig):
@@ -408,19 +412,15 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int],
                   rows: list[Row] | None = None) -> dict[str, CategoryCosts]:
     """Per length category, forward times at the mean decode context (prompt + max_new_tokens / 2), all timed
     interleaved: each target's one-token step (between other probes, and alone: after its own step) and (k+1)-token
-    verify, each draft's one-token step (the W4 draft also with the window); with block rows, each block drafter's
-    forward and its accept of 1 .. block_draft_len + 1 rows (together its per-step cost), and each target's verify
-    of block_draft_len + 1 tokens; with MTP rows, each MTP layer's chained forward and head (one per drafted
-    token, against the W4 target's embeddings and head, as its rows draft). rows: only the forwards these rows'
-    predictions read (None: every row the models allow)."""
+    verify, and each predicted row's drafter as its kind's cost names it (COST_PROBES: a decoder's one-token step,
+    the W4 one also with the window; a block drafter's forward and its accept of 1 .. block_draft_len + 1 rows, and
+    each target's verify of block_draft_len + 1 tokens; a head's chained forward against the W4 target's embeddings
+    and head). rows: only the forwards these rows' predictions read (None: every row the models allow)."""
     k1 = cfg.spec.draft_len + 1
-    # (drafter kind, precision, window) of every predicted row; None: all the loaded drafters', both windows
-    drafted_by = None if rows is None else {(r.drafter, r.draft, r.window) for r in rows
-                                            if r.draft is not None and r.impl == "specquant" and r.drafter in PREDICTED}
-
-    def wanted(kind, precision, window=False) -> bool:
-        return (kind, precision) in models and (drafted_by is None or (kind, precision, window) in drafted_by)
-
+    # (drafter kind, precision, window) of every predicted row whose drafter is loaded
+    drafted_by = {(r.drafter, r.draft, r.window) for r in (ALL_ROWS if rows is None else rows)
+                  if r.draft is not None and r.impl == "specquant" and predicted(r.drafter)
+                  and (r.drafter, r.draft) in models}
     # not the pruned one: nothing predicts it; the baseline always (every prediction is rescaled by its step)
     used = None if rows is None else {r.target for r in rows} | {"hp"}
     targets = [t for t in ("hp", "w4", "qad") if ("target", t) in models and (used is None or t in used)]
@@ -429,28 +429,11 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int],
         probes[ForwardKey("target", t)] = Probe(models[("target", t)])
         probes[ForwardKey("target", t, alone=True)] = Probe(models[("target", t)], burst=WARM_BURST)
         probes[ForwardKey("target", t, "verify")] = Probe(models[("target", t)], k1)
-    for precision, window in (("hp", False), ("w4", False), ("w4", True)):
-        if wanted(LM, precision, window):
-            probes[ForwardKey(LM, precision, window=window)] = Probe(
-                models[(LM, precision)], window=cfg.spec.draft_window if window else None)
-    if (BLOCK, "hp") in models:
-        kb = cfg.block_draft_len
-        for t in targets:
-            probes[ForwardKey("target", t, "verify_block")] = Probe(models[("target", t)], kb + 1)
-        for kind in ("hp", "w4"):
-            windows = [w for w in ((False, True) if kind == "w4" else (False,)) if wanted(BLOCK, kind, w)]
-            if not windows:
-                continue
-            fwd, acc = BlockForward(models[(BLOCK, kind)], kb), BlockAccept(models[(BLOCK, kind)])
-            for windowed in windows:
-                window = cfg.spec.draft_window if windowed else None
-                probes[ForwardKey(BLOCK, kind, window=windowed)] = Probe(fwd, window=window)
-                for n in range(1, kb + 2):  # accept after 0 .. kb accepted drafts: 1 .. kb + 1 rows
-                    probes[ForwardKey(BLOCK, kind, "accept", n, windowed)] = Probe(acc, n, window=window)
     drafted = next(models[("target", t)] for t in ("qad", "w4", "hp") if ("target", t) in models)
-    for kind in ("hp", "w4"):
-        if wanted(MTP, kind):
-            probes[ForwardKey(MTP, kind)] = Probe(MTPForward(models[(MTP, kind)], drafted))
+    for kind in dict.fromkeys(k for k, _, _ in DRAFT_INPUTS):  # the loaded drafters, in the order they are timed
+        if predicted(kind) and (kind, "hp") in models:
+            keys = [(p, w) for p in ("hp", "w4") for w in (False, True) if (kind, p, w) in drafted_by]
+            probes.update(COST_PROBES[KINDS[kind].cost](cfg, kind, keys, models, targets, drafted))
     out = {}
     with _bar(len(lengths) * (2 + cfg.cost_reps), "forward costs") as bar:
         for cat, n in lengths.items():
@@ -458,6 +441,43 @@ def measure_costs(cfg: BenchConfig, models: dict, lengths: dict[str, int],
             out[cat] = CategoryCosts(ctx, forward_times(probes, ctx, cfg.cost_reps,
                                                         lambda: bar.update(1, status=f"{cat} context {ctx}")))
     return out
+
+
+def _window(cfg: BenchConfig, windowed: bool) -> int | None:
+    return cfg.spec.draft_window if windowed else None
+
+
+def _decoder_probes(cfg: BenchConfig, kind: str, keys, models: dict, targets, drafted) -> dict[ForwardKey, Probe]:
+    """A drafter with its own decoder (cost "decoder"): its one-token step, per (precision, window) in keys."""
+    return {ForwardKey(kind, p, window=w): Probe(models[(kind, p)], window=_window(cfg, w)) for p, w in keys}
+
+
+def _block_probes(cfg: BenchConfig, kind: str, keys, models: dict, targets, drafted) -> dict[ForwardKey, Probe]:
+    """A block drafter (cost "block"): each target's verify of block_draft_len + 1 tokens, and per (precision,
+    window) in keys its forward drafting block_draft_len tokens and its accept of 1 .. block_draft_len + 1 rows
+    (after 0 .. block_draft_len accepted drafts), together its per-step cost."""
+    kb = cfg.block_draft_len
+    probes = {ForwardKey("target", t, "verify_block"): Probe(models[("target", t)], kb + 1) for t in targets}
+    for precision in dict.fromkeys(p for p, _ in keys):
+        fwd, acc = BlockForward(models[(kind, precision)], kb), BlockAccept(models[(kind, precision)])
+        for windowed in (w for p, w in keys if p == precision):
+            window = _window(cfg, windowed)
+            probes[ForwardKey(kind, precision, window=windowed)] = Probe(fwd, window=window)
+            for n in range(1, kb + 2):
+                probes[ForwardKey(kind, precision, "accept", n, windowed)] = Probe(acc, n, window=window)
+    return probes
+
+
+def _head_probes(cfg: BenchConfig, kind: str, keys, models: dict, targets, drafted) -> dict[ForwardKey, Probe]:
+    """A layer on the target's hidden states (cost "head"): its forward and head, one per drafted token, against the
+    target the rows draft for (drafted: the QAD target, else the W4, else the baseline)."""
+    return {ForwardKey(kind, p, window=w): Probe(MTPForward(models[(kind, p)], drafted), window=_window(cfg, w))
+            for p, w in keys}
+
+
+# DrafterKind.cost (spec_decode/drafter.COST_MODELS) -> the probes that time it: (cfg, kind, [(precision, window)],
+# models, targets, drafted target) -> {ForwardKey: Probe}
+COST_PROBES = {"decoder": _decoder_probes, "block": _block_probes, "head": _head_probes}
 
 
 def drafter_curve(cfg: BenchConfig, draft, context: int) -> dict:
@@ -505,7 +525,7 @@ def _row_result(row: Row, cfg: BenchConfig, samples, acceptance_samples, skipped
         entry = CategoryResult(per_prompt, summarize(per_prompt))
         if row.draft is not None and row.impl == "specquant":
             entry.acceptance = SpecMetrics.total(s.spec for ss in per_prompt.values() for s in ss)
-            if row.drafter in PREDICTED and not row.pruned:
+            if predicted(row.drafter) and not row.pruned:
                 entry.prediction = predict_row(entry.acceptance, _costs_for(row, costs[cat], cfg))
         elif row.draft is None and ForwardKey("target", row.target, alone=True) in costs[cat].times:
             t = costs[cat].times  # (the pruned target is not probed: no step ratio for row v)

@@ -13,9 +13,8 @@ from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
 from specquant.quant.config import METHODS
 from specquant.spec_decode.config import SpecConfig
-from specquant.spec_decode.drafters.hybrid import HybridConfig
+from specquant.spec_decode.drafters import DrafterOptions
 from specquant.spec_decode.runtime import RuntimeConfig
-from specquant.spec_decode.suffix_drafter import SuffixConfig
 
 DTYPES = ("float32", "bfloat16")  # the names of util.dtypes.DTYPES whose rows the bench supports
 # the bench's share of RuntimeConfig (its --device is its own flag; rows run eagerly: no --compile / --aot)
@@ -93,11 +92,11 @@ class BenchConfig:
     block_draft_quant: dict = field(default_factory=lambda: {"method": "gptq", "bits": 4, "group_size": 128,
                                                              "calib_samples": 16, "seq_len": 256})
     # Rows (s), (u), (p): the suffix drafter, the hybrid (suffix, else the W4 block drafter) and the W4 block
-    # drafter with a pruned head; their flags are the drafters' own (--suffix-*, --hybrid-min-match). Rows (s) and
-    # (u) run without the response cache whatever --suffix-cache-tokens says; a non-zero value adds row (r), the
-    # suffix drafter with the cache, a replay of the bench's own repeated prompts (bench/ablation.py)
-    suffix: SuffixConfig = field(default_factory=SuffixConfig)
-    hybrid: HybridConfig = field(default_factory=HybridConfig)
+    # drafter with a pruned head; their flags are the drafter kinds' own (--suffix-*, --hybrid-*: every kind's
+    # settings, keyed by kind name, spec_decode/drafters). Rows (s) and (u) run without the response cache whatever
+    # --suffix-cache-tokens says; a non-zero value adds row (r), the suffix drafter with the cache, a replay of the
+    # bench's own repeated prompts (bench/ablation.py). flat: dests and results.json keys as generate's ("suffix")
+    drafters: DrafterOptions = field(default_factory=DrafterOptions, metadata={"flat": True})
     # 0.5: about the 2nd leaderboard entry's 131,101 of 248,320 ids (../shared/PEERS.md); benchmarks/prune_head.py at dfedb37
     # sweeps it
     pruned_head_fraction: float = field(default=0.5, metadata={
@@ -128,8 +127,7 @@ class BenchConfig:
             raise SpecquantError(f"warmup {self.warmup} must be 0 or more")
         self.sampling.validate()
         self.spec.validate()
-        self.suffix.validate()
-        self.hybrid.validate()
+        self.drafters.validate()
         if not 0.0 < self.pruned_head_fraction <= 1.0:
             raise SpecquantError(f"pruned-head-fraction {self.pruned_head_fraction} must lie in (0, 1]; e.g. 0.5")
         if self.spec.draft_window is None:
@@ -182,4 +180,6 @@ class BenchConfig:
         return {**self.quant_overrides, **(self.draft_quant_overrides if role == "draft" else {})}
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        # drafters flat, as its flags: results.json's "suffix", "hybrid", .. (one per kind with settings), in place
+        return {key: value for name, field_value in dataclasses.asdict(self).items()
+                for key, value in (field_value.items() if name == "drafters" else ((name, field_value),))}

@@ -13,7 +13,7 @@ from specquant.bench.results import BenchResults, RowResult
 from specquant.bench.spread import RESAMPLES, SEED, ranking
 from specquant.bench.stages import StageTimes
 from specquant.spec_decode.metrics import SpecMetrics
-from specquant.spec_decode.drafters import kind_named
+from specquant.spec_decode.drafters import hybrid, kind_named, suffix
 from specquant.util.files import atomic_write
 
 FILES = ("results.json", "report.md", "speedup.png", "acceptance_by_position.png", "drafter_latency.png")
@@ -164,7 +164,7 @@ def source_table(results: BenchResults) -> str:
                     f"({r.id})", run, src, str(m.num_drafts), _f(m.num_drafts / steps if steps else None),
                     _f(m.mean_draft_len), _f(m.acceptance_rate if drafted else None),
                     _f(m.mean_acceptance_length)]) + " |")
-    h = results.config.hybrid
+    h = results.config.drafters[hybrid.KIND.name]
     return ("\n\n## Hybrid drafter: which drafter drafted\n\nPer step the suffix draft when its match has at least "
             f"{h.min_match} tokens (--hybrid-min-match), else the block drafter's while its steps accept at least "
             f"{h.model_min_accept:g} tokens on average (--hybrid-model-min-accept), else no draft (\"none\": a "
@@ -294,6 +294,7 @@ def _w4_activations(results: BenchResults) -> str:
 
 def markdown(results: BenchResults) -> str:
     cfg, env = results.config, results.environment
+    suffix_k = cfg.drafters[suffix.KIND.name].max_draft_len
     lengths = ", ".join(f"{c} {n}" for c, n in results.lengths.items())
     quant = results.quantized or {}
     qlines = "\n".join(f"- {role}: `{q['path']}` ({q['method']}, "
@@ -306,7 +307,7 @@ Target `{results.models['target']}`, draft `{results.models['draft']}`; {cfg.run
 per prompt with EOS ignored; {cfg.warmup} warm-up{'' if cfg.warmup_all_prompts else ' (on the first length prompt only)'} + {cfg.runs} timed runs per prompt and row{_hf_runs(cfg)}, interleaved;
 k = {cfg.spec.draft_len} draft tokens per step (block drafter rows: k = {cfg.block_draft_len}, one drafter
 forward per step); draft window {cfg.spec.draft_window} (rows e, h). Rows s, u, p: the suffix drafter (its own
-k = {cfg.suffix.max_draft_len}), the hybrid (suffix, else the W4 block drafter) and the W4 block drafter with a
+k = {suffix_k}), the hybrid (suffix, else the W4 block drafter) and the W4 block drafter with a
 head pruned to {cfg.pruned_head_fraction:.0%} of the vocabulary; no prediction for them. Rows m, n (when the
 target has an MTP layer): its own MTP drafter, dense and W4, k = {cfg.spec.draft_len}, one MTP forward per token.
 Prompt lengths (target tokens): {lengths}.

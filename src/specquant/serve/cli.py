@@ -7,14 +7,12 @@ import logging
 
 from specquant.errors import SpecquantError
 from specquant.model.checkpoint import load_tokenizer, resolve
-from specquant.serve.config import SERVE_SUFFIX_DEFAULTS, ServeConfig
+from specquant.serve.config import ServeConfig
 from specquant.spec_decode.build import build_engine
 from specquant.spec_decode.cli import RUNTIME_DEFAULTS, pick_draft
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.runtime import RuntimeConfig
-from specquant.spec_decode.drafters import KINDS
-from specquant.spec_decode.drafters.hybrid import HybridConfig
-from specquant.spec_decode.suffix_drafter import SuffixConfig
+from specquant.spec_decode.drafters import KINDS, DrafterOptions, serving_options
 from specquant.util.device import check_device
 from specquant.util.flags import add_config_flags, config_from_args
 
@@ -34,8 +32,7 @@ def add_parser(sub):
                         "response cache of earlier requests (--suffix-cache-tokens, 0 = off)")
     add_config_flags(p, ServeConfig)
     add_config_flags(p, SpecConfig)
-    add_config_flags(p, SuffixConfig, prefix="suffix.", defaults=SERVE_SUFFIX_DEFAULTS)
-    add_config_flags(p, HybridConfig, prefix="hybrid.")
+    add_config_flags(p, DrafterOptions, defaults=serving_options())  # each kind's settings as a server has them
     add_config_flags(p, RuntimeConfig, defaults=RUNTIME_DEFAULTS, fields=RUNTIME_FLAGS)
 
 
@@ -49,13 +46,12 @@ def build_app(args):
     config = config_from_args(ServeConfig, args).validate()
     runtime = config_from_args(RuntimeConfig, args).validate()
     spec = config_from_args(SpecConfig, args).validate()
-    suffix = config_from_args(SuffixConfig, args, prefix="suffix.").validate()
-    hybrid = config_from_args(HybridConfig, args, prefix="hybrid.").validate()
+    options = config_from_args(DrafterOptions, args).validate()
     check_device(runtime.device)
     path = resolve(args.target)
     tokenizer = load_tokenizer(args.target)
     engine = build_engine(args.target, pick_draft(args.target, args.draft), runtime, spec, target_tokenizer=tokenizer,
-                          suffix_config=suffix, hybrid_config=hybrid)
+                          draft_options=options)
     return create_app(engine, tokenizer, config, config.model_name or path.name, threads=runtime.threads), config
 
 

@@ -1,19 +1,11 @@
-"""ServeConfig: the one home of the server's defaults and request limits (and SERVE_SUFFIX_DEFAULTS, the suffix
-drafter's when serving); LatencyConfig: `specquant latency`'s."""
+"""ServeConfig: the one home of the server's defaults and request limits (the drafters' settings when serving are
+their rows': spec_decode/drafters, serve_options); LatencyConfig: `specquant latency`'s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from specquant.errors import SpecquantError, require_positive
-from specquant.spec_decode.suffix_drafter import BYTES_PER_CACHED_TOKEN, SuffixConfig
-
-# The suffix and hybrid drafters' settings when serving: SuffixConfig's, with the response cache on. A server sees
-# repeats (retries, agents, templated prompts, the latency protocol's 55 identical requests) that a repeated prompt
-# drafts from nearly whole; a bench keeps SuffixConfig's 0, since it repeats its own prompts. 65536 tokens: about
-# 64 MiB at BYTES_PER_CACHED_TOKEN; --suffix-cache-tokens 0 switches it off.
-SERVE_SUFFIX_DEFAULTS = SuffixConfig(cache_tokens=1 << 16)
-assert SERVE_SUFFIX_DEFAULTS.cache_tokens * BYTES_PER_CACHED_TOKEN <= 64 << 20
 
 
 @dataclass

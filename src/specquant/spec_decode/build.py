@@ -5,27 +5,30 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.runtime import RuntimeConfig
 from specquant.spec_decode.drafter import Drafter
-from specquant.spec_decode.drafters import kind_of_model, parse_draft
+from specquant.spec_decode.drafters import drafter_options, kind_of_model, parse_draft
 from specquant.spec_decode.engine import SpecEngine
 
 
 def build_engine(target: str | os.PathLike | Transformer, draft=None, runtime: RuntimeConfig | None = None,
                  spec: SpecConfig | None = None, target_tokenizer=None, draft_tokenizer=None,
-                 profile: bool = False, graphs: bool = False, suffix_config=None,
-                 hybrid_config=None) -> SpecEngine:
+                 profile: bool = False, graphs: bool = False,
+                 draft_options: Mapping | None = None) -> SpecEngine:
     """A SpecEngine for target and draft.
 
     target: a checkpoint (loaded with runtime's dtype, device and W4 activations, projections fused) or a loaded
     Transformer. draft: None or "none" (target only), another drafter kind name that needs no checkpoint, a draft
     checkpoint (its kind from config.json: spec_decode/drafters/), a loaded draft model, or a Drafter.
     Tokenizers are loaded from the checkpoints when not given and the draft's kind checks vocabularies
-    (standalone kinds: the LM drafter). suffix_config / hybrid_config: the suffix and hybrid drafters' settings
-    (SuffixConfig, HybridConfig; defaults when None).
+    (standalone kinds: the LM drafter). draft_options: the drafter kinds' settings by kind name (a
+    drafters.DrafterOptions, as generate and serve build it from their flags, or a mapping of some kinds' names to
+    their options, e.g. {"suffix": SuffixConfig(...)}; the defaults of the rest), checked before anything loads;
+    the draft's kind reads its own (drafters/__init__.py).
 
     A drafter with `own_draft_len` (suffix, hybrid) sets the loop's k itself: the engine runs
     draft_len = own_draft_len without the adaptive controller, which it replaces with its own rule
@@ -35,6 +38,7 @@ def build_engine(target: str | os.PathLike | Transformer, draft=None, runtime: R
 
     runtime = (runtime or RuntimeConfig()).validate()
     spec = (spec or SpecConfig()).validate()
+    options = drafter_options(draft_options)
     target_path = resolve(target) if not isinstance(target, Transformer) else None
     source, kind = None, None
     if draft is None or isinstance(draft, (str, os.PathLike)):
@@ -54,7 +58,7 @@ def build_engine(target: str | os.PathLike | Transformer, draft=None, runtime: R
             draft_tokenizer = draft_tokenizer or brought or load_tokenizer(source)
             target_tokenizer = target_tokenizer or (load_tokenizer(target_path) if target_path else None)
         draft = kind.build(draft, target, spec, target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer,
-                           suffix_config=suffix_config, hybrid_config=hybrid_config, **engine_options)
+                           options=options, **engine_options)
     own = getattr(draft, "own_draft_len", None)
     if own:
         spec = dataclasses.replace(spec, draft_len=own, adaptive=False).validate()

@@ -9,9 +9,7 @@ from specquant.model.checkpoint import load_tokenizer, resolve
 from specquant.spec_decode.build import build_engine
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.runtime import RuntimeConfig
-from specquant.spec_decode.drafters import KINDS
-from specquant.spec_decode.drafters.hybrid import HybridConfig
-from specquant.spec_decode.suffix_drafter import SuffixConfig
+from specquant.spec_decode.drafters import KINDS, DrafterOptions
 from specquant.util.device import check_device
 from specquant.util.flags import add_config_flags, config_from_args, print_json
 
@@ -35,8 +33,7 @@ def add_parser(sub):
     p.add_argument("--max-new-tokens", type=int, default=64)
     add_config_flags(p, SamplingConfig)
     add_config_flags(p, SpecConfig)
-    add_config_flags(p, SuffixConfig, prefix="suffix.")  # dests apart from SpecConfig's max_draft_len
-    add_config_flags(p, HybridConfig, prefix="hybrid.")
+    add_config_flags(p, DrafterOptions)  # each kind's settings, dests "KIND.field" (apart from SpecConfig's)
     add_config_flags(p, RuntimeConfig, defaults=RUNTIME_DEFAULTS, fields=RUNTIME_FLAGS)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -56,10 +53,9 @@ def run(args):
     spec = config_from_args(SpecConfig, args).validate()
     resolve(args.target)
     tokenizer = load_tokenizer(args.target)
-    suffix = config_from_args(SuffixConfig, args, prefix="suffix.").validate()
-    hybrid = config_from_args(HybridConfig, args, prefix="hybrid.").validate()
+    options = config_from_args(DrafterOptions, args).validate()
     engine = build_engine(args.target, pick_draft(args.target, args.draft), runtime, spec,
-                          target_tokenizer=tokenizer, suffix_config=suffix, hybrid_config=hybrid)
+                          target_tokenizer=tokenizer, draft_options=options)
     ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     prompt = torch.tensor([ids], device=args.device)
     result = engine.generate(prompt, args.max_new_tokens, sampling, stop_on_eos=not args.ignore_eos)

@@ -56,13 +56,13 @@ batch > 1 with drafts needs per-row accepted counts in `verify` and `accept(leng
 (steps without drafts already run any batch).
 
 Kinds of drafter (spec_decode/drafters/): a `DrafterKind` row per kind says how to recognise its checkpoint, load
-it, build the Drafter and what one step costs; drafters/__init__.py holds the table.
+it, build the Drafter, what its settings are and what one step costs; drafters/__init__.py holds the table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -114,8 +114,15 @@ class DrafterKind:
     load(name_or_dir, runtime: RuntimeConfig) -> the loaded draft model (None for a kind without a checkpoint).
     build(model, target, spec: SpecConfig, **engine options) -> Drafter; model is what load returned (or a
       model the caller loaded itself, an instance of model_class); the options are SpecEngine's: compile,
-      graphs, aot, target_tokenizer, draft_tokenizer (a kind uses the ones it needs and ignores the rest).
+      graphs, aot, target_tokenizer, draft_tokenizer, and `options`, every kind's settings keyed by kind name
+      (drafters.DrafterOptions; a kind reads its own with options_in, a kind built of others its parts' too); a
+      kind uses the ones it needs and ignores the rest.
     forwards_per_step(k) -> drafter forwards in one step that drafts k tokens (the bench's cost model).
+    options: the config dataclass of its settings (defaults, checks, help), or None for a kind without any. Its
+      fields' flags (metadata "flag": --NAME-...) are the kind's command-line flags, their dests "NAME.field"
+      (drafters.DrafterOptions holds one per kind); serve_options: an instance of it with what a server changes.
+    cost: what a drafting step's cost is made of, for the bench's cost model (bench/ablation.py times each):
+      COST_MODELS' keys, or None for a kind whose steps it does not predict (no model forward, or a mix).
     """
 
     name: str  # what --draft and reports call it
@@ -134,6 +141,33 @@ class DrafterKind:
     fixed_draft_len: Callable[[dict], int | None] = lambda hf: None
     # (hf_config) -> the config.json fields an export needs and this one lacks (none: [])
     missing: Callable[[dict], list[str]] = lambda hf: []
+    options: type | None = None  # its settings' config dataclass (None: it has none)
+    serve_options: Any = None  # an `options` instance: its settings' defaults under `specquant serve` (None: options')
+    cost: str | None = None  # a key of COST_MODELS (None: not predicted)
+
+    def __post_init__(self):
+        if self.cost is not None and self.cost not in COST_MODELS:
+            raise SpecquantError(f"drafter kind {self.name!r}: cost {self.cost!r} is unknown; use one of "
+                                 f"{', '.join(COST_MODELS)} or None (not predicted)")
+        if self.serve_options is not None and not isinstance(self.serve_options, self.options or ()):
+            raise SpecquantError(f"drafter kind {self.name!r}: serve_options is a {type(self.serve_options).__name__}"
+                                 f"; give an instance of its options class ({getattr(self.options, '__name__', None)})")
+
+    def options_in(self, options: Mapping[str, Any] | None) -> Any:
+        """This kind's settings in options (kind name -> settings, as build gets them), its options class's
+        defaults when absent."""
+        own = options.get(self.name) if options is not None else None
+        return own if own is not None else self.options()
+
+
+# What one drafting step of a kind costs, by the `cost` of its row; bench/ablation.py times the forwards each names
+COST_MODELS = {
+    "decoder": "forwards_per_step(k) one-token forwards of its own decoder, with its own KV cache (the LM drafter)",
+    "block": "one forward for the whole draft whatever k, plus its accept projecting the accepted rows' target "
+             "features (the block drafter)",
+    "head": "forwards_per_step(k) forwards of one layer over the target's hidden state and embeddings, through a "
+            "head (the MTP drafter)",
+}
 
 
 def check_vocab(target_vocab: int, draft_vocab: int, target_tokenizer=None, draft_tokenizer=None):

@@ -80,7 +80,7 @@ class SuffixConfig:
         "help": "suffix drafter: match lengths scored per source, the longest and shorter ones with other "
                 "occurrences (each costs a draft walk per step)", "flag": "--suffix-candidates"})
     # off by default: a bench repeats its prompts, so a cache would measure replay rather than drafting (see the
-    # replay row of benchmarks/suffix.py at dfedb37); `specquant serve` turns it on (serve/cli.py, SERVE_SUFFIX_DEFAULTS)
+    # replay row of benchmarks/suffix.py at dfedb37); `specquant serve` turns it on (drafters/suffix.py, SERVE_OPTIONS)
     cache_tokens: int = field(default=0, metadata={
         "help": "suffix drafter: keep earlier requests (first in first out, this many tokens in all; memory about "
                 f"{BYTES_PER_CACHED_TOKEN // 1024} KiB per token) as draft sources; 0 = the request's own text only",

@@ -4,7 +4,9 @@ A field gets a flag when its metadata has "help". Metadata keys: help; choices; 
 --field-name); negate (a bool field shown as its opposite, e.g. symmetric -> --asymmetric); store_true (a bool
 flag without --no-x). Booleans get --x / --no-x, lists nargs="+". A field whose type is itself a config dataclass
 (BenchConfig.spec) contributes its own fields' flags, and config_from_args builds it back; its metadata may hold
-"fields": {name: metadata overrides} to give flags to those fields only (a command's share of RuntimeConfig).
+"fields": {name: metadata overrides} to give flags to those fields only (a command's share of RuntimeConfig), and
+"flat": True to leave its own name out of its fields' dests (BenchConfig.drafters: dests "suffix.x" as generate's,
+not "drafters.suffix.x"; the dest is the metavar --help shows).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, prefix: str = "", def
         hint, meta, dest = hints[f.name], f.metadata, prefix + f.name
         default = getattr(defaults, f.name) if defaults is not None else _default(f)
         if _nested(hint):
-            add_config_flags(parser, hint, dest + ".", default, meta.get("fields"))
+            add_config_flags(parser, hint, prefix if meta.get("flat") else dest + ".", default, meta.get("fields"))
             continue
         if fields is not None:
             if f.name not in fields:
@@ -96,7 +98,8 @@ def config_from_args(cls, args: argparse.Namespace, prefix: str = "", **override
     values = {}
     for f in dataclasses.fields(cls):
         if _nested(hints[f.name]):
-            values[f.name] = config_from_args(hints[f.name], args, prefix + f.name + ".")
+            values[f.name] = config_from_args(hints[f.name], args, prefix if f.metadata.get("flat")
+                                              else prefix + f.name + ".")
         elif hasattr(args, prefix + f.name):
             values[f.name] = getattr(args, prefix + f.name)
     values.update(overrides)

@@ -11,22 +11,31 @@ A kind is a `DrafterKind` (spec_decode/drafter.py) named KIND in its file:
                               rollback); engine_options are compile, graphs, aot, target_tokenizer,
                               draft_tokenizer; take what you need, accept the rest as **kwargs
   forwards_per_step(k)        drafter forwards in a step that drafts k tokens (lm: k, block: 1, none: 0)
+  cost                        what those forwards are, for the bench's cost model (drafter.COST_MODELS; None: the
+                              bench predicts none of its rows)
   model_class                 loaded models of this class are wrapped by this kind (SpecEngine(target, model))
+  options, serve_options      its settings' config dataclass (suffix: SuffixConfig, hybrid: HybridConfig) and
+                              their defaults under `specquant serve`
   standalone, vllm_method, fixed_draft_len, missing   what export needs (drafter.py)
 
-Engine options a kind may read besides SpecEngine's: suffix_config (SuffixConfig) and hybrid_config (HybridConfig),
-from build_engine. hybrid.py combines suffix.py with any kind that drafts from a model (`--draft suffix+DRAFT`).
-pruned_head.py is no kind: the vocabulary-pruned draft head that the block and LM kinds (and any other drafting
-through a head) share.
+Settings by kind: DrafterOptions, made from the rows, holds one options instance per kind that has options, keyed
+by kind name (a Mapping, and a config dataclass whose flags are every kind's: --suffix-*, --hybrid-*, dests
+"suffix.*", "hybrid.*"). generate, serve and bench build it from their flags (util.flags) and hand it to
+build_engine as draft_options, which gives it to every kind's build as the engine option `options`; no caller
+names a kind's settings. hybrid.py combines suffix.py with any kind that drafts from a model (`--draft
+suffix+DRAFT`) and reads its own and the suffix kind's settings there. pruned_head.py is no kind: the
+vocabulary-pruned draft head that the block and LM kinds (and any other drafting through a head) share.
 
 A new kind (an n-gram drafter; suffix.py and mtp.py, Qwen3.5's MTP head, are two) is one file with its Drafter
-class and KIND, plus one row below. A model-free drafter proposes point-mass drafts (Draft.probs None), which the
-sampling verifier accepts exactly (verify.rejection_sample).
+class, its options dataclass if it has settings, and KIND, plus one row below. A model-free drafter proposes
+point-mass drafts (Draft.probs None), which the sampling verifier accepts exactly (verify.rejection_sample).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 
 from specquant.errors import SpecquantError
 from specquant.spec_decode.drafter import DrafterKind
@@ -35,6 +44,56 @@ from specquant.spec_decode.drafters import block, hybrid, lm, mtp, none, suffix
 # detect is tried in this order: block and MTP drafters' config.json also name a causal LM model_type
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (block.KIND, mtp.KIND, lm.KIND, none.KIND, suffix.KIND,
                                                      hybrid.KIND)}
+
+
+class _ByKind(Mapping):
+    """DrafterOptions as a Mapping: kind name -> that kind's settings."""
+
+    def __getitem__(self, name: str):
+        if name not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self):
+        return iter([f.name for f in dataclasses.fields(self)])
+
+    def __len__(self) -> int:
+        return len(dataclasses.fields(self))
+
+    def validate(self):
+        for options in self.values():
+            options.validate()
+        return self
+
+
+# one field per kind with options, named as the kind, in table order (the flags' order in --help)
+DrafterOptions = dataclasses.make_dataclass(
+    "DrafterOptions", [(k.name, k.options, dataclasses.field(default_factory=k.options))
+                       for k in KINDS.values() if k.options is not None],
+    bases=(_ByKind,), namespace={"__doc__": "Every drafter kind's settings, keyed by kind name (module docstring).",
+                                 "__module__": __name__})
+
+
+def drafter_options(given: Mapping | None = None) -> DrafterOptions:
+    """Every kind's settings, checked: given's (a DrafterOptions, or a mapping of some kinds' names to their options
+    instances, e.g. {"suffix": SuffixConfig(max_draft_len=8)}) and the defaults of the rest."""
+    if isinstance(given, DrafterOptions):
+        return given.validate()
+    given = dict(given or {})
+    names = list(DrafterOptions.__dataclass_fields__)
+    for name, value in given.items():
+        if name not in names:
+            raise SpecquantError(f"draft options for {name!r}: no drafter kind with settings is called that; use "
+                                 f"{', '.join(names)}")
+        cls = KINDS[name].options
+        if not isinstance(value, cls):
+            raise SpecquantError(f"draft options for {name!r} are a {type(value).__name__}; pass a {cls.__name__}")
+    return DrafterOptions(**given).validate()
+
+
+def serving_options() -> DrafterOptions:
+    """Every kind's settings as `specquant serve` defaults them (each row's serve_options, else its defaults)."""
+    return DrafterOptions(**{k.name: k.serve_options for k in KINDS.values() if k.serve_options is not None})
 
 
 def kind_named(name: str) -> DrafterKind:
@@ -96,4 +155,5 @@ def parse_draft(value: str | None) -> tuple[DrafterKind, str | None]:
     return kind_of_checkpoint(resolve(value)), value
 
 
-__all__ = ["KINDS", "kind_named", "kind_of", "kind_of_checkpoint", "kind_of_model", "parse_draft"]
+__all__ = ["KINDS", "DrafterOptions", "drafter_options", "kind_named", "kind_of", "kind_of_checkpoint",
+           "kind_of_model", "parse_draft", "serving_options"]

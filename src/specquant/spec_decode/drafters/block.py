@@ -187,4 +187,4 @@ def _build(model: BlockDraftModel, target, spec: SpecConfig, **engine_options) -
 KIND = DrafterKind(
     name="block", title="block drafter", detect=_detect, load=_load, build=_build,
     forwards_per_step=lambda k: 1 if k else 0, model_class=BlockDraftModel, vllm_method="dflash",
-    fixed_draft_len=lambda hf: int(hf["block_size"]) - 1, missing=_missing)
+    fixed_draft_len=lambda hf: int(hf["block_size"]) - 1, missing=_missing, cost="block")

@@ -37,8 +37,9 @@ from specquant.errors import SpecquantError
 from specquant.spec_decode.adaptive import next_draft_len
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft, Drafter, DrafterKind
+from specquant.spec_decode.drafters import suffix
 from specquant.spec_decode.metrics import SpecMetrics
-from specquant.spec_decode.suffix_drafter import SuffixConfig, SuffixDrafter
+from specquant.spec_decode.suffix_drafter import SuffixDrafter
 
 PREFIX = "suffix+"  # `--draft suffix+DRAFT`
 
@@ -187,7 +188,8 @@ def _capped(spec: SpecConfig, longest: int) -> SpecConfig:
 @dataclass(frozen=True)
 class HybridParts:
     """What the kind's load returns: the model drafter's kind, its loaded model (None for a kind without a
-    checkpoint) and its tokenizer (standalone kinds, for the vocabulary check)."""
+    checkpoint) and its tokenizer (standalone kinds, for the vocabulary check). The kind's model_class: parts a
+    caller assembled from a model it loaded itself (the bench's hybrid row) build like loaded ones."""
 
     kind: DrafterKind
     model: object
@@ -215,19 +217,20 @@ def _load(inner: str, runtime) -> HybridParts:
     return HybridParts(kind, model, tokenizer)
 
 
-def _build(parts: HybridParts, target, spec: SpecConfig, suffix_config: SuffixConfig | None = None,
-           hybrid_config: HybridConfig | None = None, draft_tokenizer=None, **engine_options) -> HybridDrafter:
+def _build(parts: HybridParts, target, spec: SpecConfig, options=None, draft_tokenizer=None,
+           **engine_options) -> HybridDrafter:
+    """Its settings and its suffix part's from options (kind name -> settings: its own and the suffix kind's)."""
     if not isinstance(parts, HybridParts):
         raise SpecquantError("the hybrid drafter is built from `suffix+DRAFT`; pass that to --draft, or build a "
                              "HybridDrafter(SuffixDrafter(...), model_drafter, spec) yourself")
     model = parts.kind.build(parts.model, target, spec, draft_tokenizer=draft_tokenizer or parts.draft_tokenizer,
-                             suffix_config=suffix_config, hybrid_config=hybrid_config, **engine_options)
-    return HybridDrafter(SuffixDrafter(suffix_config or SuffixConfig()), model, spec, hybrid_config)
+                             options=options, **engine_options)
+    return HybridDrafter(SuffixDrafter(suffix.KIND.options_in(options)), model, spec, KIND.options_in(options))
 
 
 KIND = DrafterKind(
     name="hybrid", title="hybrid drafter (suffix, else a model drafter)", detect=lambda hf: False, load=_load,
     build=_build,
     # A suffix step runs no forward, a model step its drafter's (1 for a block drafter, k for an LM), which the
-    # kind cannot know: the bench predicts no hybrid row and counts each source's steps instead (bench/ablation.py)
-    forwards_per_step=lambda k: 1 if k else 0)
+    # kind cannot know: the bench predicts no hybrid row (cost None) and counts each source's steps instead
+    forwards_per_step=lambda k: 1 if k else 0, model_class=HybridParts, options=HybridConfig)

@@ -154,4 +154,4 @@ KIND = DrafterKind(
     # after "block" in the table: a block drafter's config.json names a causal LM model_type too
     detect=lambda hf: hf.get("model_type") in SUPPORTED_MODEL_TYPES,
     load=_load, build=_build, forwards_per_step=lambda k: k, model_class=Transformer, standalone=True,
-    vllm_method="draft_model")
+    vllm_method="draft_model", cost="decoder")

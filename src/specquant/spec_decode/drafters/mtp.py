@@ -149,4 +149,4 @@ KIND = DrafterKind(
     name="mtp", title="MTP drafter",
     # before "lm" in the table: an MTP drafter's config.json names the target's model_type
     detect=is_mtp_config, load=_load, build=_build, forwards_per_step=lambda k: k, needs_checkpoint=False,
-    model_class=MTPModel)
+    model_class=MTPModel, cost="head")
