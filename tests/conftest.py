@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import weakref
 from pathlib import Path
 
 # Without CUDA, Triton kernels (quant/triton_w4.py) can run only under Triton's interpreter, which triton reads
@@ -162,6 +163,26 @@ def need_kernel(family, variant=None):
 def kernel_variants(family):
     """Parameters for a test to run on every variant of a kernel family (each one skips where it does not load)."""
     return [pytest.param(v, id=v.name) for v in family.variants]
+
+
+_GREEDY: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def target_greedy(target, prompt: torch.Tensor, n: int) -> list[int]:
+    """The target's own greedy continuation, `generate(target, prompt, n, stop_on_eos=False).token_ids[0]`,
+    computed once per model, prompt and n: the parametrized lossless tests compare every drafter setting (k,
+    window, kind) against the same reference, which the target alone produces the same way each time. Keyed by the
+    model object and each parameter's storage and in-place version counter, so a model whose weights changed
+    (quantized, trained, reloaded) is run again. Only for references nothing else changes (the native switch
+    is part of what a test sets, not of this key: call generate directly in a test that toggles it)."""
+    from specquant.spec_decode.engine import generate
+
+    weights = tuple((name, p.data_ptr(), p._version) for name, p in target.named_parameters())
+    key = (weights, tuple(prompt.flatten().tolist()), tuple(prompt.shape), n)
+    cache = _GREEDY.setdefault(target, {})
+    if key not in cache:
+        cache[key] = generate(target, prompt, n, stop_on_eos=False).token_ids[0]
+    return list(cache[key])
 
 
 def target_law(target, prompt):
