@@ -120,6 +120,28 @@ def small_block_draft(target: Transformer, block_size: int = 6, target_layer_ids
     return draft
 
 
+@pytest.fixture(scope="session")
+def w4_block_draft(tmp_path_factory):
+    """The bundled block drafter as GPTQ W4 (group 32, bf16 scales: fp16-exact, so the GGUF is exact), quantized
+    once per session into a directory its users only read (test_export_dflash, test_export_llama_cpp)."""
+    from specquant.drafter_loader import load_block_draft
+    from specquant.loader import load_model
+    from specquant.model.checkpoint import save_block_drafter
+    from specquant.quant.block_draft_gptq import gptq_block_drafter
+    from specquant.quant.checkpoint import quantization_config
+    from specquant.quant.config import QuantConfig
+
+    torch.manual_seed(0)
+    target = load_model("tiny-target", torch.float32)
+    draft = load_block_draft("tiny-block-draft", torch.float32)
+    cfg = QuantConfig(method="gptq", bits=4, group_size=32)
+    gptq_block_drafter(draft, target, torch.randint(4, 8000, (2, 64)), cfg)
+    draft.to(torch.bfloat16)
+    return save_block_drafter(draft, tmp_path_factory.mktemp("w4_block_draft") / "w4",
+                              extra_config={"quantization_config": quantization_config(draft, cfg)},
+                              tokenizer_from="tiny-block-draft")
+
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
