@@ -13,6 +13,28 @@ case "${1:-}" in
 esac
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# --test: llama.cpp's tools and vLLM's CPU build start first and run beside the pip installs below. The build is
+# CPU-bound (half of a fresh CI run's setup on a 2-core machine), the installs mostly wait on the network and the
+# disk, so overlapped the setup takes about as long as the build alone. Each runs in its own process group (setsid);
+# if any step fails, the others are stopped (the build removes its temporary directory on SIGTERM) and setup fails.
+bg_jobs=()  # the background steps still running, each "pid|its log or -|what to say when it fails"
+stop_background() { for job in ${bg_jobs[@]+"${bg_jobs[@]}"}; do kill -TERM -- "-${job%%|*}" 2>/dev/null || true; done; }
+trap stop_background EXIT
+# --test: llama.cpp's tools for tests/test_export_llama_cpp.py, built once per machine (a long build with progress
+# on stderr; reused after) into ${SPECQUANT_CACHE:-~/.cache/specquant}/llama.cpp-<version>. The builder needs only
+# the standard library, so it runs from src/ before specquant is installed. Without --test they are built on first
+# use by `specquant bench --engine llama.cpp`. SPECQUANT_SKIP_LLAMA_CPP=1 skips the build deliberately (the tests
+# that need the binaries then skip instead of failing).
+if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_LLAMA_CPP:-0}" != 1 ]; then
+  PYTHONPATH=src setsid .venv/bin/python -m specquant.export.llama_cpp_build >/dev/null &
+  bg_jobs+=("$!|-|building llama.cpp's tools failed (its error above)")
+fi
+# --test: vLLM's CPU build in .venv-vllm for tests/test_vllm.py (scripts/setup_vllm.sh, its output in
+# .venv/setup_vllm.log; SPECQUANT_SKIP_VLLM=1 skips it deliberately, and those tests then skip saying so)
+if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_VLLM:-0}" != 1 ]; then
+  setsid bash scripts/setup_vllm.sh >.venv/setup_vllm.log 2>&1 &
+  bg_jobs+=("$!|.venv/setup_vllm.log|scripts/setup_vllm.sh failed (its last lines above; all of it in .venv/setup_vllm.log)")
+fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==2.13.0"
 fi
@@ -33,15 +55,19 @@ fi
 # the native W4 kernels, every variant this CPU runs (a second each, no network; a skipped variant says why, and
 # without any QuantLinear uses its other backends)
 .venv/bin/python -c "from specquant.kernels import main; main()"
-# --test: llama.cpp's tools for tests/test_export_llama_cpp.py, built once per machine (a long build with progress
-# on stderr; reused after) into ${SPECQUANT_CACHE:-~/.cache/specquant}/llama.cpp-<version>. Without --test they
-# are built on first use by `specquant bench --engine llama.cpp`. SPECQUANT_SKIP_LLAMA_CPP=1 skips the build
-# deliberately (the tests that need the binaries then skip instead of failing).
-if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_LLAMA_CPP:-0}" != 1 ]; then
-  .venv/bin/python -m specquant.export.llama_cpp_build >/dev/null
-fi
-# --test: vLLM's CPU build in .venv-vllm for tests/test_vllm.py (scripts/setup_vllm.sh; SPECQUANT_SKIP_VLLM=1 skips
-# it deliberately, and those tests then skip saying so)
-if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_VLLM:-0}" != 1 ]; then
-  bash scripts/setup_vllm.sh
-fi
+# the background steps: the first to fail fails setup at once (the EXIT trap stops the others)
+while [ ${#bg_jobs[@]} -gt 0 ]; do
+  left=()
+  for job in "${bg_jobs[@]}"; do
+    pid=${job%%|*} rest=${job#*|}
+    if kill -0 "$pid" 2>/dev/null; then left+=("$job"); continue; fi
+    if ! wait "$pid"; then
+      [ "${rest%%|*}" = - ] || tail -n 30 "${rest%%|*}" >&2
+      echo "scripts/setup.sh: ${rest#*|}" >&2
+      exit 1
+    fi
+  done
+  bg_jobs=(${left[@]+"${left[@]}"})
+  [ ${#bg_jobs[@]} -eq 0 ] || sleep 1
+done
+if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_VLLM:-0}" != 1 ]; then cat .venv/setup_vllm.log; fi

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import weakref
 from pathlib import Path
 
 # Without CUDA, Triton kernels (quant/triton_w4.py) can run only under Triton's interpreter, which triton reads
@@ -119,6 +120,28 @@ def small_block_draft(target: Transformer, block_size: int = 6, target_layer_ids
     return draft
 
 
+@pytest.fixture(scope="session")
+def w4_block_draft(tmp_path_factory):
+    """The bundled block drafter as GPTQ W4 (group 32, bf16 scales: fp16-exact, so the GGUF is exact), quantized
+    once per session into a directory its users only read (test_export_dflash, test_export_llama_cpp)."""
+    from specquant.drafter_loader import load_block_draft
+    from specquant.loader import load_model
+    from specquant.model.checkpoint import save_block_drafter
+    from specquant.quant.block_draft_gptq import gptq_block_drafter
+    from specquant.quant.checkpoint import quantization_config
+    from specquant.quant.config import QuantConfig
+
+    torch.manual_seed(0)
+    target = load_model("tiny-target", torch.float32)
+    draft = load_block_draft("tiny-block-draft", torch.float32)
+    cfg = QuantConfig(method="gptq", bits=4, group_size=32)
+    gptq_block_drafter(draft, target, torch.randint(4, 8000, (2, 64)), cfg)
+    draft.to(torch.bfloat16)
+    return save_block_drafter(draft, tmp_path_factory.mktemp("w4_block_draft") / "w4",
+                              extra_config={"quantization_config": quantization_config(draft, cfg)},
+                              tokenizer_from="tiny-block-draft")
+
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -157,6 +180,26 @@ def need_kernel(family, variant=None):
 def kernel_variants(family):
     """Parameters for a test to run on every variant of a kernel family (each one skips where it does not load)."""
     return [pytest.param(v, id=v.name) for v in family.variants]
+
+
+_GREEDY: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def target_greedy(target, prompt: torch.Tensor, n: int) -> list[int]:
+    """The target's own greedy continuation, `generate(target, prompt, n, stop_on_eos=False).token_ids[0]`,
+    computed once per model, prompt and n: the parametrized lossless tests compare every drafter setting (k,
+    window, kind) against the same reference, which the target alone produces the same way each time. Keyed by the
+    model object and each parameter's storage and in-place version counter, so a model whose weights changed
+    (quantized, trained, reloaded) is run again. Only for references nothing else changes (the native switch
+    is part of what a test sets, not of this key: call generate directly in a test that toggles it)."""
+    from specquant.spec_decode.engine import generate
+
+    weights = tuple((name, p.data_ptr(), p._version) for name, p in target.named_parameters())
+    key = (weights, tuple(prompt.flatten().tolist()), tuple(prompt.shape), n)
+    cache = _GREEDY.setdefault(target, {})
+    if key not in cache:
+        cache[key] = generate(target, prompt, n, stop_on_eos=False).token_ids[0]
+    return list(cache[key])
 
 
 def target_law(target, prompt):

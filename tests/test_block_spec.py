@@ -3,6 +3,7 @@ tested for both drafter kinds in test_spec.py)."""
 
 import pytest
 import torch
+from conftest import target_greedy
 
 from specquant.decode.sampling import SamplingConfig
 from specquant.spec_decode.engine import generate
@@ -49,7 +50,7 @@ def test_greedy_block_speculation_equals_target_greedy(pair, k, window):
     target, draft = pair
     eng = engine(target, draft, draft_len=k, draft_window=window)
     for prompt in PROMPTS:  # a 1-token prompt, and a 70-token one longer than the window
-        ref = generate(target, prompt, 40, stop_on_eos=False).token_ids[0]
+        ref = target_greedy(target, prompt, 40)
         out = eng.generate(prompt, 40, stop_on_eos=False)
         assert out.token_ids[0] == ref
         s = out.stats

@@ -24,25 +24,6 @@ LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn
                  "ffn_gate", "ffn_up", "ffn_down")
 
 
-def w4_block_draft(path):
-    """The bundled block drafter as GPTQ W4 (group 32, bf16 scales: fp16-exact, so the GGUF is exact)."""
-    from specquant.drafter_loader import load_block_draft
-    from specquant.loader import load_model
-    from specquant.model.checkpoint import save_block_drafter
-    from specquant.quant.block_draft_gptq import gptq_block_drafter
-    from specquant.quant.checkpoint import quantization_config
-    from specquant.quant.config import QuantConfig
-
-    torch.manual_seed(0)
-    target = load_model("tiny-target", torch.float32)
-    draft = load_block_draft("tiny-block-draft", torch.float32)
-    cfg = QuantConfig(method="gptq", bits=4, group_size=32)
-    gptq_block_drafter(draft, target, torch.randint(4, 8000, (2, 64)), cfg)
-    draft.to(torch.bfloat16)
-    return save_block_drafter(draft, path, extra_config={"quantization_config": quantization_config(draft, cfg)},
-                              tokenizer_from="tiny-block-draft")
-
-
 def _fields(reader) -> dict:
     out = {}
     for name, f in reader.fields.items():
@@ -86,8 +67,8 @@ def test_f32_export_has_dflash_layout_and_our_weights(tmp_path):
         np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape), want)
 
 
-def test_w4_export_is_our_codes_exactly(tmp_path):
-    src = w4_block_draft(tmp_path / "w4")
+def test_w4_export_is_our_codes_exactly(w4_block_draft, tmp_path):
+    src = w4_block_draft
     path = tmp_path / "w4.gguf"
     report = write_dflash_gguf(src, "tiny-target", path, dense_dtype="bf16")
     assert report["file_type"] == "Q4_0" and report["max_abs_error_quantized"] == 0.0

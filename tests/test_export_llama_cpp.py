@@ -191,11 +191,10 @@ def test_llama_cpp_dflash_runs_our_block_drafter_as_ours(bin_dir, tmp_path, wind
                 assert abs(float(probs[pos, i]) - p) < 4e-3, (pos, i, p, float(probs[pos, i]))
 
 
-def test_llama_cpp_dflash_w4_drafter_is_lossless(bin_dir, tmp_path):
+def test_llama_cpp_dflash_w4_drafter_is_lossless(bin_dir, w4_block_draft, tmp_path):
     """The W4 block drafter (Q4_0 from our codes): still the target's greedy text, and drafts do get accepted
     (llama.cpp's Q4_0 matmul rounds activations to Q8_0, so per-step counts may differ from ours)."""
     from specquant.export.gguf_dflash import write_dflash_gguf
-    from test_export_dflash import w4_block_draft
 
     tok = load_tokenizer("tiny-target")
     text = "The meaning of the word"
@@ -203,7 +202,7 @@ def test_llama_cpp_dflash_w4_drafter_is_lossless(bin_dir, tmp_path):
     prompt.write_text(text)
     target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
     write_gguf(source_from_checkpoint("tiny-target"), target)
-    write_dflash_gguf(w4_block_draft(tmp_path / "w4"), "tiny-target", draft, dense_dtype="bf16")
+    write_dflash_gguf(w4_block_draft, "tiny-target", draft, dense_dtype="bf16")
     n = 40
     out, steps, summary, _ = _dflash_run(bin_dir, target, draft, prompt, n)
     ours = _ours_greedy("tiny-target", tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, n)
@@ -244,17 +243,16 @@ def test_bench_rows_inside_llama_cpp(bin_dir, tmp_path):
     assert rows["w4+w4draft"]["acceptance"] > 0.8
 
 
-def test_bench_block_rows_inside_llama_cpp(bin_dir, tmp_path):
+def test_bench_block_rows_inside_llama_cpp(bin_dir, w4_block_draft, tmp_path):
     """The block-drafter rows: exported by export_block_files, drafting the whole block (k = 15) with
     --spec-type draft-dflash, acceptance reported, the target's own text reproduced (the same loose bound as the LM
     rows above: llama.cpp's batched verify is not bit-equal to its one-token decode)."""
     from specquant.bench.llama_cpp import BLOCK_ROWS, export_block_files, format_table
-    from test_export_dflash import w4_block_draft
 
     target = tmp_path / "target.gguf"
     write_gguf(source_from_checkpoint("tiny-target"), target)
     paths = {"target": Path("tiny-target"), "block_draft": Path("tiny-block-draft"),
-             "quantized_block_draft": w4_block_draft(tmp_path / "w4")}
+             "quantized_block_draft": w4_block_draft}
     logged = []
     files = export_block_files(paths, tmp_path / "files", logged.append)
     assert set(files) == {"block-draft-f32", "block-draft-w4"} and len(logged) == 2

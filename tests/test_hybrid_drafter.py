@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import needs_bundled, peaky_pair, small_block_draft
+from conftest import needs_bundled, peaky_pair, small_block_draft, target_greedy
 from specquant.decode.compiled import Stepper
 from specquant.decode.sampling import SamplingConfig, logits_to_probs
 from specquant.errors import SpecquantError
@@ -121,7 +121,7 @@ def test_greedy_hybrid_equals_target_greedy_and_both_sources_draft(pair, block_m
     assert engine.longest == 12  # the suffix drafter's own k, not draft_len 3
     used = {"suffix": 0, "model": 0}
     for prompt in PROMPTS:
-        ref = generate(target, prompt, 40, stop_on_eos=False).token_ids[0]
+        ref = target_greedy(target, prompt, 40)
         out = engine.generate(prompt, 40, stop_on_eos=False)
         assert out.token_ids[0] == ref
         s = out.stats

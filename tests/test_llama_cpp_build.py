@@ -9,7 +9,9 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -327,6 +329,29 @@ def test_interrupt_stops_the_whole_build_process_group(tmp_path):
     while _running(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _running(child)
+
+
+def test_sigterm_stops_the_module_build_and_leaves_nothing(fake_toolchain, tmp_path):
+    """`python -m specquant.export.llama_cpp_build` stopped by SIGTERM (scripts/setup.sh stops its background
+    steps so when another failed) stops cmake's process group and removes its temporary directory, as Ctrl-C does."""
+    pid_file = tmp_path / "make.pid"
+    (tmp_path / "fakebin" / "cmake").write_text(
+        FAKE_CMAKE.replace('mkdir -p "$dir/bin"', f'sleep 60 & echo $! > {pid_file}; wait; mkdir -p "$dir/bin"'))
+    proc = subprocess.Popen([sys.executable, "-m", "specquant.export.llama_cpp_build"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    assert list(fake_toolchain.glob(".llama.cpp-build.*"))  # building
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(child)
+    assert not list(fake_toolchain.glob(".llama.cpp-build.*")) and not lb.install_dir(fake_toolchain).exists()
 
 
 def test_old_python_tar_check_refuses_paths_out_of_the_tree():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _qwen35_models import VOCAB, hf_config, hf_model, hf_qwen35, randomize
-from conftest import assert_follows_target_law, target_law
+from conftest import assert_follows_target_law, target_greedy, target_law
 
 from specquant.errors import SpecquantError
 from specquant.model.config import ModelConfig
@@ -136,7 +136,7 @@ def test_greedy_mtp_speculation_equals_target_greedy(target, k):
     mtp = mtp_from_tensors(target.config, target.extra_tensors)
     eng = SpecEngine(target, MTPDrafter(mtp, target), SpecConfig(draft_len=k))
     for prompt in PROMPTS:
-        ref = generate(target, prompt, 40, stop_on_eos=False).token_ids[0]
+        ref = target_greedy(target, prompt, 40)
         out = eng.generate(prompt, 40, stop_on_eos=False)
         assert out.token_ids[0] == ref
         s = out.stats
@@ -149,7 +149,7 @@ def test_mtp_cache_holds_exactly_the_target_verified_entries(target, k):
     committed sequence (h_i from the target, x_{i+1}): chained entries never survive a verify."""
     mtp = mtp_from_tensors(target.config, target.extra_tensors)
     prompt = PROMPTS[1]
-    cont = generate(target, prompt, 40, stop_on_eos=False).token_ids[0]
+    cont = target_greedy(target, prompt, 40)
     drafter = OracleMTPDrafter(mtp, target, cont, prompt.shape[1])
     eng = SpecEngine(target, drafter, SpecConfig(draft_len=k))
     out = eng.generate(prompt, 40, stop_on_eos=False)

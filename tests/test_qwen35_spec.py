@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from _qwen35_models import VOCAB, hf_model
-from conftest import assert_follows_target_law, small_block_draft, target_law
+from conftest import assert_follows_target_law, small_block_draft, target_greedy, target_law
 
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
 from specquant.spec_decode.drafters.block import BlockDrafter
 from specquant.spec_decode.config import SpecConfig
-from specquant.spec_decode.engine import SpecEngine, generate
+from specquant.spec_decode.engine import SpecEngine
 
 
 def ours(theirs) -> Transformer:
@@ -65,7 +65,7 @@ def test_greedy_speculation_on_a_hybrid_equals_target_greedy(target, drafters, k
     eng = engine(target, drafters, kind, draft_len=k, draft_window=window)
     accepted = 0
     for prompt in PROMPTS:  # a 1-token prompt, and a 70-token one longer than the window and max_block
-        ref = generate(target, prompt, 40, stop_on_eos=False).token_ids[0]
+        ref = target_greedy(target, prompt, 40)
         out = eng.generate(prompt, 40, stop_on_eos=False)
         assert out.token_ids[0] == ref
         s = out.stats

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from conftest import assert_follows_target_law, small_block_draft, target_law
+from conftest import assert_follows_target_law, small_block_draft, target_greedy, target_law
 from specquant.spec_decode.engine import generate
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
@@ -49,7 +49,7 @@ def test_greedy_speculative_equals_target_greedy(pair, k, window):
     target, draft = pair
     engine = SpecEngine(target, draft, SpecConfig(draft_len=k, draft_window=window))
     for prompt in PROMPTS:  # the 70-token prompt is longer than the window
-        ref = generate(target, prompt, 40, stop_on_eos=False).token_ids[0]
+        ref = target_greedy(target, prompt, 40)
         out = engine.generate(prompt, 40, stop_on_eos=False)
         assert out.token_ids[0] == ref
         s = out.stats

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import needs_bundled
+from conftest import needs_bundled, target_greedy
 
 from specquant.decode.compiled import Stepper
 from specquant.spec_decode.engine import generate
@@ -354,7 +354,7 @@ def test_greedy_suffix_decoding_equals_target_greedy(tiny, k):
                         graphs=k == 20)
     for text, repeats in ((FILLER * 4, True), ("Once upon a time, in a small village by the sea", False)):
         prompt = torch.tensor([tok.encode(text)])
-        ref = generate(target, prompt, 48, stop_on_eos=False).token_ids[0]
+        ref = target_greedy(target, prompt, 48)
         out = engine.generate(prompt, 48, stop_on_eos=False)
         assert out.token_ids[0] == ref
         s = out.stats

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from _qwen35_models import hf_model
-from conftest import assert_follows_target_law, peaky_model, small_block_draft, target_law
+from conftest import assert_follows_target_law, peaky_model, small_block_draft, target_greedy, target_law
 
 from specquant.decode.sampling import SamplingConfig
 from specquant.errors import SpecquantError
@@ -331,7 +331,7 @@ def test_greedy_tree_speculation_equals_target_greedy(models, name, nodes):
     vocab = target.config.vocab_size
     for i, length in enumerate((4, 30)):
         prompt = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
-        ref = generate(target, prompt, 40, stop_on_eos=False).token_ids[0]
+        ref = target_greedy(target, prompt, 40)
         drafter = OracleTreeDrafter(prompt[0].tolist() + ref, vocab, seed=i)
         engine = SpecEngine(target, drafter, SpecConfig(draft_len=8, tree_nodes=nodes))
         out = engine.generate(prompt, 40, stop_on_eos=False)

@@ -327,6 +327,10 @@ class Progress:
         self.stream.flush()
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # a BaseException: _run stops cmake, build() removes its temporary directory
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specquant.export.llama_cpp_build", description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: LLAMA_CPP_JOBS or the "
@@ -344,4 +348,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM (scripts/setup.sh stopping its other steps when one failed) as Ctrl-C: cmake's process group is
+    # stopped and the temporary build directory removed, instead of a build going on with no one waiting for it
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(main())

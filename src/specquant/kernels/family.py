@@ -136,15 +136,25 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 GEMM_ARGS = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR, ctypes.c_int]
 
 
+# Below this many multiply-adds (M x N x K) a GEMM runs on one thread: an OpenMP region costs a fork and a join
+# whatever the work, and a thread that is not running (another process on the core) stalls the join for a time
+# slice. A 1-row 128x128 layer (the tests' models) on a shared 2-core Ice Lake: 2 threads 4.5 ms wall and 1 ms CPU
+# per call (the workers spin at the join), 1 thread 0.16 ms wall and 0.03 ms CPU. The same bound as ops.cpp's
+# linear (N x K >= 1 << 16 for one row). Every output is computed by one thread in one order whatever the thread
+# count (common.h), so the result is the same bit for bit.
+PARALLEL_MIN_MACS = 1 << 16
+
+
 def run_gemm(fn, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """Call a native GEMM (GEMM_ARGS) on x [..., K] already in its input format: fp32 [..., N], leading dims
     passed through without reshapes (a decode step makes ~100 of these calls, and each torch reshape costs ~2 us of
-    Python)."""
+    Python). On torch's thread count, or one thread below PARALLEL_MIN_MACS."""
     k = x.shape[-1]
     m = x.numel() // k
     n = packed.shape[0] * TILE
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    threads = torch.get_num_threads() if m * n * k >= PARALLEL_MIN_MACS else 1
     if fn(x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), n, group, scales.dtype == torch.bfloat16,
-          y.data_ptr(), torch.get_num_threads()):
+          y.data_ptr(), threads):
         raise ValueError(f"native kernel {fn.__name__} rejected shape M={m} K={k} N={n} group={group}")
     return y

@@ -265,7 +265,10 @@ int walk_state(const float* state_in, float* state_out, int64_t batch, int64_t t
                int64_t vd, int threads, const Token& token) {
   if (batch <= 0 || t < 0 || hk <= 0 || h <= 0 || h % hk || kd <= 0 || vd <= 0 || vd % 16) return 1;
   const int64_t tasks = batch * h, per_key = h / hk;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
+  // one thread below ~64K state updates (a tiny model's decode step): a parallel region's fork and join cost more
+  // than the work, and a join stalls for a time slice when the other thread is not running (a shared machine)
+  const bool parallel = tasks > 1 && threads > 1 && tasks * (t > 0 ? t : 1) * kd * vd >= (1 << 16);
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task / h, hh = task % h, kh = hh / per_key;
     const float* s_in = state_in + (b * h + hh) * kd * vd;
@@ -506,7 +509,10 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
     if (p < k_pos || lo > k_pos + k_len - 1) return 2;
   }
   int status = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
+  // one thread below ~64K multiply-adds (scores and values over every key; a tiny model's decode step), as
+  // walk_state above: the fork and join would cost more than the work
+  const bool parallel = tasks > 1 && threads > 1 && tasks * rows * k_len * d >= (1 << 16);
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task / kv_heads, kvh = task % kv_heads;
     const float* kb = keys + b * kv_sb + kvh * kv_sh;
