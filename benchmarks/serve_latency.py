@@ -6,7 +6,7 @@ one client protocol.
   llama-server   llama.cpp's server on `specquant export --for llama.cpp --target T --draft W4` (its W4 tensors
                  are Q4_0 / Q4_1, exact), with `--metrics` so its speculative counters give the MAL
 
-Each server is started as its own process on a free loopback port, waited for (/health), timed with
+Each server is started as its own process on a free loopback port (engines/process.py), waited for, timed with
 `specquant latency` (also a subprocess: a client apart from the server, as the competition's), then stopped.
 Without --w4-draft the bundled draft is quantized first (`specquant quantize --method gptq`) into --work.
 llama-server comes from llama.cpp's build cache (export/llama_cpp_build.py) or --llama-cpp DIR; the row is left
@@ -33,26 +33,19 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from specquant.engines import Server
+from specquant.engines.process import free_port, running
 from specquant.runtime import child_env
 from specquant.util.flags import print_json
 
 ROWS = ("specquant+w4", "specquant", "llama-server")
 SPECQUANT = [sys.executable, "-m", "specquant.cli"]
 START_TIMEOUT_S = 300  # a cold start compiles nothing by default, but loads and may build kernels
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(cmd: list, log) -> str:
@@ -64,33 +57,13 @@ def call(cmd: list, log) -> str:
 
 
 @contextmanager
-def server(cmd: list, url: str, log_path: Path, log):
-    """cmd started with its output in log_path; yields once url/health answers 200; stopped (SIGTERM) after."""
+def server(cmd: list, port: int, log_path: Path, log):
+    """cmd (listening on port) started by the engines' server runner, output in log_path; yields its URL once it
+    serves; its process group stopped after."""
     log("$ " + shlex.join(map(str, cmd)) + f"   (log: {log_path})")
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=child_env())
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"error: {cmd[0]} exited {proc.returncode} before serving; see {log_path}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:  # not listening yet, or llama-server's 503 while it loads
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"error: {cmd[0]} did not serve within {START_TIMEOUT_S} s; see {log_path}")
-            time.sleep(0.5)
+    with running(Server([str(c) for c in cmd], label=Path(str(cmd[0])).name), port, log_path,
+                 START_TIMEOUT_S) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def latency(url: str, baseline: str | None, args, log) -> dict:
@@ -141,16 +114,14 @@ def main(argv=None) -> int:
     serve = [*SPECQUANT, "serve", "--target", args.target, *threads,
              *(["--prefix-cache"] if args.prefix_cache else [])]
     base_port = free_port()
-    base_url = f"http://127.0.0.1:{base_port}"
     results, skipped = {}, {}
     # the target-only server runs throughout: every row's speedup is against it, measured in that row's run
-    with server([*serve, "--draft", "none", "--port", base_port], base_url, work / "specquant.log", log):
+    with server([*serve, "--draft", "none", "--port", base_port], base_port, work / "specquant.log", log) as base_url:
         if "specquant" in rows:
             results["specquant"] = latency(base_url, None, args, log)
         if "specquant+w4" in rows:
             port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            with server([*serve, "--draft", w4, "--port", port], url, work / "specquant-w4.log", log):
+            with server([*serve, "--draft", w4, "--port", port], port, work / "specquant-w4.log", log) as url:
                 results["specquant+w4"] = latency(url, base_url, args, log)
         if "llama-server" in rows:
             binary = llama_server_bin(args.llama_cpp)
@@ -162,12 +133,11 @@ def main(argv=None) -> int:
                 report = json.loads(call([*SPECQUANT, "export", "--for", "llama.cpp", "--target", args.target,
                                           "--draft", w4, "--out", gguf, "--overwrite", "--json"], log))
                 port = free_port()
-                url = f"http://127.0.0.1:{port}"
                 cmd = shlex.split(report["commands"]["llama-server"])
                 cmd[0] = str(binary)
                 cmd[cmd.index("--port") + 1] = str(port)
                 cmd += ["--host", "127.0.0.1", "--metrics", *(["-t", str(args.threads)] if args.threads else [])]
-                with server(cmd, url, work / "llama-server.log", log):
+                with server(cmd, port, work / "llama-server.log", log) as url:
                     results["llama-server"] = latency(url, base_url, args, log)
     cats = [c for c in args.categories.split(",") if c]
     print(f"{'server':<14} {'category':<9} {'prompt':>6} {'median ms':>10} {'p90 ms':>9} {'MAL':>5} {'speedup':>8} "
