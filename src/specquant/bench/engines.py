@@ -106,12 +106,11 @@ def format_table(result: dict) -> str:
 def run_bench(cfg, name: str, target, draft, quantized_target=None, quantized_draft=None, log=print,
               block_draft=None) -> dict:
     """The rows in engine `name` and in ours; writes engine-NAME.json / .md into --out and returns the result."""
-    from specquant.bench.prepare import prepare_quantized, validate
-    from specquant.bench.prompts import fit_lengths, load_prompts
+    from specquant.bench.prepare import prepare_quantized, target_prompts, validate
     from specquant.engines import ours
     from specquant.export.vllm import tensor_names
     from specquant.model.block_draft import BlockDraftConfig
-    from specquant.model.checkpoint import load_tokenizer, read_config, read_hf_config
+    from specquant.model.checkpoint import read_hf_config
     from specquant.util.files import atomic_write, claim_out_dir
 
     outside = engine(name)
@@ -127,11 +126,7 @@ def run_bench(cfg, name: str, target, draft, quantized_target=None, quantized_dr
                if "block_draft" in paths else None)
     has_mtp = any(n.startswith("mtp.") for n in tensor_names(paths["target"]))
     rows = pairs(paths, cfg.spec.draft_len, block_k, has_mtp)
-    tokenizer = load_tokenizer(paths["target"])
-    context = read_config(paths["target"]).max_position_embeddings
-    lengths = fit_lengths(cfg.lengths, context, cfg.max_new_tokens)
-    prompts = load_prompts(tokenizer, lengths, cfg.content_sets, cfg.prompts_per_length, cfg.prompts_per_set,
-                           cfg.content_max_tokens, cfg.prompts)
+    _, prompts = target_prompts(cfg, paths["target"])
     ids = [p.ids for p in prompts]
     log(f"{name}: {len(rows)} rows x {len(ids)} prompts x {cfg.warmup} + {cfg.runs} rounds")
     load = [round(os.getloadavg()[0], 2)]

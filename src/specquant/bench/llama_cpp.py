@@ -357,10 +357,9 @@ def run_bench(cfg, target, draft, quantized_target=None, quantized_draft=None, b
     import json
     import os
 
-    from specquant.bench.prepare import prepare_quantized, validate
+    from specquant.bench.prepare import prepare_quantized, target_prompts, validate
     from specquant.bench.prompts import encode as encode_ids
-    from specquant.bench.prompts import fit_lengths, load_prompts
-    from specquant.model.checkpoint import load_tokenizer, read_config, read_hf_config
+    from specquant.model.checkpoint import read_config, read_hf_config
     from specquant.util.files import atomic_write, claim_out_dir
 
     if cfg.sampling.temperature != 0:
@@ -373,11 +372,8 @@ def run_bench(cfg, target, draft, quantized_target=None, quantized_draft=None, b
     prepare_quantized(cfg, paths, log)
     threads = cfg.runtime.threads or os.cpu_count() or 1
     files = export_files(paths, out / "llama.cpp", bin_dir, log)
-    tokenizer = load_tokenizer(paths["target"])
+    tokenizer, prompts = target_prompts(cfg, paths["target"])
     context = read_config(paths["target"]).max_position_embeddings
-    lengths = fit_lengths(cfg.lengths, context, cfg.max_new_tokens)
-    prompts = load_prompts(tokenizer, lengths, cfg.content_sets, cfg.prompts_per_length, cfg.prompts_per_set,
-                           cfg.content_max_tokens, cfg.prompts)
     texts = [(p.id, tokenizer.decode(p.ids)) for p in prompts]
     block_len = None
     if "block_draft" in paths:

@@ -225,3 +225,14 @@ def quantized_block_drafter(src: Path, target_path: Path, overrides: dict, cache
     return dest, {"path": str(dest), "method": qcfg.method.name, "produced": True, "config": want_quant,
                   "seconds": round(time.perf_counter() - t0, 1), "bytes_before": report["bytes_before"],
                   "bytes_after": report["bytes_after"]}
+
+
+def target_prompts(cfg: BenchConfig, target: Path):
+    """(the target's tokenizer, the bench prompts in its tokens, lengths fitted to its context): what an outside
+    engine's rows run on (bench/llama_cpp.py, bench/engines.py). The ablation fits them to the draft's context too."""
+    from specquant.bench.prompts import fit_lengths, load_prompts
+
+    tokenizer = load_tokenizer(target)
+    lengths = fit_lengths(cfg.lengths, read_config(target).max_position_embeddings, cfg.max_new_tokens)
+    return tokenizer, load_prompts(tokenizer, lengths, cfg.content_sets, cfg.prompts_per_length, cfg.prompts_per_set,
+                                   cfg.content_max_tokens, cfg.prompts)

@@ -87,7 +87,8 @@ def run_rows(rows: list[RowPair], prompts: list[list[int]], max_tokens: int, war
         spec["max_model_len"] = longest
         specs.append(spec)
         sc = spec["speculative_config"]
-        result[r.id] = EngineRun(dtype=spec["dtype"], drafter=sc["method"] if sc else "", k=pair_k(sc))
+        result[r.id] = EngineRun(dtype=spec["dtype"], drafter=sc["method"] if sc else "",
+                                 k=sc["num_speculative_tokens"] if sc else 0)
         log(f"vllm: exported row {r.id} ({r.name}) -> {report['out']}")
     out = run_vllm(specs, prompts, max_tokens, timed={"warmup": warmup, "runs": runs}) if specs else {"engines": {}}
     for name, o in out["engines"].items():
@@ -101,6 +102,3 @@ def run_rows(rows: list[RowPair], prompts: list[list[int]], max_tokens: int, war
             run.counters = o["counters"] or None
     return result
 
-
-def pair_k(spec: dict | None) -> int:
-    return spec["num_speculative_tokens"] if spec else 0

@@ -312,8 +312,8 @@ def time_engines(config: LatencyConfig, target, draft, draft_len: int, engine_na
             with running(server, port, root / f"{name.replace('.', '_')}-server.log") as url:
                 started.append(round(time.perf_counter() - t0, 1))
                 client = Client(url, None, config.timeout_s)
-                if prompts is None:
-                    contexts = [c for c in (client.context(),) if c]
+                if prompts is None:  # built once, on the first server: both serve the same pair
+                    contexts = [c] if (c := client.context()) else []
                     prompts = build_prompts(client, config, contexts, say)
                 results.append(measure(client, prompts, config, progress, name))
     rows = report(config, prompts, results[0], results[1] if baseline_engine else None, say)
