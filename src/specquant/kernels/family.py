@@ -140,8 +140,8 @@ GEMM_ARGS = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR, ctype
 # whatever the work, and a thread that is not running (another process on the core) stalls the join for a time
 # slice. A 1-row 128x128 layer (the tests' models) on a shared 2-core Ice Lake: 2 threads 4.5 ms wall and 1 ms CPU
 # per call (the workers spin at the join), 1 thread 0.16 ms wall and 0.03 ms CPU. The same bound as ops.cpp's
-# linear (N x K >= 1 << 16 for one row). Every output is computed by one thread in one order whatever the thread
-# count (common.h), so the result is the same bit for bit.
+# kParallelMinWork (linear, attention, the DeltaNet state walk). Every output is computed by one thread in one
+# order whatever the thread count (common.h), so the result is the same bit for bit.
 PARALLEL_MIN_MACS = 1 << 16
 
 

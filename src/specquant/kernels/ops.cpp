@@ -255,6 +255,11 @@ SQ_INLINE void decay_write(float* s, int64_t kd, int64_t vd, const float* kv, fl
   for (int64_t i = 0; i < kd; ++i) store16(s + i * vd, load16(s + i * vd) * dec + kv[i] * delta);
 }
 
+// Below this much work (multiply-adds, or state updates) a kernel runs on one thread: an OpenMP region's fork and
+// join cost more than the work, and a join stalls for a time slice when the other thread is not running (a shared
+// machine). linear, walk_state and attention use it; kernels/family.py's PARALLEL_MIN_MACS is the same bound.
+constexpr int64_t kParallelMinWork = 1 << 16;
+
 // The walk delta_step and delta_replay share: one task per (batch, value head), the state copied in and carried in
 // blocks of 16 columns (K x 16 floats, in L1) through every token, so it is read once and written once.
 // token(b, hh, kh, tt, c0, s) does token tt's work on the block s of columns c0.. (value head hh, key head
@@ -267,7 +272,7 @@ int walk_state(const float* state_in, float* state_out, int64_t batch, int64_t t
   const int64_t tasks = batch * h, per_key = h / hk;
   // one thread below ~64K state updates (a tiny model's decode step): a parallel region's fork and join cost more
   // than the work, and a join stalls for a time slice when the other thread is not running (a shared machine)
-  const bool parallel = tasks > 1 && threads > 1 && tasks * (t > 0 ? t : 1) * kd * vd >= (1 << 16);
+  const bool parallel = tasks > 1 && threads > 1 && tasks * (t > 0 ? t : 1) * kd * vd >= kParallelMinWork;
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task / h, hh = task % h, kh = hh / per_key;
@@ -438,7 +443,7 @@ constexpr int64_t LINEAR_AHEAD = 1024;  // floats: 4 KB, one 1024-wide weight ro
 int specquant_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
                      int threads) {
   if (M <= 0 || K <= 0 || N <= 0) return 1;
-  const bool parallel = N * K >= (1 << 16) && threads > 1;
+  const bool parallel = N * K >= kParallelMinWork && threads > 1;
   if (M <= 4 || M * K <= 8192) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int64_t n = 0; n < N; ++n) {
@@ -511,7 +516,7 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
   int status = 0;
   // one thread below ~64K multiply-adds (scores and values over every key; a tiny model's decode step), as
   // walk_state above: the fork and join would cost more than the work
-  const bool parallel = tasks > 1 && threads > 1 && tasks * rows * k_len * d >= (1 << 16);
+  const bool parallel = tasks > 1 && threads > 1 && tasks * rows * k_len * d >= kParallelMinWork;
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task / kv_heads, kvh = task % kv_heads;
