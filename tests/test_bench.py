@@ -539,7 +539,7 @@ def test_demo_default_rows_tell_each_story_on_both_pairs():
 def test_interleaved_rounds_limit_one_runner_and_time_each():
     """rounds={name: n}: that runner runs in the first n rounds only (warm-up included); seconds adds up each
     runner's calls."""
-    from specquant.bench.measure import interleaved, sample_from
+    from specquant.engines.timing import interleaved, sample_from
     from specquant.bench.prompts import Prompt
 
     calls = {"a": 0, "hf": 0}

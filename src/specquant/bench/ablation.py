@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, ForwardKey, MTPForward, Probe, Sample,
-                                     environment, forward_times, hf_assisted, interleaved, ours_speculative,
-                                     ours_target_only, summarize)
+from specquant.bench.measure import (WARM_BURST, BlockAccept, BlockForward, ForwardKey, MTPForward, Probe,
+                                     environment, forward_times, hf_assisted, summarize)
 from specquant.bench.predict import StepCosts, predict_row
 from specquant.bench.prompts import Prompt, fit_lengths, load_prompts
 from specquant.bench.results import BenchResults, CategoryCosts, CategoryResult, RowResult, SameTokens
 from specquant.bench.spread import Runs, intervals, speedup
 from specquant.bench.stages import StageTimes
+from specquant.engines.timing import Sample, interleaved, ours_speculative, ours_target_only
 from specquant.loader import load_model
 from specquant.quant.linear import resolve_w4_activations
 from specquant.model.checkpoint import load_tokenizer

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from specquant.bench.config import BenchConfig
-from specquant.bench.measure import ForwardKey, Sample, Timing
+from specquant.bench.measure import ForwardKey, Timing
 from specquant.bench.predict import Prediction
 from specquant.bench.prompts import Prompt
 from specquant.bench.spread import Interval
 from specquant.bench.stages import StageTimes
+from specquant.engines.timing import Sample
 from specquant.spec_decode.metrics import SpecMetrics
 
 

@@ -6,7 +6,7 @@ speedup is the mean over categories. What varies from run to run is the timing n
 fixed), so the bootstrap resamples runs: for every prompt it draws, with replacement, as many run indices as there
 are runs and recomputes the statistic from the runs drawn, RESAMPLES times; the interval is the 2.5th and 97.5th
 percentiles of those values (numpy's linear interpolation). The same indices are drawn for the baseline and the
-row (paired): the two ran side by side in the same round (bench/measure.interleaved), so load that hit one round
+row (paired): the two ran side by side in the same round (engines/timing.interleaved), so load that hit one round
 hit both, and pairing keeps that shared part out of the spread. A row with another run count than the baseline
 (the transformers row, timed once) draws its own indices. The draws come from a fixed seed: a report is
 reproducible from its results.json.

@@ -5,8 +5,8 @@ end around each generate call), so an outside engine's rows have ours beside the
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -40,41 +40,45 @@ def server(pair: RowPair, workdir: Path, port: int, host: str, threads: int = 0,
 @torch.no_grad()
 def run_rows(rows: list[RowPair], prompts: list[list[int]], max_tokens: int, warmup: int, runs: int,
              workdir: Path | None = None, log=print, runtime=None) -> dict[str, EngineRun]:
-    """Every row on every prompt, greedy with EOS ignored; rows interleaved prompt by prompt within each round, so
-    load from other processes hits them alike. runtime: a RuntimeConfig (default: ours, fp32)."""
+    """Every row on every prompt, greedy with EOS ignored, through the bench's interleaved loop (rows take turns
+    prompt by prompt within each round, so load from other processes hits them alike). Counters are summed over
+    every round, warm-up included, as vLLM's engine counts its own. runtime: a RuntimeConfig (default: ours, fp32)."""
+    from specquant.decode.sampling import SamplingConfig
+    from specquant.engines.timing import interleaved, ours_speculative
     from specquant.spec_decode.build import build_engine
     from specquant.spec_decode.config import SpecConfig
     from specquant.spec_decode.runtime import RuntimeConfig
 
     runtime = (runtime or RuntimeConfig()).validate()
-    engines, result = {}, {}
+    runners, result, totals = {}, {}, {}
     for r in rows:
         try:
-            engines[r.id] = build_engine(r.target, _draft(r), runtime, SpecConfig(draft_len=r.k))
+            engine = build_engine(r.target, _draft(r), runtime, SpecConfig(draft_len=r.k))
         except SpecquantError as e:
             result[r.id] = EngineRun(error=str(e))
             continue
-        result[r.id] = EngineRun(latency_s=[[] for _ in prompts], dtype=str(runtime.dtype),
-                                 drafter="" if r.draft is None else _draft(r), k=r.k if r.draft else 0)
-    totals = {name: {} for name in engines}
-    for rep in range(warmup + runs):
-        for i, prompt in enumerate(prompts):
-            ids = torch.tensor([prompt])
-            for name, engine in engines.items():
-                t0 = time.perf_counter()
-                res = engine.generate(ids, max_tokens, stop_on_eos=False)
-                seconds = time.perf_counter() - t0
-                run = result[name]
-                if res.spec is not None:
-                    _add(totals[name], res.spec)
-                if rep >= warmup:
-                    run.latency_s[i].append(seconds)
-                    if rep == warmup:
-                        run.tokens.append(res.token_ids[0])
-        log(f"specquant: round {rep + 1}/{warmup + runs} done")
-    for name, t in totals.items():
-        result[name].counters = t or None
+        result[r.id] = EngineRun(dtype=str(runtime.dtype), drafter="" if r.draft is None else _draft(r),
+                                 k=r.k if r.draft else 0)
+        runners[r.id] = _counted(ours_speculative(engine, max_tokens, SamplingConfig()), totals.setdefault(r.id, {}))
+    numbered = [SimpleNamespace(id=i, ids=ids) for i, ids in enumerate(prompts)]
+    samples = interleaved(runners, numbered, warmup + runs, warmup, torch.device(runtime.device), desc="specquant")
+    for name, per_prompt in samples.items():
+        run = result[name]
+        run.latency_s = [[s.latency_s for s in per_prompt[p.id]] for p in numbered]
+        run.tokens = [list(per_prompt[p.id][0].tokens) for p in numbered]
+        run.counters = totals[name] or None
+    log(f"specquant: {warmup + runs} rounds of {len(runners)} rows done")
     return result
+
+
+def _counted(runner, total: dict):
+    """The runner, adding each request's counters to `total` (warm-up requests too)."""
+    def run(ids):
+        sample = runner(ids)
+        if sample.spec is not None:
+            _add(total, sample.spec)
+        return sample
+    return run
 
 
 def _add(total: dict, m) -> None:
