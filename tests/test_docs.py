@@ -1,5 +1,6 @@
-"""The docs date figures by commit, never by the round of work that made them, and every script in benchmarks/ is
-one a doc tells users to run (`python benchmarks/NAME.py ...`), importing the package only, never a sibling."""
+"""The docs date figures by commit, never by the round of work that made them, docs/BENCH.md stays a report card (the
+current figure per topic, within a line budget), and every script in benchmarks/ is one a doc tells users to run
+(`python benchmarks/NAME.py ...`), importing the package only, never a sibling."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ def test_the_pattern_catches_what_it_is_for():
         assert ROUND_OF_WORK.search(text), text
     for text in ("issue 45 timed", "commit 34d1b64", "3 timed rounds", "a session of serve", "--rounds 5"):
         assert not ROUND_OF_WORK.search(text), text
+
+
+BENCH_MAX_LINES = 500
+
+
+def test_bench_md_stays_a_report_card():
+    lines = len((ROOT / "docs" / "BENCH.md").read_text().splitlines())
+    assert lines <= BENCH_MAX_LINES, (
+        f"docs/BENCH.md has {lines} lines, more than {BENCH_MAX_LINES}: condense it to the current figure per topic "
+        "(each with its commit, CPU and command); superseded figures and their history are git's")
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

@@ -4,8 +4,8 @@ A decode step is a few hundred short parallel regions (each layer's linears, the
 rule's kernels) with a few microseconds of Python between them. torch's CPU wheels run them on GNU OpenMP
 (libgomp), whose idle workers spin only 100 iterations before sleeping on a futex whenever it counts more managed
 threads than CPUs (its "throttled" case, which a 2-core machine with torch's pools is in), so each region pays a
-wake-up: about a quarter of a one-token step at the Qwen3.5-4B shape on 2 threads (docs/BENCH.md, "OpenMP
-workers that keep spinning"). llama.cpp's own thread pool polls between its ops for the same reason.
+wake-up: about a quarter of a one-token step at the Qwen3.5-4B shape on 2 threads (docs/BENCH.md, "OpenMP's
+wait"). llama.cpp's own thread pool polls between its ops for the same reason.
 
 So, unless the user set any of these, specquant sets OMP_WAIT_POLICY=ACTIVE with a bounded spin:
 GOMP_SPINCOUNT (libgomp: ACTIVE alone spins 30 billion iterations, i.e. idle workers burn a core for minutes) and

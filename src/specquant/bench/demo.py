@@ -17,10 +17,10 @@ from specquant.bench.config import BenchConfig
 # What the demo changes from BenchConfig's defaults to fit its time budget (everything else: BenchConfig).
 # "full" (`--full`, the whole table): every row on both pairs. The full preset's AWQ: 16 calibration sequences and
 # a 10-point alpha grid (a subset of the 20-point one, so never worse than RTN on its loss) gave the bundled target
-# the same held-out KL to fp32 as 32 and 20, within its standard error, in under half the time (docs/BENCH.md,
-# "specquant demo"); the W4 draft keeps GPTQ's 32 sequences. Two timed rounds, not the bench's 3: the latency runs
+# the same held-out KL to fp32 as 32 and 20, within its standard error, in under half the time (the git history of
+# docs/BENCH.md); the W4 draft keeps GPTQ's 32 sequences. Two timed rounds, not the bench's 3: the latency runs
 # were 57% of the demo, and the first two of a full demo's three rounds gave every row's speedup within 1% of the
-# three rounds' on the Qwen3 pair, with the rows' order unchanged on both pairs (docs/BENCH.md, "specquant demo").
+# three rounds' on the Qwen3 pair, with the rows' order unchanged on both pairs (docs/BENCH.md, "The demo").
 # "default" (no flag): one row per story, sized for 5 minutes on a 2-core Zen 1 (docs/BENCH.md, "The default
 # preset": what each part costs and tells, and the measured times).
 FULL = dict(runs=2, prompts_per_length=2, prompts_per_set=2, cost_reps=10,

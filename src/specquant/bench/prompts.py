@@ -12,7 +12,7 @@ Three kinds of category:
   x (tokens // 10), at 64 and 2048 tokens (../shared/REFERENCE.md §5).
 
 The packaged file (bench/prompts/default.jsonl) is built from the held-out text shipped in the package plus a few
-hand-written code snippets; see docs/BENCH.md for sources and licences.
+hand-written code snippets; see docs/PROTOCOL.md for sources and licences.
 """
 
 from __future__ import annotations
