@@ -42,9 +42,12 @@ VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built; 
 # llama-completion: the plain generation loop (greedy at --temp 0), the target-alone row of the bench
 TOOLS = ("llama-bench", "llama-speculative-simple", "llama-perplexity", "llama-quantize", "llama-imatrix",
          "llama-server", "llama-tokenize", "llama-completion")
+# -O1 for the code no text request runs per token (arg parsing, chat templates, parsers, mtmd, the HTTP library): the
+# file says what and why; what the bench and tests time stays -O3
+LEAN_CMAKE = Path(__file__).with_name("llama_cpp_lean.cmake")
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON",
                  "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
-                 "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON")
+                 "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", f"-DCMAKE_PROJECT_INCLUDE={LEAN_CMAKE}")
 # On a CPU with AMX, -march=native compiles ggml's AMX matmul, and that one crashed (general protection fault in
 # ggml_backend_amx_mul_mat) on prompts of two or more tokens through Q4_0 files (the test suite's models, hidden
 # sizes 64 to 384: llama-bench pp, llama-completion, llama-perplexity, llama-speculative-simple) on an Intel Xeon
