@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import time
-import urllib.request
 
 import pytest
 
 pytest.importorskip("gguf")
 
 from specquant import cli  # noqa: E402
+from specquant.engines import Server  # noqa: E402
+from specquant.engines.process import HOST, free_port, running  # noqa: E402
 from specquant.export.config import ExportConfig  # noqa: E402
 from specquant.export.llama_cpp import default_bin_dir, export_llama_cpp  # noqa: E402
 from specquant.serve.latency import CONTEXT_MARGIN  # noqa: E402
@@ -30,32 +28,12 @@ def llama_server(tmp_path_factory):
         pytest.skip(f"llama-server is not built in {binary.parent} (python -m specquant.export.llama_cpp_build)")
     out = tmp_path_factory.mktemp("gguf") / "pair"
     report = export_llama_cpp("tiny-target", "tiny-draft", out, ExportConfig(engine="llama.cpp").validate())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [str(binary), "-m", report["files"]["target"]["path"], "-md", report["files"]["draft"]["path"],
-           "--spec-type", "draft-simple", "-c", str(CTX), "--host", "127.0.0.1", "--port", str(port), "--metrics",
+           "--spec-type", "draft-simple", "-c", str(CTX), "--host", HOST, "--port", str(port), "--metrics",
            "-t", "1"]
-    log = open(out.parent / "llama-server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"llama-server exited {proc.returncode}; see {log.name}"
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "llama-server did not start"
-            time.sleep(0.3)
+    with running(Server(cmd, label="llama-server"), port, out.parent / "llama-server.log", start_timeout_s=120) as url:
         yield url, report["files"]["target"]["path"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def test_latency_against_llama_server(llama_server, capsys):
