@@ -72,7 +72,6 @@ def ours_speculative(engine, max_new_tokens: int, sampling: SamplingConfig):
     return run
 
 
-
 def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, repetitions: int, warmup: int,
                 device: torch.device, on_error: Callable[[str, Exception], bool] | None = None,
                 desc: str = "latency", seconds: dict[str, float] | None = None,
@@ -91,6 +90,7 @@ def interleaved(runners: dict[str, Callable[[torch.Tensor], Sample]], prompts, r
 
     runners, rounds = dict(runners), rounds or {}
     samples = {name: {p.id: [] for p in prompts} for name in runners}
+
     def prompts_of(rep: int):
         return prompts[:warmup_prompts] if rep < warmup and warmup_prompts is not None else prompts
 

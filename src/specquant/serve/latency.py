@@ -277,9 +277,15 @@ def time_server(config: LatencyConfig, server: str, model: str | None = None, ba
     base = measure(baseline, prompts, config, progress, "baseline") if baseline else None
     rows = report(config, prompts, ours, base, say)
     return {"server": server, "model": client.model, "baseline_server": baseline_server,
-            "baseline_model": baseline.model if baseline else None, "context": min(contexts) if contexts else None,
-            "prompt_scale": scale_of(min(contexts) if contexts else None, config.categories),
-            "config": asdict(config), "categories": rows}
+            "baseline_model": baseline.model if baseline else None, **_summary(config, contexts, rows)}
+
+
+def _summary(config: LatencyConfig, contexts: list[int], rows: dict) -> dict:
+    """The JSON line's keys every way of timing shares: the context the prompts were scaled to, the scale, the
+    config and the per-category rows."""
+    context = min(contexts) if contexts else None
+    return {"context": context, "prompt_scale": scale_of(context, config.categories), "config": asdict(config),
+            "categories": rows}
 
 
 def time_engines(config: LatencyConfig, target, draft, draft_len: int, engine_name: str,
@@ -319,9 +325,7 @@ def time_engines(config: LatencyConfig, target, draft, draft_len: int, engine_na
     rows = report(config, prompts, results[0], results[1] if baseline_engine else None, say)
     return {"engine": engine_name, "baseline_engine": baseline_engine, "target": str(target),
             "draft": None if draft is None else str(draft), "draft_len": draft_len, "threads": threads,
-            "start_s": started, "context": min(contexts) if contexts else None,
-            "prompt_scale": scale_of(min(contexts) if contexts else None, config.categories),
-            "config": asdict(config), "categories": rows}
+            "start_s": started, **_summary(config, contexts, rows)}
 
 
 def run(args):
