@@ -203,9 +203,30 @@ def measure_layers(model: Transformer, device, rows=(1, 4, 16), rounds: int = 5,
     return out
 
 
+def graph_us(fn, calls: int = 20, reps: int = 5) -> float:
+    """Microseconds per call of fn, replayed as one CUDA graph of `calls` calls: the kernel's own time, free of the
+    Python launch cost (~55 us per Triton launch on an H100) that a plain loop of calls measures instead."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) / calls)
+    return statistics.median(ts) * 1e6
+
+
 @torch.no_grad()
-def sweep_kernel(model: Transformer, device, reps: int = 20) -> list[dict]:
-    """CUDA only: the Triton kernel's tile choices at one row on every distinct W4 layer shape."""
+def sweep_kernel(model: Transformer, device, rows=(1, 2, 4, 8, 16)) -> list[dict]:
+    """CUDA only: the Triton kernel's tile choices (tl.dot or gemv, block_n, warps; split-K auto) at 1-16 rows on
+    every distinct W4 layer shape, beside cuBLAS's dense bf16 matmul, all timed under graph replay (graph_us)."""
     from specquant.quant import triton_w4
     from specquant.quant.linear import QuantLinear
 
@@ -214,18 +235,23 @@ def sweep_kernel(model: Transformer, device, reps: int = 20) -> list[dict]:
         if not isinstance(m, QuantLinear) or (m.out_features, m.in_features) in seen:
             continue
         seen.add((m.out_features, m.in_features))
-        x = torch.randn(1, m.in_features, dtype=torch.bfloat16, device=device)
-        for block_n in (32, 64, 128):
-            for warps in (2, 4, 8):
-                for split, gemv in ((None, False), (1, False), (None, True)):
-                    def f():
-                        return triton_w4.w4a16_matmul(x, m.weight_packed, m.weight_scale, m.weight_zero_point,
-                                                      m.bits, m.group_size, block_n=block_n, split_k=split,
-                                                      num_warps=warps, gemv=gemv)
-                    f()
-                    t = statistics.median(timed(f, device, reps) for _ in range(3))
-                    out.append({"out": m.out_features, "in": m.in_features, "block_n": block_n, "num_warps": warps,
-                                "split_k": "auto" if split is None else split, "gemv": gemv, "us": t * 1e6})
+        dense = torch.randn(m.out_features, m.in_features, dtype=torch.bfloat16, device=device)
+        for r in rows:
+            x = torch.randn(r, m.in_features, dtype=torch.bfloat16, device=device)
+            bf16_us = graph_us(lambda: x @ dense.T)
+            default_us = graph_us(lambda: triton_w4.w4a16_matmul(x, m.weight_packed, m.weight_scale,
+                                                                 m.weight_zero_point, m.bits, m.group_size))
+            for gemv in (False, True):
+                for block_n in (32, 64, 128):
+                    for warps in (4, 8):
+                        def f():
+                            return triton_w4.w4a16_matmul(x, m.weight_packed, m.weight_scale, m.weight_zero_point,
+                                                          m.bits, m.group_size, block_n=block_n, num_warps=warps,
+                                                          gemv=gemv)
+                        out.append({"out": m.out_features, "in": m.in_features, "rows": r, "block_n": block_n,
+                                    "num_warps": warps, "gemv": gemv, "us": graph_us(f), "bf16_us": bf16_us,
+                                    "default_us": default_us})
+        del dense
     return out
 
 
@@ -452,14 +478,13 @@ def print_table(res: dict):
     if isinstance(res["kernel_sweep"], list):
         best = {}
         for r in res["kernel_sweep"]:
-            key = (r["out"], r["in"])
+            key = (r["out"], r["in"], r["rows"])
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
-        for (o, i), r in best.items():
-            default = next(x["us"] for x in res["kernel_sweep"] if x["out"] == o and x["in"] == i
-                           and x["block_n"] == 64 and x["num_warps"] == 4 and x["split_k"] == "auto" and not x["gemv"])
-            print(f"kernel {o}x{i}, 1 row: best block_n {r['block_n']} warps {r['num_warps']} split {r['split_k']}"
-                  f" gemv {r['gemv']}: {r['us']:.1f} us (default {default:.1f} us)")
+        for (o, i, rows), r in best.items():
+            print(f"kernel {o}x{i}, {rows:>2} rows: best {'gemv' if r['gemv'] else 'dot'} block_n {r['block_n']}"
+                  f" warps {r['num_warps']}: {r['us']:.1f} us; default {r['default_us']:.1f} us;"
+                  f" dense bf16 {r['bf16_us']:.1f} us")
     lm = res["draft_target_ratio"]["lm"]
     print("draft/target step ratio c: " + ", ".join(f"{k} {v:.3f}" for k, v in lm.items())
           + f"; block drafter: {res['draft_target_ratio']['block']}")

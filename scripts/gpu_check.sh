@@ -29,13 +29,12 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_w4.py tests
   | tee "$OUT/tests.log" || status=1
 
 echo "== benchmarks/gpu.py (limit $(( $(left) - 30 )) s)"
-timeout $(( $(left) - 30 )) "$PY" benchmarks/gpu.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+timeout $(( $(left) - 30 )) "$PY" benchmarks/gpu.py --device cuda --out "$OUT/eager" 2>&1 | tee "$OUT/bench.log" || status=1
 
 if [ "$(left)" -gt 150 ]; then
   echo "== benchmarks/gpu.py --compile (limit $(( $(left) - 10 )) s)"
-  mkdir -p "$OUT/compiled"
   timeout $(( $(left) - 10 )) "$PY" benchmarks/gpu.py --device cuda --compile --out "$OUT/compiled" 2>&1 \
-    | tee "$OUT/compiled/bench.log" || status=1
+    | tee "$OUT/compiled.log" || status=1
 else
   echo "== skipped the --compile run: $(left) s left"
 fi

@@ -57,19 +57,23 @@ def test_dequantized_weight_exact(kernel, dtype, symmetric, bits):
     cols = torch.tensor([0, 1, 7, 8, 31, 32, 33, 63, 64, 77, 95, 96, 100, 120, 126, 127])  # word and group edges
     x = torch.zeros(len(cols), 128, dtype=dtype, device=device)
     x[torch.arange(len(cols)), cols] = 1
-    got = mod.forward(m, x)  # [16, out]
-    assert torch.equal(got, m.dequantized_weight()[:, cols.to(device)].t())
+    want = m.dequantized_weight()[:, cols.to(device)].t()
+    assert torch.equal(mod.forward(m, x), want)  # [16, out]: the tl.dot tile by default
+    for rows in (1, 8):  # the gemv variant, the default up to GEMV_MAX_ROWS rows
+        got = mod.w4a16_matmul(x[:rows], m.weight_packed, m.weight_scale, m.weight_zero_point, m.bits, m.group_size)
+        assert torch.equal(got, want[:rows])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_matches_reference(kernel, dtype, symmetric):
     """1..16 rows (decode, verify), 17 (a second M tile); groups 32, 64, 128; split-K forced and automatic; the
-    GEMV variant (one row per program)."""
+    GEMV variant (one row per program); the default (gemv None) on both sides of GEMV_MAX_ROWS."""
     mod, device = kernel
-    for group, split_k, gemv in ((32, None, False), (128, 2, False), (64, None, True)):
+    edge = (1, mod.GEMV_MAX_ROWS, mod.GEMV_MAX_ROWS + 1)
+    for group, split_k, gemv in ((32, None, False), (128, 2, False), (64, None, True), (32, None, None)):
         m, g = make(symmetric, dtype, group=group, inp=256, device=device)
-        for rows in (1, 3) if gemv else (1, 16, 17):
+        for rows in {True: (1, 3), False: (1, 16, 17), None: edge}[gemv]:
             x = torch.randn(rows, 256, generator=g).to(device, dtype)
             ref = reference(m, x)
             got = mod.w4a16_matmul(x, m.weight_packed, m.weight_scale, m.weight_zero_point, m.bits, m.group_size,

@@ -109,6 +109,11 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret) if knobs is not None else False
 
 
+# Rows up to which the plain multiply-add (gemv) variant, at block_n 128, is the default: under graph replay on an H100
+# it beat every tl.dot tile choice at 1-8 rows on each Qwen3-4B layer shape, and lost at 16 (docs/BENCH.md, GPU).
+GEMV_MAX_ROWS = 8
+
+
 def split_k_for(n_tiles: int, k_tiles: int, sms: int) -> int:
     """Split K until ~2 programs per SM (weight streaming needs many loads in flight), never below one tile each."""
     want = -(-2 * sms // n_tiles)
@@ -117,12 +122,12 @@ def split_k_for(n_tiles: int, k_tiles: int, sms: int) -> int:
 
 def w4a16_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                  weight_zero_point: torch.Tensor | None, bits: int, group_size: int, bias: torch.Tensor | None = None,
-                 block_n: int = 64, split_k: int | None = None, num_warps: int = 4,
-                 gemv: bool = False) -> torch.Tensor:
+                 block_n: int | None = None, split_k: int | None = None, num_warps: int = 4,
+                 gemv: bool | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype. split_k None: chosen from the SM count (see split_k_for).
 
-    gemv: one row per program and no tl.dot (a plain multiply-add reduction) — an alternative for 1-row decode
-    that benchmarks/gpu.py times against the default; not the default until a GPU measurement says so."""
+    gemv: one row per program and no tl.dot (a plain multiply-add reduction); None: on for at most GEMV_MAX_ROWS
+    rows, where benchmarks/gpu.py measured it faster than the tl.dot tile (docs/GPU.md)."""
     n, k = weight_scale.shape[0], x.shape[-1]
     groups = weight_scale.shape[1]
     bk = block_k(group_size)
@@ -131,6 +136,10 @@ def w4a16_matmul(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: tor
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if gemv is None:
+        gemv = m <= GEMV_MAX_ROWS
+    if block_n is None:
+        block_n = 128 if gemv else 64
     n_tiles, k_tiles = triton.cdiv(n, block_n), k // bk
     splits = split_k if split_k is not None else split_k_for(n_tiles, k_tiles, _sm_count(x.device))
     per_split = triton.cdiv(k_tiles, splits)
