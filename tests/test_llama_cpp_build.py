@@ -145,37 +145,51 @@ LEAN_PROJECT = """cmake_minimum_required(VERSION 3.14)
 project(llama.cpp CXX)
 set(CMAKE_BUILD_TYPE Release)
 add_subdirectory(common)
-add_library(mtmd STATIC clip.cpp)
+add_library(mtmd STATIC clip.cpp mtmd.cpp mtmd-helper.cpp)
 add_library(llama STATIC model.cpp)
+add_library(server-context STATIC server-context.cpp server-task.cpp)
 """
 
 
 @pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("c++")), reason="needs cmake and a C++ compiler")
-def test_lean_build_compiles_only_code_no_request_runs_per_token_at_o1(tmp_path):
+def test_lean_build_batches_and_lowers_only_code_no_request_runs_per_token(tmp_path):
     """llama_cpp_lean.cmake, included as the real build includes it, on a project with llama.cpp's target and file
-    names: mtmd and common's parsers compile at -O1 after Release's -O3 (the last -O wins); common's per-token files
-    (common, sampling, speculative, log, the n-gram caches) and libllama keep -O3 alone."""
+    names: mtmd and common's parsers compile at -O1 after Release's -O3 (the last -O wins), batched 8 to a unity
+    file; common's per-token files (common, sampling, speculative, log, the n-gram caches) and libllama keep -O3,
+    each alone; server-context's files keep -O3, batched; the files that do not compile batched (common/json.cpp,
+    mtmd-helper.cpp) stay alone."""
     import json
+    import re
 
     src = tmp_path / "src"
     (src / "common" / "jinja").mkdir(parents=True)
     (src / "CMakeLists.txt").write_text(LEAN_PROJECT)
     per_token = ["common.cpp", "sampling.cpp", "speculative.cpp", "log.cpp", "ngram-cache.cpp"]
     lean = ["arg.cpp", "chat.cpp", "jinja/value.cpp", "json-schema-to-grammar.cpp"]
-    (src / "common" / "CMakeLists.txt").write_text(f"add_library(llama-common STATIC {' '.join(per_token + lean)})\n")
-    for name in [f"common/{n}" for n in per_token + lean] + ["clip.cpp", "model.cpp"]:
-        (src / name).write_text("int f() { return 1; }\n")
+    common = per_token + lean + ["json.cpp"]
+    (src / "common" / "CMakeLists.txt").write_text(f"add_library(llama-common STATIC {' '.join(common)})\n")
+    others = ["clip.cpp", "mtmd.cpp", "mtmd-helper.cpp", "model.cpp", "server-context.cpp", "server-task.cpp"]
+    for i, name in enumerate([f"common/{n}" for n in common] + others):
+        (src / name).write_text(f"int f{i}() {{ return {i}; }}\n")  # distinct names: batched files must link
     include = next(o for o in lb.CMAKE_OPTIONS if o.startswith("-DCMAKE_PROJECT_INCLUDE="))
     assert lb.LEAN_CMAKE.is_file()
     subprocess.run(["cmake", "-S", src, "-B", tmp_path / "b", include, "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"],
                    check=True, capture_output=True)
-    flags = {}
+    flags, batched = {}, set()
     for entry in json.loads((tmp_path / "b" / "compile_commands.json").read_text()):
-        words = entry["command"].split()
-        flags[Path(entry["file"]).relative_to(src).as_posix()] = [w for w in words if w.startswith("-O")][-1]
-    assert {f: o for f, o in flags.items() if o == "-O1"} == {f: "-O1" for f in ["clip.cpp"] + [f"common/{n}"
-                                                                                                 for n in lean]}
+        level = [w for w in entry["command"].split() if w.startswith("-O")][-1]
+        file = Path(entry["file"])
+        members = [Path(p) for p in re.findall(r'#include "([^"]+)"', file.read_text())] \
+            if file.name.startswith("unity_") else [file]
+        for m in members:
+            name = m.relative_to(src).as_posix()
+            flags[name] = level
+            if len(members) > 1:
+                batched.add(name)
+    assert {f: o for f, o in flags.items() if o == "-O1"} == {
+        f: "-O1" for f in ["clip.cpp", "mtmd.cpp", "mtmd-helper.cpp", "common/json.cpp"] + [f"common/{n}" for n in lean]}
     assert all(flags[f"common/{n}"] == "-O3" for n in per_token) and flags["model.cpp"] == "-O3"
+    assert batched == {"clip.cpp", "mtmd.cpp", "server-context.cpp", "server-task.cpp"} | {f"common/{n}" for n in lean}
 
 
 def test_count_steps_is_none_outside_a_makefiles_tree(tmp_path):

@@ -1,39 +1,70 @@
-# Included by export/llama_cpp_build.py through CMAKE_PROJECT_INCLUDE: compiles at -O1 the llama.cpp code that a
-# text-only request never runs per token, and leaves everything that does at the Release -O3.
+# Included by export/llama_cpp_build.py through CMAKE_PROJECT_INCLUDE: makes llama.cpp's build cheaper in CPU time
+# without changing what any token runs through.
 #
-# Why: the build is the largest single step of a fresh CI run on a 2-core machine (about 30 minutes on a Zen 1),
-# and half of its CPU time goes to llama-common, mtmd and cpp-httplib: argument parsing, chat templates (jinja),
-# tool-call and JSON-schema parsers, model downloads, the multimodal encoders (never run for a text model) and the
-# HTTP library. At -O1 those files compile in 40-60% less time. What the bench and the tests time stays -O3: ggml,
-# libllama (graph building, the KV cache, sampling in the library), the server's slot loop (server-context), and
-# common's per-token parts (common.cpp, sampling.cpp, speculative.cpp, the n-gram caches, log.cpp).
-# Optimization level never changes results here: no -ffast-math either way, and ggml's kernels are untouched.
+# Why: the build is the largest single step of a fresh CI run on a 2-core machine (about 30 minutes on a Zen 1).
+# Two levers, both measured in docs/BENCH.md ("CI time"):
+#  1. -O1 for the code a text-only request never runs per token: common's argument, chat-template (jinja), tool-call
+#     and JSON-schema parsers and model downloads, mtmd (the multimodal encoders, never run for a text model) and the
+#     HTTP library. At -O1 those files compile in 40-60% less time. What the bench and the tests time stays -O3:
+#     ggml, libllama (graph building, the KV cache, sampling in the library), the server (its slot loop in
+#     server-context), and common's per-token parts (common.cpp, sampling.cpp, speculative.cpp, the n-gram caches,
+#     log.cpp). Optimization level never changes results here: no -ffast-math either way, and ggml's kernels are
+#     untouched.
+#  2. Unity builds (CMake's UNITY_BUILD) for llama-common, mtmd (8 sources per translation unit) and server-context
+#     (3: it is built last, after everything it links, so larger batches would leave a core idle at the end). Their
+#     files are many, and most of each one's compile time goes to the same heavy headers (nlohmann's json.hpp, the
+#     server's and common's own); batched, those are parsed once per batch. llama.cpp itself builds libllama's
+#     model files this way (src/CMakeLists.txt) and keeps its core files out; so do we.
+#     Files that do not compile batched stay alone: common/json.cpp (explicit specializations after a batched
+#     file's instantiation) and mtmd-helper*.cpp (they refuse mtmd's internal headers, which a batch brings in).
 include_guard(GLOBAL)
 if(CMAKE_VERSION VERSION_LESS 3.19)
-  return()  # no deferred calls: everything builds at -O3, as before
+  return()  # no deferred calls: everything builds as llama.cpp's own CMake files say
 endif()
 
-function(_specquant_lean)
-  foreach(target mtmd cpp-httplib)
-    if(TARGET ${target})
-      target_compile_options(${target} PRIVATE -O1)
-    endif()
-  endforeach()
-  if(NOT TARGET llama-common)
-    return()
-  endif()
-  get_target_property(sources llama-common SOURCES)
-  get_target_property(dir llama-common SOURCE_DIR)
-  set(lean)
+function(_specquant_sources target regex out)
+  # the absolute paths of target's sources whose path matches regex
+  get_target_property(sources ${target} SOURCES)
+  get_target_property(dir ${target} SOURCE_DIR)
+  set(found)
   foreach(source IN LISTS sources)
-    if(source MATCHES "\\.cpp$" AND NOT source MATCHES "(^|/)(common|sampling|speculative|log|ngram-[a-z]+)\\.cpp$")
+    if(source MATCHES "${regex}")
       if(NOT IS_ABSOLUTE "${source}")
         set(source "${dir}/${source}")
       endif()
-      list(APPEND lean "${source}")
+      list(APPEND found "${source}")
     endif()
   endforeach()
-  set_source_files_properties(${lean} TARGET_DIRECTORY llama-common PROPERTIES COMPILE_OPTIONS -O1)
+  set(${out} "${found}" PARENT_SCOPE)
+endfunction()
+
+function(_specquant_lean)
+  foreach(target mtmd cpp-httplib llama-common)
+    if(TARGET ${target})
+      target_compile_options(${target} PRIVATE -O1)  # after Release's -O3: the last -O wins
+    endif()
+  endforeach()
+  foreach(target_batch llama-common:8 mtmd:8 server-context:3)
+    string(REPLACE ":" ";" target_batch "${target_batch}")
+    list(GET target_batch 0 target)
+    list(GET target_batch 1 batch)
+    if(TARGET ${target})
+      set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE ${batch})
+    endif()
+  endforeach()
+  if(TARGET llama-common)
+    # common's per-token files back at -O3, each compiled alone (CMake keeps a file with its own options out of a
+    # batch anyway; saying so keeps the intent visible)
+    _specquant_sources(llama-common "(^|/)(common|sampling|speculative|log|ngram-[a-z]+)\\.cpp$" per_token)
+    set_source_files_properties(${per_token} TARGET_DIRECTORY llama-common
+                                PROPERTIES COMPILE_OPTIONS -O3 SKIP_UNITY_BUILD_INCLUSION ON)
+    _specquant_sources(llama-common "(^|/)json\\.cpp$" alone)
+    set_source_files_properties(${alone} TARGET_DIRECTORY llama-common PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+  endif()
+  if(TARGET mtmd)
+    _specquant_sources(mtmd "(^|/)mtmd-helper[a-z-]*\\.cpp$" alone)
+    set_source_files_properties(${alone} TARGET_DIRECTORY mtmd PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+  endif()
 endfunction()
 
 # after the whole tree is configured, when every target exists
