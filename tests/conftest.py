@@ -34,6 +34,18 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
+# The test command runs two workers with a test file per worker (`--dist loadfile`, README), handing out files in
+# collection order. A long file handed out last keeps one worker busy while the other has nothing left: these
+# files, the longest (tests/ durations in docs/BENCH.md, "CI time"), go first, and the short ones fill in after.
+LONGEST_FIRST = ("test_vllm.py", "test_aot.py", "test_qwen35_steps.py", "test_compiled.py", "test_serve.py",
+                 "test_qwen35_spec.py", "test_trainer.py", "test_quant_trained.py", "test_tree.py", "test_bench.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
 def tiny_config(model_type: str, **overrides):
     """A small transformers config (vocab 101, hidden 64, 2 layers, 4 heads / 2 kv heads, head_dim 16)."""
     return AutoConfig.for_model(model_type, **{**TINY, **overrides})
