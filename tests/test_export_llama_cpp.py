@@ -125,7 +125,10 @@ def _dflash_run(bin_dir, target: Path, draft: Path, prompt: Path, n: int):
                      "-td", 1, "-c", 256, "--seed", 0, "-v", "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd",
                      "f32"])
     steps = [(int(a), int(b)) for a, b in re.findall(r"accepted (\d+)/(\d+) draft tokens", proc.stderr)]
-    summary = {k: int(re.search(rf"{k}\s*=\s*(\d+)", proc.stderr).group(1)) for k in ("n_drafted", "n_accept")}
+    found = {k: re.search(rf"{k}\s*=\s*(\d+)", proc.stderr) for k in ("n_drafted", "n_accept")}
+    tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
+    assert all(found.values()), f"llama-speculative-simple exited 0 without its n_drafted / n_accept summary:\n{tail}"
+    summary = {k: int(m.group(1)) for k, m in found.items()}
     # " - seq_id 0, draft candidate K, pos P: ID (PROB) 'piece'": the top 3 of its top-10 draft sampler per position
     cands = [(int(k), int(pos), int(i), float(pr)) for k, pos, i, pr in re.findall(
         r"draft candidate\s+(\d+), pos\s+(\d+):\s+(\d+) \(\s*([\d.]+)\)", proc.stderr)]
