@@ -46,6 +46,10 @@ def run_vllm(engines: list[dict], prompts: list[list[int]], max_tokens: int, tim
         job.write_text(json.dumps({"engines": engines, "prompts": prompts, "max_tokens": max_tokens, "timed": timed}))
         env = child_env()
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # the engine core in this one process, not a new one per engine: a CPU engine then starts in about 3 s
+        # instead of 20 (no fresh interpreter importing torch and vLLM for each), and the tokens and counters are
+        # the same (tests/test_vllm.py). `vllm serve` (engines/vllm.py, the latency rows) keeps vLLM's own layout.
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         with open(log, "w") as f:
             # -I: the runner's folder (export/, which has a vllm.py of ours) must not shadow the vllm package
             proc = subprocess.Popen([str(python), "-I", str(RUNNER), str(job), str(out)], stdout=f, stderr=f,
