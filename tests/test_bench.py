@@ -670,7 +670,7 @@ def test_w4_activations_flag_reaches_the_config_and_bad_values_are_refused():
     parser, _ = build_parser()
     args = parser.parse_args(["bench", "--target", "x", "--draft", "y", "--w4-activations", "int8"])
     assert config_from_args(BenchConfig, args).validate().runtime.w4_activations == "int8"
-    with pytest.raises(SpecquantError, match="w4-activations 'int4' is not supported; use one of float, int8"):
+    with pytest.raises(SpecquantError, match="w4-activations 'int4' is not supported; use one of auto, float, int8"):
         BenchConfig(runtime=RuntimeConfig(w4_activations="int4")).validate()
 
 

@@ -67,7 +67,7 @@ def test_lm_eval_backend_scores_and_generates_on_a_hybrid(hybrid):
     (score, greedy), = target.loglikelihood([_req("loglikelihood", (context, continuation))], disable_tqdm=True)
     ctx, whole = target.tok_encode(context), target.tok_encode(context + continuation)
     cont = whole[len(ctx):]
-    model = load_model(hybrid["w4"])
+    model = load_model(hybrid["w4"], w4_activations="auto")  # the arithmetic the backend serves by default
     with torch.no_grad():
         logp = F.log_softmax(model(torch.tensor([whole[:-1]]))[0].float(), -1)
     assert score == pytest.approx(sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)), abs=1e-4)

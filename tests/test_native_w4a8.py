@@ -204,17 +204,24 @@ def test_checkpoints_load_with_int8_activations_for_generate_and_the_gates(tmp_p
     assert all(m.activations == "float" for m in load_model(student).modules() if isinstance(m, QuantLinear))
     lm = SpecquantLM(target=str(student), w4_activations="int8", device="cpu")
     assert all(m.activations == "int8" for m in lm.engine.target.modules() if isinstance(m, QuantLinear))
+    # the engines' default (RuntimeConfig's auto) is the same W4A8 arithmetic where the kernel runs
+    from specquant.spec_decode.build import build_engine
+
+    served = build_engine(student, "none").target
+    assert all(m.activations == "int8" for m in served.modules() if isinstance(m, QuantLinear))
 
 
-def test_drafters_default_to_int8_where_the_kernel_runs(native_kernels):
-    """"auto" (the drafters' default in generate, bench and the gates) is int8 with the kernel and float without:
-    a drafter only proposes, so its arithmetic moves acceptance, never the output."""
+def test_targets_and_drafters_default_to_int8_where_the_kernel_runs(native_kernels):
+    """"auto" (the default of targets and drafters in generate, bench, serve and the gates) is int8 on a CPU with
+    the kernel and float without it or on another device; float and int8 stay as asked."""
     from specquant.bench.config import BenchConfig
     from specquant.quant.linear import resolve_w4_activations
 
-    assert BenchConfig().runtime.draft_w4_activations == "auto" and BenchConfig().runtime.w4_activations == "float"
+    runtime = BenchConfig().runtime
+    assert runtime.w4_activations == runtime.draft_w4_activations == "auto"
     assert resolve_w4_activations("auto") == ("int8" if FAMILY.library() is not None else "float")
-    assert resolve_w4_activations("float") == "float"
+    assert resolve_w4_activations("auto", "meta") == resolve_w4_activations("auto", torch.device("cuda")) == "float"
+    assert resolve_w4_activations("float") == "float" and resolve_w4_activations("int8", "cuda") == "int8"
     assert set_w4_activations(torch.nn.Sequential(), "auto") == 0  # no layers; without the kernel, no error
 
 

@@ -94,8 +94,10 @@ def _vllm(runs, name):
 
 
 def _counters(target, draft, k):
-    """Our fp32 engine's counters for the pair, summed as vLLM sums them."""
-    engine = build_engine(target, draft, RuntimeConfig(dtype="float32"), SpecConfig(draft_len=k))
+    """Our fp32 engine's counters for the pair, summed as vLLM sums them. W4 layers run W4A16 in both, as vLLM
+    serves a compressed-tensors W4A16 checkpoint (our CPU default is W4A8: another target arithmetic)."""
+    runtime = RuntimeConfig(dtype="float32", w4_activations="float", draft_w4_activations="float")
+    engine = build_engine(target, draft, runtime, SpecConfig(draft_len=k))
     return counters_as_vllm(engine, PROMPTS, N, k)
 
 

@@ -320,8 +320,8 @@ def run_ablation(cfg: BenchConfig, paths: dict[str, Path], device: torch.device,
     _add_speedups(results_rows)
     return BenchResults(
         config=cfg, environment=env, models=dict(paths),
-        w4_activations={"target": runtime.w4_activations,
-                        "draft": resolve_w4_activations(runtime.draft_w4_activations)},
+        w4_activations={"target": resolve_w4_activations(runtime.w4_activations, device),
+                        "draft": resolve_w4_activations(runtime.draft_w4_activations, device)},
         context=context, lengths=lengths, prompts=prompts, rows=results_rows, costs=costs, draft_latency=curve)
 
 

@@ -20,8 +20,9 @@ DTYPES = ("float32", "bfloat16")  # the names of util.dtypes.DTYPES whose rows t
 # the bench's share of RuntimeConfig (its --device is its own flag; rows run eagerly: no --compile / --aot)
 BENCH_RUNTIME = {
     "dtype": {"help": "activation dtype of every row", "choices": DTYPES},
-    "w4_activations": {"help": "activations of the W4 targets' 4-bit layers: float (W4A16, the checkpoint's "
-                               "arithmetic) or int8 (W4A8 on the native W4A8 kernel; docs/SHAPES.md)"},
+    "w4_activations": {"help": "activations of the W4 targets' 4-bit layers: auto = int8 where the W4A8 kernel "
+                               "runs (W4A8, as llama.cpp's Q4_0 on CPUs), float (W4A16, the checkpoint's "
+                               "arithmetic) or int8"},
     "draft_w4_activations": {"help": "activations of the W4 drafters' 4-bit layers (LM and block): auto = int8 "
                                      "where the W4A8 kernel runs (a drafter only proposes: acceptance may move, the "
                                      "output cannot), float or int8"},

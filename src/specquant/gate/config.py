@@ -67,8 +67,9 @@ class GateConfig:
 GATE_RUNTIME = {
     "dtype": {"help": "dtype of local checkpoints"},
     "device": {"help": "device of local checkpoints (cpu, cuda)", "choices": None},
-    "w4_activations": {"help": "activations of W4 checkpoints' 4-bit layers (model and baseline): float (W4A16) or "
-                               "int8 (W4A8 on the native W4A8 kernel), to gate the arithmetic that will be served"},
+    "w4_activations": {"help": "activations of W4 checkpoints' 4-bit layers (model and baseline): auto (int8 "
+                               "where the W4A8 kernel runs, as the engines serve them), float (W4A16) or int8 "
+                               "(W4A8): gate the arithmetic that will be served"},
     "draft_w4_activations": {"help": "a W4 drafter's activations: auto (int8 where the W4A8 kernel runs), float or "
                                      "int8; speculative decoding is exact, so this moves speed only"},
 }

@@ -6,9 +6,10 @@ What it computes (the kernel's numerics comment has the detail): each activation
 rounded to int8 with one fp32 scale per block (`quantize_activations`), the weight codes stay exact, the dot of
 every block is exact integer arithmetic, and the blocks are scaled and summed in fp32 in k order. So it is *not*
 W4A16: activations lose precision (at most half a step of max|x|/127 per element, against bf16's relative 2^-9),
-which is why QuantLinear runs it only for layers set to int8 activations (linear.set_w4_activations; targets opt in
-with `--w4-activations int8`, W4 drafters default to it); benchmarks/w4a8.py at dfedb37 measures the cost in KL and top-1
-agreement against the W4A16 model, beside the speed it buys.
+which is why QuantLinear runs it only for layers set to int8 activations (linear.set_w4_activations: the engines'
+default `auto` sets them where this kernel runs, `--w4-activations float` keeps W4A16); the kl gate and
+benchmarks/w4a8.py measure the cost in KL and top-1 agreement against the W4A16 model, benchmarks/shapes.py the
+speed it buys (docs/BENCH.md).
 
 `reference_gemm` is the plain torch version of the same arithmetic, bit for bit (blockwise integer dots, fp32
 fused multiply-adds in k order), which tests/test_native_w4a8.py compares every variant with; `quantize_activations` must match the kernel's

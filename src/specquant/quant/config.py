@@ -19,11 +19,12 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128, -1)  # -1: one scale per output channel (compressed-tensors strategy "channel")
 HEAD_PRECISIONS = ("dense", "bf16", "w8", "w4")  # specquant.quant.head
 # Activations of the 4-bit layers at run time (not a checkpoint property): float = W4A16, the checkpoint's
-# arithmetic; int8 = W4A8 on the native W4A8 kernel (kernels/w4a8.py; quality and speed in docs/SHAPES.md)
-W4_ACTIVATIONS = ("float", "int8")
-# Drafters also take "auto" (their default): int8 where the W4A8 kernel runs, else float. A drafter only proposes,
-# so its arithmetic can change the acceptance rate, never the output: the paper's "compress the drafter hard".
-DRAFT_W4_ACTIVATIONS = ("auto", *W4_ACTIVATIONS)
+# arithmetic; int8 = W4A8 on the native W4A8 kernel (kernels/w4a8.py), GGUF's Q4_0 x Q8_0 and what llama.cpp runs
+# on CPUs; auto = int8 where that kernel runs (a CPU with the native library), else float. auto is the default of
+# targets and drafters alike (RuntimeConfig): its quality cost through the kl gate and its speed against W4A16 are
+# in docs/BENCH.md (Quantization quality; The decode step on AVX2). A drafter only proposes, so for it the
+# arithmetic can move the acceptance rate, never the output.
+W4_ACTIVATIONS = ("auto", "float", "int8")
 BUNDLED_CALIB = Path(__file__).resolve().parent.parent / "data" / "calib.txt"
 
 

@@ -56,7 +56,7 @@ from torch import nn
 from specquant.errors import SpecquantError
 from specquant.kernels import FAMILIES, TILE, w4a8
 from specquant.model.modules import dense_linear
-from specquant.quant.config import DRAFT_W4_ACTIVATIONS
+from specquant.quant.config import W4_ACTIVATIONS
 from specquant.quant.grid import dequantize
 from specquant.quant.pack import pack_codes, packed_cols, unpack_codes
 
@@ -457,23 +457,25 @@ def set_backend(model: nn.Module, name: str) -> int:
     return n
 
 
-def resolve_w4_activations(mode: str) -> str:
-    """"auto" -> "int8" where the W4A8 kernel runs, else "float"; other modes as they are."""
+def resolve_w4_activations(mode: str, device: str | torch.device = "cpu") -> str:
+    """"auto" -> "int8" where the W4A8 kernel runs (a CPU device, the native library built), else "float"; the
+    other modes as they are."""
     if mode == "auto":
-        return "int8" if w4a8.FAMILY.library() is not None else "float"
+        return "int8" if torch.device(device).type == "cpu" and w4a8.FAMILY.library() is not None else "float"
     return mode
 
 
 def set_w4_activations(model: nn.Module, mode: str) -> int:
-    """Run the model's symmetric 4-bit layers on float (W4A16: the checkpoint's arithmetic, default) or int8
-    activations (W4A8, GGUF's Q4_0 x Q8_0: the w4a8 kernel family, at every row count, so decode, verify and
-    prefill share one arithmetic); "auto" (for drafters, DRAFT_W4_ACTIVATIONS) is int8 where the kernel runs and
-    float elsewhere. Layers the W4A8 kernel cannot take (8 bits, zero points, odd shapes) keep float activations.
-    Returns how many layers run int8; raises when int8 is asked for and the kernel is unavailable."""
-    if mode not in DRAFT_W4_ACTIVATIONS:
-        raise SpecquantError(f"w4 activations {mode!r} is not supported; use one of "
-                             f"{', '.join(DRAFT_W4_ACTIVATIONS)}")
-    mode = resolve_w4_activations(mode)
+    """Run the model's symmetric 4-bit layers on float (W4A16: the checkpoint's arithmetic) or int8 activations
+    (W4A8, GGUF's Q4_0 x Q8_0: the w4a8 kernel family, at every row count, so decode, verify and prefill share one
+    arithmetic); "auto" (the engines' default, quant.config.W4_ACTIVATIONS) is int8 where the kernel runs on the
+    model's device and float elsewhere. Layers the W4A8 kernel cannot take (8 bits, zero points, odd shapes) keep
+    float activations. Returns how many layers run int8; raises when int8 is asked for and the kernel is
+    unavailable."""
+    if mode not in W4_ACTIVATIONS:
+        raise SpecquantError(f"w4 activations {mode!r} is not supported; use one of {', '.join(W4_ACTIVATIONS)}")
+    device = next((b.device for b in model.buffers()), torch.device("cpu"))
+    mode = resolve_w4_activations(mode, device)
     if mode == "int8" and w4a8.FAMILY.library() is None:
         raise SpecquantError(f"int8 W4 activations need the native W4A8 kernel, which is unavailable here "
                              f"({w4a8.FAMILY.why()}); use float activations")

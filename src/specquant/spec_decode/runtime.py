@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from specquant.decode.aot import AOT_MODES
 from specquant.errors import SpecquantError
-from specquant.quant.config import DRAFT_W4_ACTIVATIONS, W4_ACTIVATIONS
+from specquant.quant.config import W4_ACTIVATIONS
 from specquant.util.device import DEVICES
 from specquant.util.dtypes import DTYPES
 
@@ -21,12 +21,13 @@ class RuntimeConfig:
     dtype: str = field(default="float32", metadata={"help": "dtype of the models' weights and activations",
                                                     "choices": tuple(DTYPES)})
     device: str = field(default="cpu", metadata={"help": "device to run on", "choices": DEVICES})
-    w4_activations: str = field(default="float", metadata={
-        "help": "a W4 target's activations: float (W4A16, as the checkpoint) or int8 (W4A8, GGUF's Q4_0 x Q8_0 on "
-                "the native W4A8 kernel, kernels/w4a8.py: cheaper verify steps, slightly lower quality)", "choices": W4_ACTIVATIONS})
+    w4_activations: str = field(default="auto", metadata={
+        "help": "a W4 target's activations: auto (int8 where the W4A8 kernel runs, as llama.cpp's Q4_0 x Q8_0 on "
+                "CPUs; float elsewhere), float (W4A16, the checkpoint's arithmetic) or int8 (W4A8; kl gate and "
+                "speed in docs/BENCH.md)", "choices": W4_ACTIVATIONS})
     draft_w4_activations: str = field(default="auto", metadata={
         "help": "a W4 drafter's activations: auto (int8 where the W4A8 kernel runs: a drafter only proposes, so "
-                "only acceptance can change), float or int8", "choices": DRAFT_W4_ACTIVATIONS})
+                "only acceptance can change), float or int8", "choices": W4_ACTIVATIONS})
     compile: bool = field(default=False, metadata={
         "store_true": True,
         "help": "torch.compile the decode / verify steps (graphs cached on disk under $SPECQUANT_CACHE/compile). "
@@ -46,7 +47,7 @@ class RuntimeConfig:
         device_type = str(self.device).split(":")[0]  # cuda:1 is a cuda device
         for name, value, allowed in (("dtype", self.dtype, tuple(DTYPES)), ("device", device_type, DEVICES),
                                      ("w4_activations", self.w4_activations, W4_ACTIVATIONS),
-                                     ("draft_w4_activations", self.draft_w4_activations, DRAFT_W4_ACTIVATIONS),
+                                     ("draft_w4_activations", self.draft_w4_activations, W4_ACTIVATIONS),
                                      ("aot", self.aot, AOT_MODES)):
             if value not in allowed:
                 raise SpecquantError(f"{name.replace('_', '-')} {getattr(self, name)!r} is not supported; use one "
