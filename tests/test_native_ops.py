@@ -92,6 +92,19 @@ def test_linear_rows_are_batch_and_thread_invariant(variant, rows, k):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("rows,k,n", [(1, 1024, 3072), (4, 384, 130), (9, 1040, 33), (3, 1000, 7)])
+def test_bf16_weight_linear_is_the_fp32_linear_on_the_widened_weight(variant, rows, k, n):
+    """A bf16 weight (an lm_head stored bf16) is widened exactly in registers: bit for bit the fp32 linear on
+    weight.float() in both of ops.cpp's layouts, so within rounding of F.linear on it, and a verify row equals the
+    one-row call."""
+    g = torch.Generator().manual_seed(rows + k + n)
+    x, w = torch.randn(1, rows, k, generator=g), (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+    y = ops.linear(x, w, variant=variant)
+    assert y.dtype == torch.float32 and torch.equal(y, ops.linear(x, w.float(), variant=variant))
+    close(y, torch.nn.functional.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([ops.linear(x[:, i : i + 1], w, variant=variant) for i in range(rows)], 1), y)
+
+
 def test_linear_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="linear: x"):
         ops.linear(torch.randn(2, 8), torch.randn(4, 9))

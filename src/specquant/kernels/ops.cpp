@@ -99,6 +99,27 @@ SQ_INLINE v16 load16(const float* ptr) {
 SQ_INLINE void store16(float* ptr, const v16& v) {
   for (int u = 0; u < NV; ++u) memcpy(ptr + u * W, &v.p[u], sizeof(vf));
 }
+// bf16 values (the upper half of an fp32's bits) widened exactly: a bf16-weight linear reads half the bytes and
+// computes with the same fp32 values as the widened matrix would
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+SQ_INLINE v16 load16(const uint16_t* ptr) {
+  v16 v;
+  for (int u = 0; u < NV; ++u) {
+    vh h;
+    memcpy(&h, ptr + u * W, sizeof(vh));
+    const vu bits = __builtin_convertvector(h, vu) << 16;
+    memcpy(&v.p[u], &bits, sizeof(vf));
+  }
+  return v;
+}
+SQ_INLINE float widen(float x) { return x; }
+SQ_INLINE float widen(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
 SQ_INLINE v16 operator+(const v16& a, const v16& b) {
   v16 r;
   for (int u = 0; u < NV; ++u) r.p[u] = a.p[u] + b.p[u];
@@ -159,8 +180,8 @@ SQ_INLINE float sum_lanes(const v16& a) {
 // dot(q[rr], k, n) for NR query rows at once, bit for bit as dot: k is loaded once for all of them. With
 // ahead_k / ahead_q > 0, each 16-float step also prefetches that many floats beyond k / each q[rr] (the linear's
 // weight stream: the hardware prefetcher alone left a one-row GEMV at about 2/3 of the streamed bandwidth).
-template <int NR>
-SQ_INLINE void dot_rows(const float* const* q, const float* k, int64_t n, float* out, int64_t ahead_k = 0,
+template <int NR, typename TQ = float, typename TK = float>  // TQ, TK: float or uint16_t (bf16, widened exactly)
+SQ_INLINE void dot_rows(const TQ* const* q, const TK* k, int64_t n, float* out, int64_t ahead_k = 0,
                         int64_t ahead_q = 0) {
   v16 acc[NR];
   for (int rr = 0; rr < NR; ++rr) acc[rr] = zero16();
@@ -175,7 +196,7 @@ SQ_INLINE void dot_rows(const float* const* q, const float* k, int64_t n, float*
   }
   for (int rr = 0; rr < NR; ++rr) {
     float tail = 0.0f;
-    for (int64_t c = i; c < n; ++c) tail += q[rr][c] * k[c];
+    for (int64_t c = i; c < n; ++c) tail += widen(q[rr][c]) * widen(k[c]);
     out[rr] = sum_lanes(acc[rr]) + tail;
   }
 }
@@ -426,6 +447,10 @@ int specquant_delta_gates(const float* a, const float* b, int64_t rows, int64_t 
   return 0;
 }
 
+}  // extern "C"
+
+namespace {
+
 // y[m, n] = x[m, ·] · w[n, ·] (+ bias[n]) for the few fp32 rows of a decode or verify step: x [M, K], w [N, K]
 // row-major (nn.Linear's weight), y [M, N]. Each output is dot()'s sum (16 lanes in k order, pairwise at the end;
 // x·w and w·x round alike), so a row's result does not depend on M, on the layout below or on the thread count (a
@@ -440,14 +465,14 @@ int specquant_delta_gates(const float* a, const float* b, int64_t rows, int64_t 
 // than on one (docs/BENCH.md).
 constexpr int64_t LINEAR_AHEAD = 1024;  // floats: 4 KB, one 1024-wide weight row
 
-int specquant_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
-                     int threads) {
+template <typename TW>  // the weight's element: float, or uint16_t for bf16 (widened exactly; see load16)
+int linear(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const float* bias, float* y, int threads) {
   if (M <= 0 || K <= 0 || N <= 0) return 1;
   const bool parallel = N * K >= kParallelMinWork && threads > 1;
   if (M <= 4 || M * K <= 8192) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int64_t n = 0; n < N; ++n) {
-      const float* wn = w + n * K;
+      const TW* wn = w + n * K;
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int mr = M - m0 < 4 ? static_cast<int>(M - m0) : 4;
         const float* xr[4];
@@ -470,7 +495,7 @@ int specquant_linear(const float* x, int64_t M, int64_t K, const float* w, int64
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t n0 = tile * NT, nt = N - n0 < NT ? N - n0 : NT;
-    const float* wr[NT];
+    const TW* wr[NT];
     for (int j = 0; j < NT; ++j) wr[j] = w + (n0 + (j < nt ? j : nt - 1)) * K;  // a short tile repeats its last row
     for (int64_t m = 0; m < M; ++m) {
       float dots[NT];
@@ -479,6 +504,22 @@ int specquant_linear(const float* x, int64_t M, int64_t K, const float* w, int64
     }
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int specquant_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
+                     int threads) {
+  return linear(x, M, K, w, N, bias, y, threads);
+}
+
+// the same with a bf16 weight (its raw 16-bit patterns): half the bytes streamed, each output exactly the fp32
+// linear's on the widened weight
+int specquant_linear_bf16w(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias,
+                           float* y, int threads) {
+  return linear(x, M, K, w, N, bias, y, threads);
 }
 
 // y[r, i] = silu(gu[r, i]) · gu[r, f + i] for rows of gu 2f floats long (a fused gate_up projection's output);

@@ -12,8 +12,9 @@
   delta_gates   DeltaNet's g and beta from in_proj_a / in_proj_b          delta_gates_reference
   attention     softmax(q·kᵀ·scale, causal and windowed by position)·v,   attention_reference
                 GQA, few queries over a K/V cache, out [b, t, heads, d]
-  linear        x·wᵀ (+ b) for the few fp32 rows of a decode / verify      F.linear
-                step, rows batch- and thread-invariant
+  linear        x·wᵀ (+ b) for the few fp32 rows of a decode / verify      F.linear (a bf16 w: F.linear
+                step, rows batch- and thread-invariant; w fp32 or bf16     on w widened to fp32)
+                (widened exactly in registers: half the bytes streamed)
 
 Why: a one-row eager step runs each of these as 4-10 torch ops of 2-5 us each (dispatch, not arithmetic), and
 torch's CPU flash-attention kernel spends about 200 us per layer on one query over 128 cached keys; the profile and
@@ -47,6 +48,7 @@ FUNCTIONS = {
     "specquant_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _F32, _PTR, _F32, _PTR, _INT],
     "specquant_swiglu": [_PTR, _I64, _I64, _PTR, _INT],
     "specquant_linear": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
+    "specquant_linear_bf16w": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
     "specquant_norm_rope": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _I64, _F32, _F32, _PTR, _PTR,
                             _I64, _PTR, _INT],
     "specquant_delta_step": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR,
@@ -132,7 +134,8 @@ def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            variant: Variant | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), natively: x [..., K], weight [N, K] and bias [N] contiguous -> [..., N]. Each
-    row's result is the same whatever the other rows or the thread count."""
+    row's result is the same whatever the other rows or the thread count. A bf16 weight is widened exactly in
+    registers: the result is the fp32 linear's on weight.float(), from half the bytes."""
     k, n = x.shape[-1], weight.shape[0]
     if weight.shape[-1] != k or not weight.is_contiguous() or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"linear: x [..., {k}] against weight {tuple(weight.shape)}"
@@ -140,9 +143,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()  # held here: a temporary's pointer would dangle in the call
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    _check(LIBRARY.lib_for(variant).specquant_linear(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), n,
-                                                     None if bias is None else bias.data_ptr(),
-                                                     y.data_ptr(), torch.get_num_threads()),
+    lib = LIBRARY.lib_for(variant)
+    fn = lib.specquant_linear_bf16w if weight.dtype is torch.bfloat16 else lib.specquant_linear
+    _check(fn(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), n, None if bias is None else bias.data_ptr(),
+              y.data_ptr(), torch.get_num_threads()),
            "linear", lambda: f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     return y
 

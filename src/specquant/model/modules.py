@@ -72,7 +72,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tests/test_model_equivalence.py and tests/test_native_ops.py compare them.
     """
     rows = x.numel() // weight.shape[1]
-    if (rows and (x.shape[-2] if x.dim() > 1 else 1) <= NATIVE_ROWS and weight.is_contiguous()
+    positions = x.shape[-2] if x.dim() > 1 else 1
+    if weight.dtype is torch.bfloat16 and x.dtype is torch.float32:  # a bf16-stored weight (quant/head.py
+        # CastLinear): fp32 activations against it widened exactly, natively from half the bytes, else as below
+        if (rows and positions <= NATIVE_ROWS and weight.is_contiguous() and weight.is_cpu and ops.usable(x, bias)
+                and not (weight.requires_grad and torch.is_grad_enabled())):
+            return ops.linear(x, weight, bias)
+        weight = weight.float()
+    if (rows and positions <= NATIVE_ROWS and weight.is_contiguous()
             and ops.usable(x, weight, bias)):  # ops.linear takes a contiguous weight and at least one row
         return ops.linear(x, weight, bias)
     if (SMALL_ROWS[0] <= rows <= SMALL_ROWS[1] and x.dtype == torch.float32 and x.device.type == "cpu"

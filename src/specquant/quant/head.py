@@ -4,7 +4,8 @@ At real vocabulary sizes the head is the largest matrix a decode step reads: Qwe
 151936 x 1024 = 622 MB, more than all its W4 decoder layers (~275 MB with g32 scales), so W4 layers cannot pay
 off while the head stays dense fp32. The options, by bytes per step at that shape:
   dense  the model's own matrix (fp32: 622 MB), tied to the embedding when the checkpoint ties them;
-  bf16   the same matrix rounded to bf16 (311 MB), run as a bf16 GEMM (activations rounded to bf16);
+  bf16   the same matrix rounded to bf16 (311 MB); fp32 activations run against it widened exactly (the native
+         linear on CPU, CastLinear), bf16 ones as a bf16 GEMM;
   w8     RTN int8, one scale per output row (156 MB), run by torch's aten._weight_int8pack_mm;
   w4     RTN int4, group 32, symmetric (97 MB with fp32 scales), run by the W4 backends (native kernel first).
 The head gets its own weight (the embedding keeps the dense one), so quantizing it unties a tied checkpoint.
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.model.modules import Linear
+from specquant.model.modules import Linear, dense_linear
 from specquant.quant.grid import quantize_weight
 from specquant.quant.linear import QuantLinear
 
@@ -28,7 +29,10 @@ W4_HEAD_GROUP = 32  # GGUF Q4_0's grid; the native kernel's best case
 
 
 class CastLinear(nn.Module):
-    """A bias-free Linear whose weight is stored in another dtype (bf16): x is cast to it, the result cast back."""
+    """A bias-free Linear whose weight is stored in another dtype (bf16). fp32 activations stay fp32 against the
+    exact widened weight (model.modules.dense_linear: on a CPU eager step of up to NATIVE_ROWS positions the native
+    linear widens it in registers, half the bytes of a dense fp32 head streamed per step; elsewhere the same
+    product on weight.float()). Other activations (a bf16 model) are cast to the weight's dtype and back."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -36,7 +40,10 @@ class CastLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        w = self.weight
+        if x.dtype == torch.float32 and w.dtype is torch.bfloat16:
+            return dense_linear(x, w)
+        return F.linear(x.to(w.dtype), w).to(x.dtype)
 
     def _apply(self, fn, recurse=True):  # model.to(float32) must not widen the head back: keep the stored dtype
         dtype = self.weight.dtype
@@ -88,6 +95,28 @@ def set_lm_head(model: nn.Module, precision: str, scale_dtype: torch.dtype | Non
     model.lm_head = head_module(weight, precision, scale_dtype or model.model.embed_tokens.weight.dtype)
     model.config.tie_word_embeddings = False
     return model.lm_head
+
+
+def store_head_bf16(model: nn.Module) -> bool:
+    """For inference (loader.load_model(fuse=True)): store an fp32 CPU lm_head whose every value is a bf16 value
+    (a checkpoint shipped in bf16, as the Qwen3 / Qwen3.5 releases and the bundled models are) as a bf16 CastLinear.
+    The logits are the same bit for bit (ops.linear widens the bf16 weight in registers and sums as the fp32 call;
+    other paths multiply by weight.float(), the same matrix) and the head, at real vocabulary sizes the largest
+    matrix a step reads, streams half the bytes. Only where the native linear runs (else no gain); a tied head keeps
+    the embedding's fp32 matrix for lookups and gets its own bf16 copy. Returns whether the head was replaced."""
+    from specquant.kernels import ops
+
+    head = model.lm_head
+    if type(head) not in (Linear, nn.Linear) or head.bias is not None:
+        return False
+    w = head.weight.detach()
+    if w.dtype != torch.float32 or not w.is_cpu or ops.LIBRARY.library() is None:
+        return False
+    half = w.to(torch.bfloat16)
+    if not torch.equal(half.float(), w):
+        return False
+    model.lm_head = CastLinear(half)
+    return True
 
 
 def cut_rows(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
