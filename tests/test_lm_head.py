@@ -70,6 +70,21 @@ def test_a_decoding_models_head_of_bf16_values_is_stored_bf16_with_the_same_logi
     assert not store_head_bf16(other) and not isinstance(other.lm_head, CastLinear)
 
 
+@torch.no_grad()
+def test_a_compiled_step_runs_the_bf16_head_as_the_native_operator():
+    """Under torch.compile (and so in AOT packages) a bf16 head is one call of the native linear as a torch operator
+    (specquant::linear_bf16w), no graph break and no fp32 copy of the matrix per step: the eager logits bit for bit."""
+    from specquant.kernels import ops
+
+    if ops.LIBRARY.library() is None:
+        pytest.skip(f"no native ops library here ({ops.LIBRARY.why()})")
+    g = torch.Generator().manual_seed(4)
+    head = CastLinear((torch.randn(300, 64, generator=g) / 8).to(torch.bfloat16))
+    x = torch.randn(1, 3, 64, generator=g)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(head, fullgraph=True)(x), head(x))
+
+
 def tiny(seed=0):
     torch.manual_seed(seed)
     return load_model("tiny-target")

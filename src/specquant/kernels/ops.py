@@ -151,6 +151,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
+@torch.library.custom_op("specquant::linear_bf16w", mutates_args=())
+def linear_bf16w_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear` on a bf16 weight as a torch operator, for torch.compile and AOT packages: a traced step then reads
+    the bf16 weight as the eager one does (the reference product, on weight.float(), would write and read an fp32
+    copy of the whole matrix every step). Without the library (SPECQUANT_NATIVE=off since), that reference."""
+    if LIBRARY.library() is None:
+        return F.linear(x, weight.float())
+    return linear(x.contiguous(), weight)
+
+
+@linear_bf16w_op.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
 def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
               eps: float = 1e-6, offset: float = 0.0, normalize: bool = True,
               variant: Variant | None = None) -> torch.Tensor:

@@ -75,9 +75,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     positions = x.shape[-2] if x.dim() > 1 else 1
     if weight.dtype is torch.bfloat16 and x.dtype is torch.float32:  # a bf16-stored weight (quant/head.py
         # CastLinear): fp32 activations against it widened exactly, natively from half the bytes, else as below
-        if (rows and positions <= NATIVE_ROWS and weight.is_contiguous() and weight.is_cpu and ops.usable(x, bias)
-                and not (weight.requires_grad and torch.is_grad_enabled())):
-            return ops.linear(x, weight, bias)
+        if rows and positions <= NATIVE_ROWS and weight.is_contiguous() and weight.is_cpu and bias is None:
+            if ops.usable(x) and not (weight.requires_grad and torch.is_grad_enabled()):
+                return ops.linear(x, weight)
+            if torch.compiler.is_compiling() and x.is_cpu and not weight.requires_grad:  # a compiled / packaged
+                return ops.linear_bf16w_op(x, weight)  # step: the same native call, as a torch operator
         weight = weight.float()
     if (rows and positions <= NATIVE_ROWS and weight.is_contiguous()
             and ops.usable(x, weight, bias)):  # ops.linear takes a contiguous weight and at least one row
