@@ -61,8 +61,8 @@ def test_shapes_runs_hybrid_rows_beside_dense(bench, monkeypatch, capsys):
 
 def test_w4_hybrid_quantizes_what_specquant_quantize_would(bench):
     """The W4 row's dense layer Linears are exactly the ones the quantizer's own selection leaves (DENSE_BY_KIND:
-    in_proj_a / in_proj_b of every DeltaNet layer), every other layer Linear is a QuantLinear with bf16 scales, and
-    the rest of the model is float32 with the head still tied to the embedding."""
+    in_proj_a / in_proj_b of every DeltaNet layer), every other layer Linear is a QuantLinear with bf16 scales, the
+    dense Linears and the head are stored bf16 as the engines load them, and the rest of the model is float32."""
     from specquant.quant.config import QuantConfig
     from specquant.quant.linear import QuantLinear
     from specquant.quant.pipeline import kept_dense, target_linears
@@ -80,9 +80,15 @@ def test_w4_hybrid_quantizes_what_specquant_quantize_would(bench):
     # fused after quantizing: gate/up -> one module in each of the 4 layers, q/k/v -> one in the attention layer
     assert n_quant == len(quantized) - 4 * 1 - 1 * 2
     assert all(m.weight_scale.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, QuantLinear))
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert model.lm_head.weight.dtype == torch.float32
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    # as the engines load it (model/bf16_store.py): the dense Linears, the head's own copy of the tied embedding
+    # among them, hold bf16 values and are stored bf16, the same values; everything else is float32
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    assert embed.dtype == torch.float32 and head.dtype == torch.bfloat16 and torch.equal(head.float(), embed)
+    stored = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+              and not isinstance(m, QuantLinear) and m.weight.dtype == torch.bfloat16}
+    assert stored == kept | {"lm_head"}
+    assert {p.dtype for n, p in model.named_parameters()
+            if n.removesuffix(".weight") not in stored} == {torch.float32}
     # the quantized weights are RTN of the bf16 model's weights, which the bf16 row runs (and the bf16 GGUF holds)
     name = "model.layers.0.linear_attn.out_proj"
     ref = fresh.get_submodule(name).weight.float()

@@ -46,31 +46,6 @@ def test_bf16_head_on_fp32_activations_is_one_product_on_every_path(monkeypatch)
 
 
 @torch.no_grad()
-def test_a_decoding_models_head_of_bf16_values_is_stored_bf16_with_the_same_logits():
-    """load_model(fuse=True) stores the bundled target's tied fp32 head (bf16 values) as bf16: its logits equal the
-    dense head's bit for bit at 1, 5 and 70 rows (native and F.linear paths) and the embedding stays fp32; a head
-    with values bf16 cannot hold stays dense."""
-    from specquant import kernels
-    from specquant.model.modules import dense_linear
-
-    if kernels.ops.LIBRARY.library() is None:
-        pytest.skip(f"no native ops library here ({kernels.ops.LIBRARY.why()}): the head stays dense")
-    model = load_model("tiny-target", fuse=True)
-    dense = load_model("tiny-target").lm_head.weight
-    assert isinstance(model.lm_head, CastLinear) and model.lm_head.weight.dtype == torch.bfloat16
-    assert model.model.embed_tokens.weight.dtype == torch.float32
-    g = torch.Generator().manual_seed(1)
-    for rows in (1, 5, 70):
-        h = torch.randn(1, rows, model.config.hidden_size, generator=g)
-        assert torch.equal(model.lm_head(h), dense_linear(h, dense))
-    other = tiny()
-    other.lm_head.weight.data += 1e-4  # values bf16 cannot hold
-    from specquant.quant.head import store_head_bf16
-
-    assert not store_head_bf16(other) and not isinstance(other.lm_head, CastLinear)
-
-
-@torch.no_grad()
 def test_a_compiled_step_runs_the_bf16_head_as_the_native_operator():
     """Under torch.compile (and so in AOT packages) a bf16 head is one call of the native linear as a torch operator
     (specquant::linear_bf16w), no graph break and no fp32 copy of the matrix per step: the eager logits bit for bit."""

@@ -14,9 +14,9 @@ import torch
 
 from specquant.model.checkpoint import load_dense, parse_dtype, read_hf_config, resolve
 from specquant.model.decoder import Transformer
+from specquant.model.bf16_store import store_bf16
 from specquant.model.fuse import fuse_projections
 from specquant.quant.checkpoint import load_quantized_model
-from specquant.quant.head import store_head_bf16
 from specquant.quant.prune_vocab import ATTRIBUTE, read_vocab_map
 
 
@@ -27,8 +27,8 @@ def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.
     part of a multimodal Qwen3.5 checkpoint; ModelConfig.describe names it).
 
     fuse: fuse q/k/v and gate/up projections for decoding (model.fuse; the model can then not be saved or
-    quantized), and store an fp32 head of bf16 values as bf16 (quant.head.store_head_bf16: the same logits, half
-    the bytes). w4_activations: "float" (W4A16, the checkpoint's arithmetic) or "int8" (W4A8 on the native W4A8
+    quantized), and store its dense fp32 weights that hold bf16 values as bf16 (model.bf16_store: the same
+    outputs, half the bytes). w4_activations: "float" (W4A16, the checkpoint's arithmetic) or "int8" (W4A8 on the native W4A8
     kernel; kernels/w4a8.py), for a quantized checkpoint's 4-bit layers."""
     dtype = parse_dtype(dtype)
     path = resolve(name_or_dir)
@@ -41,7 +41,7 @@ def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.
     token_ids = read_vocab_map(hf)
     if token_ids is not None:  # a pruned vocabulary (quant/prune_vocab.py): the full-vocabulary id of each index
         setattr(model, ATTRIBUTE, token_ids.to(device))
-    if fuse:  # decoding only: fused projections, and a head of bf16 values stored as bf16 (the same logits)
+    if fuse:  # decoding only: fused projections, and dense weights of bf16 values stored as bf16 (same outputs)
         fuse_projections(model)
-        store_head_bf16(model)
+        store_bf16(model)
     return model.eval()

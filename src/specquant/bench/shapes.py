@@ -17,6 +17,7 @@ import torch
 from specquant.model.checkpoint import read_config
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
+from specquant.model.bf16_store import store_bf16
 from specquant.model.fuse import fuse_projections
 from specquant.model.norms import ZeroCentredRMSNorm
 from specquant.quant.head import set_lm_head
@@ -94,7 +95,8 @@ def widen_dense(model: Transformer, dtype: torch.dtype = torch.float32):
 
 def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
     """Random-init model in the mode's dtype (W4: RTN g32 of the bf16 weights, the rest widened to float32), fused
-    like the engine's loads."""
+    and with dense weights of bf16 values stored bf16, like the engine's loads (a W4 row's dense head: fp32 holds
+    random bf16 values, fp32 rows' random fp32 weights stay fp32)."""
     w4 = mode in ("w4", "w4a8")
     model = random_model(cfg, torch.bfloat16 if w4 else MODES[mode]).eval()
     if w4:
@@ -109,6 +111,7 @@ def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
         set_lm_head(model, lm_head, torch.bfloat16)
         set_w4_activations(model, "int8" if mode == "w4a8" else "float")
     fuse_projections(model)
+    store_bf16(model)
     return model
 
 

@@ -73,13 +73,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """
     rows = x.numel() // weight.shape[1]
     positions = x.shape[-2] if x.dim() > 1 else 1
-    if weight.dtype is torch.bfloat16 and x.dtype is torch.float32:  # a bf16-stored weight (quant/head.py
-        # CastLinear): fp32 activations against it widened exactly, natively from half the bytes, else as below
-        if rows and positions <= NATIVE_ROWS and weight.is_contiguous() and weight.is_cpu and bias is None:
-            if ops.usable(x) and not (weight.requires_grad and torch.is_grad_enabled()):
-                return ops.linear(x, weight)
+    if weight.dtype is torch.bfloat16 and x.dtype is torch.float32:  # a bf16-stored weight (model/bf16_store.py,
+        # quant/head.py's CastLinear): fp32 activations against it widened exactly, natively from half the bytes
+        if rows and positions <= NATIVE_ROWS and weight.is_contiguous() and weight.is_cpu:
+            if ops.usable(x, bias) and not (weight.requires_grad and torch.is_grad_enabled()):
+                return ops.linear(x, weight, bias)
             if torch.compiler.is_compiling() and x.is_cpu and not weight.requires_grad:  # a compiled / packaged
-                return ops.linear_bf16w_op(x, weight)  # step: the same native call, as a torch operator
+                y = ops.linear_bf16w_op(x, weight)  # step: the same native call, as a torch operator (the bias
+                return y if bias is None else y + bias  # added after the sum, as the native call adds it)
         weight = weight.float()
     if (rows and positions <= NATIVE_ROWS and weight.is_contiguous()
             and ops.usable(x, weight, bias)):  # ops.linear takes a contiguous weight and at least one row

@@ -97,28 +97,6 @@ def set_lm_head(model: nn.Module, precision: str, scale_dtype: torch.dtype | Non
     return model.lm_head
 
 
-def store_head_bf16(model: nn.Module) -> bool:
-    """For inference (loader.load_model(fuse=True)): store an fp32 CPU lm_head whose every value is a bf16 value
-    (a checkpoint shipped in bf16, as the Qwen3 / Qwen3.5 releases and the bundled models are) as a bf16 CastLinear.
-    The logits are the same bit for bit (ops.linear widens the bf16 weight in registers and sums as the fp32 call;
-    other paths multiply by weight.float(), the same matrix) and the head, at real vocabulary sizes the largest
-    matrix a step reads, streams half the bytes. Only where the native linear runs (else no gain); a tied head keeps
-    the embedding's fp32 matrix for lookups and gets its own bf16 copy. Returns whether the head was replaced."""
-    from specquant.kernels import ops
-
-    head = model.lm_head
-    if type(head) not in (Linear, nn.Linear) or head.bias is not None:
-        return False
-    w = head.weight.detach()
-    if w.dtype != torch.float32 or not w.is_cpu or ops.LIBRARY.library() is None:
-        return False
-    half = w.to(torch.bfloat16)
-    if not torch.equal(half.float(), w):
-        return False
-    model.lm_head = CastLinear(half)
-    return True
-
-
 def cut_rows(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
     """A module of head's kind computing head(x)[..., token_ids] (its own copy of those rows): a pruned draft head
     (spec_decode/drafters/pruned_head.py) or a pruned target vocabulary (quant/prune_vocab.py)."""

@@ -39,15 +39,16 @@ def draft_head(target: Transformer, head: str) -> nn.Module:
         raise SpecquantError(f"MTP head {head!r} is unknown; use one of {', '.join(HEADS)}")
     if head == "shared":
         return target.lm_head
-    from specquant.quant.head import W4_HEAD_GROUP, CastLinear, head_module
+    from specquant.quant.head import W4_HEAD_GROUP, head_module
 
-    if not isinstance(target.lm_head, (nn.Linear, CastLinear)):  # CastLinear: a bf16 head (quant.head)
+    if not isinstance(target.lm_head, nn.Linear):
         raise SpecquantError(f"MTP head {head!r} is made from the target's dense lm_head, but this target's head is "
                              f"a {type(target.lm_head).__name__}; use head 'shared'")
     hidden = target.config.hidden_size
     if head == "w4" and hidden % W4_HEAD_GROUP:
         raise SpecquantError(f"a w4 MTP head groups {W4_HEAD_GROUP} inputs, which does not divide hidden_size "
                              f"{hidden}; use head w8 or bf16")
+    # .to: a decoding target may hold its head in bf16 (model/bf16_store.py), as the exact values of the fp32 one
     return head_module(target.lm_head.weight.to(target.model.embed_tokens.weight.dtype), head,
                        target.model.embed_tokens.weight.dtype)
 
