@@ -11,13 +11,14 @@ from specquant.model.fuse import fuse_projections
 from specquant.model.modules import Linear
 from specquant.spec_decode.engine import generate
 
-pytestmark = pytest.mark.skipif(ops.LIBRARY.library() is None, reason="no native ops library: nothing is stored")
+needs_ops = pytest.mark.skipif(ops.LIBRARY.library() is None, reason="no native ops library: nothing is stored")
 
 
 def _linears(model):
     return [m for m in model.modules() if type(m) is Linear]
 
 
+@needs_ops
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["tiny-target", "tiny-hybrid"])
 def test_a_decoding_model_of_bf16_values_runs_bf16_weights_with_the_same_outputs(name):
@@ -42,6 +43,7 @@ def test_a_decoding_model_of_bf16_values_runs_bf16_weights_with_the_same_outputs
                                                                                      stop_on_eos=False).token_ids
 
 
+@needs_ops
 def test_weights_bf16_cannot_hold_stay_fp32_and_a_compiled_bf16_linear_is_the_eager_one():
     g = torch.Generator().manual_seed(0)
     layer = Linear(64, 40, bias=True)
@@ -57,3 +59,17 @@ def test_weights_bf16_cannot_hold_stay_fp32_and_a_compiled_bf16_linear_is_the_ea
         eager = layer(x)
         assert torch.equal(eager, ops.linear(x, layer.weight.float(), layer.bias))
         assert torch.equal(torch.compile(layer, fullgraph=True)(x), eager)
+
+
+def test_without_the_native_library_nothing_is_stored(monkeypatch):
+    """SPECQUANT_NATIVE=off: the widened copy each call would cost more than the bytes saved, so weights stay fp32."""
+    from specquant import kernels
+
+    monkeypatch.setenv("SPECQUANT_NATIVE", "off")
+    kernels.reset()
+    try:
+        model = load_model("tiny-target", fuse=True)
+        assert store_bf16(model) == 0 and all(m.weight.dtype == torch.float32 for m in _linears(model))
+    finally:
+        monkeypatch.delenv("SPECQUANT_NATIVE")
+        kernels.reset()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specquant.errors import SpecquantError
+from specquant.kernels import ops
 from specquant.loader import load_model
 from specquant.quant.checkpoint import save_quantized
 from specquant.quant.config import HEAD_PRECISIONS, QuantConfig
@@ -33,7 +34,8 @@ def test_bf16_head_on_fp32_activations_is_one_product_on_every_path(monkeypatch)
     got = head(x)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
-    assert torch.equal(torch.cat([head(x[:, i : i + 1]) for i in range(5)], 1), got)
+    if ops.LIBRARY.library() is not None:  # the native linear's rows are batch-invariant (F.linear's are not)
+        assert torch.equal(torch.cat([head(x[:, i : i + 1]) for i in range(5)], 1), got)
     long = torch.randn(1, NATIVE_ROWS + 1, 128, generator=g)
     assert torch.equal(head(long), torch.nn.functional.linear(long, head.weight.float()))
     monkeypatch.setenv("SPECQUANT_NATIVE", "off")
@@ -49,8 +51,6 @@ def test_bf16_head_on_fp32_activations_is_one_product_on_every_path(monkeypatch)
 def test_a_compiled_step_runs_the_bf16_head_as_the_native_operator():
     """Under torch.compile (and so in AOT packages) a bf16 head is one call of the native linear as a torch operator
     (specquant::linear_bf16w), no graph break and no fp32 copy of the matrix per step: the eager logits bit for bit."""
-    from specquant.kernels import ops
-
     if ops.LIBRARY.library() is None:
         pytest.skip(f"no native ops library here ({ops.LIBRARY.why()})")
     g = torch.Generator().manual_seed(4)

@@ -12,9 +12,9 @@ import os
 
 import torch
 
+from specquant.model.bf16_store import store_bf16
 from specquant.model.checkpoint import load_dense, parse_dtype, read_hf_config, resolve
 from specquant.model.decoder import Transformer
-from specquant.model.bf16_store import store_bf16
 from specquant.model.fuse import fuse_projections
 from specquant.quant.checkpoint import load_quantized_model
 from specquant.quant.prune_vocab import ATTRIBUTE, read_vocab_map
@@ -28,8 +28,9 @@ def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.
 
     fuse: fuse q/k/v and gate/up projections for decoding (model.fuse; the model can then not be saved or
     quantized), and store its dense fp32 weights that hold bf16 values as bf16 (model.bf16_store: the same
-    outputs, half the bytes). w4_activations: "float" (W4A16, the checkpoint's arithmetic) or "int8" (W4A8 on the native W4A8
-    kernel; kernels/w4a8.py), for a quantized checkpoint's 4-bit layers."""
+    outputs, half the bytes). w4_activations: "float" (W4A16, the checkpoint's arithmetic), "int8" (W4A8 on the
+    native W4A8 kernel; kernels/w4a8.py) or "auto" (the engines' default: int8 where that kernel runs), for a
+    quantized checkpoint's 4-bit layers."""
     dtype = parse_dtype(dtype)
     path = resolve(name_or_dir)
     hf = read_hf_config(path)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from specquant.model.bf16_store import store_bf16
 from specquant.model.checkpoint import read_config
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
-from specquant.model.bf16_store import store_bf16
 from specquant.model.fuse import fuse_projections
 from specquant.model.norms import ZeroCentredRMSNorm
 from specquant.quant.head import set_lm_head

@@ -22,7 +22,7 @@ HEAD_PRECISIONS = ("dense", "bf16", "w8", "w4")  # specquant.quant.head
 # arithmetic; int8 = W4A8 on the native W4A8 kernel (kernels/w4a8.py), GGUF's Q4_0 x Q8_0 and what llama.cpp runs
 # on CPUs; auto = int8 where that kernel runs (a CPU with the native library), else float. auto is the default of
 # targets and drafters alike (RuntimeConfig): its quality cost through the kl gate and its speed against W4A16 are
-# in docs/BENCH.md (Quantization quality; The decode step on AVX2). A drafter only proposes, so for it the
+# in docs/BENCH.md ("Quantization quality"; "W4A8, the default W4 path"). A drafter only proposes, so for it the
 # arithmetic can move the acceptance rate, never the output.
 W4_ACTIVATIONS = ("auto", "float", "int8")
 BUNDLED_CALIB = Path(__file__).resolve().parent.parent / "data" / "calib.txt"
