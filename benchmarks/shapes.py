@@ -299,7 +299,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="tiny-target,qwen3-0.6b,qwen3-1.7b",
                     help=f"comma-separated: {', '.join(SHAPES)}, or 'hybrid' (each Qwen3.5 shape beside its Qwen3)")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=None,
+                    help=f"comma-separated: {', '.join(MODES)} (default: all; w4a8 only where its kernel is built)")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--context", type=int, default=128, help="tokens in the KV cache before the timed steps")
     ap.add_argument("--reps", type=int, default=5)
@@ -315,6 +316,17 @@ def main():
                     help="also time the AOTInductor-packaged one-token step (decode.aot; built once per shape, mode "
                          "and thread count under $SPECQUANT_CACHE/compile/aot, 0.5-1 min each), after the eager rows")
     args = ap.parse_args()
+    w4a8_why = None if LIBRARIES["w4a8"].library() is not None else LIBRARIES["w4a8"].why()
+    if args.modes is None:
+        modes = [m for m in MODES if m != "w4a8" or w4a8_why is None]
+    else:
+        modes = args.modes.split(",")
+        for mode in modes:
+            if mode not in MODES:
+                raise SystemExit(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+            if mode == "w4a8" and w4a8_why is not None:
+                raise SystemExit(f"mode w4a8 needs the native W4A8 kernel, which is unavailable here ({w4a8_why}); "
+                                 "drop it from --modes")
     torch.set_num_threads(args.threads)
     rows = sorted({1, *(int(r) for r in args.rows.split(","))})
     bw = streamed_bandwidth()
@@ -333,7 +345,7 @@ def main():
         if shape not in SHAPES:
             raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(SHAPES)} or {', '.join(PRESETS)}")
         cfg = SHAPES[shape]()
-        for mode in args.modes.split(","):
+        for mode in modes:
             t0 = time.perf_counter()
             model = build(cfg, mode, args.lm_head)
             set_fold(model, args.attention != "reference")

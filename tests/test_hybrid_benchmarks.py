@@ -13,7 +13,8 @@ import torch
 from conftest import load_benchmark
 
 from specquant.bench.shapes import hybrid, random_model
-from specquant.kernels import ops
+from specquant import kernels
+from specquant.kernels import ops, w4a8
 
 
 @pytest.fixture()
@@ -41,23 +42,41 @@ def _run(module, argv, monkeypatch, capsys) -> tuple[str, dict]:
 
 
 def test_shapes_runs_hybrid_rows_beside_dense(bench, monkeypatch, capsys):
+    """Every mode's rows, the hybrid beside its dense shape; w4a8 where its kernel is built (SPECQUANT_NATIVE=off
+    leaves it out, and asking for it there is refused before any row runs: the next test)."""
     shapes = bench
-    out, res = _run(shapes, ["--shapes", "qwen3.5-tiny,qwen3-tiny", "--modes", "fp32,bf16,w4,w4a8", "--reps", "1",
+    modes = ("fp32", "bf16", "w4", "w4a8") if w4a8.FAMILY.library() is not None else ("fp32", "bf16", "w4")
+    out, res = _run(shapes, ["--shapes", "qwen3.5-tiny,qwen3-tiny", "--modes", ",".join(modes), "--reps", "1",
                              "--context", "8", "--rows", "1,2,16", "--threads", "1"], monkeypatch, capsys)
     rows = {(r["shape"], r["mode"]) for r in res["results"]}
-    assert rows == {(s, m) for s in ("qwen3.5-tiny", "qwen3-tiny") for m in ("fp32", "bf16", "w4", "w4a8")}
+    assert rows == {(s, m) for s in ("qwen3.5-tiny", "qwen3-tiny") for m in modes}
     hybrid = next(r for r in res["results"] if r["shape"] == "qwen3.5-tiny" and r["mode"] == "fp32")
     assert hybrid["beside"] == "qwen3-tiny" and set(hybrid["verify_steps"]) == {"2", "16"}
     assert hybrid["per_rows"]["1"]["rule_ms"] > 0  # the DeltaNet rule is timed apart
-    assert {(c["shape"], c["mode"]) for c in res["beside"]} == {("qwen3.5-tiny", m) for m in ("fp32", "bf16", "w4",
-                                                                                            "w4a8")}
+    assert {(c["shape"], c["mode"]) for c in res["beside"]} == {("qwen3.5-tiny", m) for m in modes}
     assert "beside qwen3-tiny: step time x" in out
-    for mode in ("w4", "w4a8"):  # the W4 hybrid rows have the same breakdown, the DeltaNet rule included
+    for mode in modes[2:]:  # the W4 hybrid rows have the same breakdown, the DeltaNet rule included
         w4 = next(r for r in res["results"] if r["shape"] == "qwen3.5-tiny" and r["mode"] == mode)
         assert w4["per_rows"]["1"]["rule_ms"] > 0 and w4["per_rows"]["1"]["linears_ms"] > 0
         assert w4["llama_cpp_gguf"] is None and 0 < w4["weight_bytes"] < hybrid["weight_bytes"]
     dense_w4 = next(r for r in res["results"] if r["shape"] == "qwen3-tiny" and r["mode"] == "w4")
     assert dense_w4["dense_layer_linears"] == []
+
+
+def test_shapes_refuses_what_it_cannot_run(bench, monkeypatch, capsys):
+    """An unknown mode, and w4a8 without its kernel, end in one line naming the mode, before any row is built."""
+    shapes = bench
+    with pytest.raises(SystemExit, match="unknown mode 'w5'; known: fp32, bf16, w4, w4a8"):
+        _run(shapes, ["--shapes", "qwen3-tiny", "--modes", "fp32,w5"], monkeypatch, capsys)
+    monkeypatch.setenv("SPECQUANT_NATIVE", "off")
+    kernels.reset()
+    try:
+        with pytest.raises(SystemExit, match="mode w4a8 needs the native W4A8 kernel.*SPECQUANT_NATIVE=off"):
+            _run(shapes, ["--shapes", "qwen3-tiny", "--modes", "w4,w4a8"], monkeypatch, capsys)
+        assert "streamed read bandwidth" not in capsys.readouterr().out  # refused before anything ran
+    finally:
+        monkeypatch.delenv("SPECQUANT_NATIVE")
+        kernels.reset()
 
 
 def test_w4_hybrid_quantizes_what_specquant_quantize_would(bench):
