@@ -112,21 +112,31 @@ def test_static_cache_matches_sliced(pair):
 
 
 def test_rollback_to_every_accepted_prefix(pair):
-    """Verify k+1 tokens in one forward, roll back to every j: the next logits equal a run that only saw j."""
+    """Verify k+1 tokens in one forward, roll back to every j: the next logits equal a run that only saw j, in the
+    same blocks. That run is the oracle (test_logits_prefill_token_by_token_and_chunked holds such runs to
+    transformers): against transformers directly, the gva case's weights amplify the rounding of the rollback's
+    state replay past 1e-4 on the reference ops (SPECQUANT_NATIVE=off: 1.1e-4, while its draft-free run is 9.6e-5
+    off and transformers' own fp32 is 4.8e-5 off its fp64)."""
     theirs, ours, _ = pair
     tokens = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(5))
+    drafts = torch.Generator().manual_seed(6)
     with torch.no_grad():
         expect = theirs(tokens).logits
         ours.setup_cache(1, 64, max_block=16)
         for j in range(0, 8):
+            ours.reset_cache()  # the run that only saw the accepted tokens
+            ours(tokens[:, :12], 0)
+            ours(tokens[:, 12 : 12 + j], 12) if j else None
+            clean = ours(tokens[:, 12 + j :], 12 + j)
+            assert max_diff(clean, expect[:, 12 + j :]) <= 2 * ATOL, j  # far from any real difference
             ours.reset_cache()
             ours(tokens[:, :12], 0)
-            ours(torch.randint(0, VOCAB, (1, 8)), 12)  # drafts, of which j are replaced by the true tokens below
+            ours(torch.randint(0, VOCAB, (1, 8), generator=drafts), 12)  # drafts, j of them replaced below
             ours.rollback(12)
             ours(tokens[:, 12 : 12 + j], 12) if j else None
-            ours(torch.randint(0, VOCAB, (1, 8 - j)), 12 + j)  # a second verify, then its own rollback
+            ours(torch.randint(0, VOCAB, (1, 8 - j), generator=drafts), 12 + j)  # a second verify, and its rollback
             ours.rollback(12 + j)
-            assert max_diff(ours(tokens[:, 12 + j :], 12 + j), expect[:, 12 + j :]) <= ATOL, j
+            assert max_diff(ours(tokens[:, 12 + j :], 12 + j), clean) <= ATOL, j
     ours.clear_cache()
 
 
