@@ -270,6 +270,26 @@ inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.0f / sqrtf(mean + eps);
 }
 
+// One head vector of norm_rope (below): o = RoPE(normalize ? x·rsqrt(mean x² + eps)·(w + offset) : x) on its
+// first rot dims (c / s: its position's rows of the tables), the rest as normalized; w null: no norm. x and o may
+// not overlap.
+inline void norm_rope_vector(const float* xv, float* o, int64_t d, const float* w, float offset, float eps,
+                             const float* c, const float* s, int64_t rot) {
+  if (w) {  // the normalized vector is built in place, then rotated from a copy of its first rot dims
+    const float inv = inv_rms(xv, d, eps);
+    for (int64_t i = 0; i < d; ++i) o[i] = (xv[i] * inv) * (w[i] + offset);
+  } else {
+    memcpy(o, xv, sizeof(float) * d);
+  }
+  if (rot) {
+    float rotated[1024];  // rot <= 1024, checked by the callers
+    memcpy(rotated, o, sizeof(float) * rot);
+    const int64_t half = rot / 2;
+    for (int64_t i = 0; i < half; ++i) o[i] = rotated[i] * c[i] + rotated[i + half] * s[i];
+    for (int64_t i = half; i < rot; ++i) o[i] = rotated[i] * c[i] + rotated[i - half] * s[i];
+  }
+}
+
 // One token's write into a K x 16 block of the state: S = d·S + k deltaᵀ. The one copy of this arithmetic, shared by
 // delta_step and delta_replay, so that a replayed state equals the stepped one bit for bit.
 SQ_INLINE void decay_write(float* s, int64_t kd, int64_t vd, const float* kv, float dec, const v16& delta) {
@@ -353,28 +373,12 @@ int specquant_norm_rope(const float* x, int64_t batch, int64_t t, int64_t heads,
   if (batch <= 0 || t <= 0 || heads <= 0 || d <= 0 || rot < 0 || rot > d || rot > 1024 || rot % 2 ||
       (normalize && w_rows <= 0))
     return 1;
-  const int64_t vectors = batch * t * heads, half = rot / 2;
+  const int64_t vectors = batch * t * heads;
 #pragma omp parallel for num_threads(threads) schedule(static) if (vectors * d >= (1 << 17) && threads > 1)
   for (int64_t n = 0; n < vectors; ++n) {
     const int64_t b = n / (t * heads), p = (n / heads) % t, h = n % heads;
-    const float* xv = x + b * sb + p * st + h * sh;
-    float* o = out + ((b * heads + h) * t + p) * d;
-    float* v = o;  // the normalized vector is built in place, then rotated from a copy of its first rot dims
-    if (normalize) {
-      const float* wh = w + (h % w_rows) * d;
-      const float inv = inv_rms(xv, d, eps);
-      for (int64_t i = 0; i < d; ++i) v[i] = (xv[i] * inv) * (wh[i] + offset);
-    } else {
-      memcpy(v, xv, sizeof(float) * d);
-    }
-    if (rot) {
-      float rotated[1024];  // rot <= 1024, checked above
-      memcpy(rotated, v, sizeof(float) * rot);
-      const float* c = cos + p * rot;
-      const float* s = sin + p * rot;
-      for (int64_t i = 0; i < half; ++i) o[i] = rotated[i] * c[i] + rotated[i + half] * s[i];
-      for (int64_t i = half; i < rot; ++i) o[i] = rotated[i] * c[i] + rotated[i - half] * s[i];
-    }
+    norm_rope_vector(x + b * sb + p * st + h * sh, out + ((b * heads + h) * t + p) * d, d,
+                     normalize ? w + (h % w_rows) * d : nullptr, offset, eps, cos + p * rot, sin + p * rot, rot);
   }
   return 0;
 }
@@ -506,6 +510,45 @@ int linear(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const f
   return 0;
 }
 
+// One projection of a decoder layer as specquant_decoder_layer runs it: y [m, n] = x [m, k]·wᵀ (+ bias), by kind
+//   0: linear (w fp32 [n, k]), 1: linear on a bf16 w, 2: a W4 family's GEMM (fn, with kernels/family.py's GEMM_ARGS:
+//   packed codes w, scales, group, bf16_scales), its bias added after the sum.
+// Each is the call the layer's module makes on its own (model.modules.dense_linear, quant/linear.py's native
+// backend), on the same thread rule, so every output is the same bit for bit.
+typedef int (*GemmFn)(const float* x, int64_t m, int64_t k, const void* packed, const void* scales, int64_t n,
+                      int64_t group, int bf16_scales, float* y, int threads);
+struct Projection {
+  int64_t kind, n, k, group, bf16_scales;
+  GemmFn fn;
+  const void* w;
+  const void* scales;
+  const float* bias;
+};
+
+// A dense decoder layer (model/decoder.py's DecoderLayer over model/attention.py's Attention, q/k/v and gate/up
+// fused): shapes, weights and constants, filled once by model/native_layer.py (its ctypes twin: kernels/ops.py).
+struct LayerPlan {
+  int64_t hidden, heads, kv_heads, head_dim, inter, rot, qk_norm_rows;  // qk_norm_rows 0: no q / k norm
+  int64_t min_parallel_macs;  // a W4 GEMM below this many multiply-adds runs on one thread (family.PARALLEL_MIN_MACS)
+  const float* input_norm;
+  const float* post_norm;
+  const float* qk_norm;  // [qk_norm_rows, head_dim]: a row per q head then per k head, or one row for every head
+  float norm_offset, norm_eps, qk_eps, scale;
+  Projection qkv, o, gate_up, down;
+};
+
+int project(const LayerPlan& L, const Projection& p, const float* x, int64_t m, float* y, int threads) {
+  if (p.kind == 0) return linear(x, m, p.k, static_cast<const float*>(p.w), p.n, p.bias, y, threads);
+  if (p.kind == 1) return linear(x, m, p.k, static_cast<const uint16_t*>(p.w), p.n, p.bias, y, threads);
+  if (p.kind != 2 || !p.fn) return 1;
+  const int status = p.fn(x, m, p.k, p.w, p.scales, p.n, p.group, static_cast<int>(p.bf16_scales), y,
+                          m * p.n * p.k >= L.min_parallel_macs ? threads : 1);
+  if (status || !p.bias) return status;
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < p.n; ++i) y[r * p.n + i] = y[r * p.n + i] + p.bias[i];
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -594,6 +637,60 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
     free(sbuf);
   }
   return status;
+}
+
+// A whole dense decoder layer for t positions in one call: x [batch, t, hidden] at positions q_pos.. -> out (same
+// shape), the sequence of calls the layer's modules make on their own in an eager fp32 step (DecoderLayer.forward):
+//   h = input_norm(x); y = qkv(h); q, k = norm_rope(y's q / k heads); k, v -> the cache at q_pos..q_pos+t-1;
+//   a = attention(q, cache); x2 = x + o(a), h = post_norm(x2); out = x2 + down(swiglu(gate_up(h))),
+// each by the same function on the same values, so every output is the modules' bit for bit (tested). The cache is a
+// full one (key j at position j): [batch, kv_heads, capacity, head_dim] buffers, batch / head strides kv_sb /
+// kv_sh. cos / sin [t, rot]: the positions' rows of the tables. work: rows x (3·hidden + qkv + 2·heads·head_dim
+// + 3·inter) floats (model/native_layer.py). Returns 0, 1 for a bad shape (or a projection's status), 2 from
+// attention.
+int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch, int64_t t, int64_t q_pos,
+                            const float* cos, const float* sin, float* cache_k, float* cache_v, int64_t kv_sb,
+                            int64_t kv_sh, int64_t capacity, float* work, float* out, int threads) {
+  const LayerPlan& L = *plan;
+  const int64_t H = L.hidden, d = L.head_dim, nq = L.heads, nkv = L.kv_heads, F = L.inter, rows = batch * t;
+  const int64_t width = (nq + 2 * nkv) * d;  // one row of the fused q / k / v projection
+  if (batch <= 0 || t <= 0 || q_pos < 0 || q_pos + t > capacity || nq % nkv || L.rot < 0 || L.rot > d ||
+      L.rot > 1024 || L.rot % 2 || L.qkv.n != width || L.qkv.k != H || L.o.k != nq * d || L.o.n != H ||
+      L.gate_up.k != H || L.gate_up.n != 2 * F || L.down.k != F || L.down.n != H)
+    return 1;
+  float* h = work;
+  float* y = h + rows * H;
+  float* q = y + rows * width;
+  float* a = q + rows * nq * d;
+  float* ob = a + rows * nq * d;
+  float* x2 = ob + rows * H;
+  float* gu = x2 + rows * H;
+  float* s = gu + rows * 2 * F;
+  int status = specquant_rms_norm(x, nullptr, nullptr, rows, H, H, L.input_norm, L.norm_offset, nullptr, L.norm_eps,
+                                  h, threads);
+  if (status || (status = project(L, L.qkv, h, rows, y, threads))) return status;
+  const int64_t vectors = rows * (nq + nkv);
+#pragma omp parallel for num_threads(threads) schedule(static) if (vectors * d >= (1 << 17) && threads > 1)
+  for (int64_t n = 0; n < vectors; ++n) {  // q heads into q [batch, heads, t, d], k heads into the cache
+    const int64_t b = n / (t * (nq + nkv)), p = (n / (nq + nkv)) % t, hh = n % (nq + nkv);
+    float* o = hh < nq ? q + ((b * nq + hh) * t + p) * d : cache_k + b * kv_sb + (hh - nq) * kv_sh + (q_pos + p) * d;
+    const float* w = L.qk_norm_rows ? L.qk_norm + (hh % L.qk_norm_rows) * d : nullptr;
+    norm_rope_vector(y + (b * t + p) * width + hh * d, o, d, w, 0.0f, L.qk_eps, cos + p * L.rot, sin + p * L.rot,
+                     L.rot);
+  }
+  for (int64_t r = 0; r < rows; ++r)  // v as it is
+    for (int64_t j = 0; j < nkv; ++j)
+      memcpy(cache_v + (r / t) * kv_sb + j * kv_sh + (q_pos + r % t) * d, y + r * width + (nq + nkv + j) * d,
+             sizeof(float) * d);
+  status = specquant_attention(q, batch, nq, t, d, nq * t * d, t * d, d, cache_k, cache_v, nkv, q_pos + t, kv_sb,
+                               kv_sh, q_pos, 0, 0, L.scale, a, threads);
+  if (status || (status = project(L, L.o, a, rows, ob, threads))) return status;
+  status = specquant_rms_norm(x, ob, x2, rows, H, H, L.post_norm, L.norm_offset, nullptr, L.norm_eps, h, threads);
+  if (status || (status = project(L, L.gate_up, h, rows, gu, threads))) return status;
+  if ((status = specquant_swiglu(gu, rows, F, s, threads)) || (status = project(L, L.down, s, rows, out, threads)))
+    return status;
+  for (int64_t i = 0; i < rows * H; ++i) out[i] = x2[i] + out[i];
+  return 0;
 }
 
 }  // extern "C"

@@ -15,6 +15,9 @@
   linear        x·wᵀ (+ b) for the few fp32 rows of a decode / verify      F.linear (a bf16 w: F.linear
                 step, rows batch- and thread-invariant; w fp32 or bf16     on w widened to fp32)
                 (widened exactly in registers: half the bytes streamed)
+  decoder_layer a whole dense decoder layer (norms, fused projections on     the layer's modules, each
+                their own kernels, q/k norm + RoPE, K/V cache write,       making the calls above itself
+                attention, SwiGLU, residuals) in one call                  (model/native_layer.py)
 
 Why: a one-row eager step runs each of these as 4-10 torch ops of 2-5 us each (dispatch, not arithmetic), and
 torch's CPU flash-attention kernel spends about 200 us per layer on one query over 128 cached keys; the profile and
@@ -57,6 +60,8 @@ FUNCTIONS = {
     "specquant_delta_gates": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
     "specquant_attention": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
                             _I64, _I64, _I64, _F32, _PTR, _INT],
+    "specquant_decoder_layer": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR,
+                                _INT],
 }
 LIBRARY = Library("ops", VARIANTS, FUNCTIONS)
 
@@ -296,3 +301,51 @@ def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     out = F.scaled_dot_product_attention(q, keys[:, :, :k_len], values[:, :, :k_len], attn_mask=mask,
                                          enable_gqa=keys.shape[1] != q.shape[1], scale=scale)
     return out.transpose(1, 2).contiguous()
+
+
+class Projection(ctypes.Structure):
+    """ops.cpp's Projection: one fused projection of a decoder_layer plan. kind 0: fp32 weight [n, k] (linear),
+    1: bf16 weight, 2: a W4 family's GEMM `fn` (kernels/family.py GEMM_ARGS) on packed codes `w` and `scales`."""
+    _fields_ = [("kind", _I64), ("n", _I64), ("k", _I64), ("group", _I64), ("bf16_scales", _I64), ("fn", _PTR),
+                ("w", _PTR), ("scales", _PTR), ("bias", _PTR)]
+
+
+class LayerPlan(ctypes.Structure):
+    """ops.cpp's LayerPlan: a dense decoder layer's shapes, weights and constants (model/native_layer.py fills it)."""
+    _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("inter", _I64),
+                ("rot", _I64), ("qk_norm_rows", _I64), ("min_parallel_macs", _I64), ("input_norm", _PTR),
+                ("post_norm", _PTR), ("qk_norm", _PTR), ("norm_offset", _F32), ("norm_eps", _F32), ("qk_eps", _F32),
+                ("scale", _F32), ("qkv", Projection), ("o", Projection), ("gate_up", Projection),
+                ("down", Projection)]
+
+
+def dense_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Projection | None:
+    """The Projection of a dense fp32 or bf16 weight [n, k] (what `linear` takes), or None for another one."""
+    if (weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous() or not weight.is_cpu
+            or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()))):
+        return None
+    return Projection(kind=0 if weight.dtype is torch.float32 else 1, n=weight.shape[0], k=weight.shape[1],
+                      w=weight.data_ptr(), bias=None if bias is None else bias.data_ptr())
+
+
+def layer_work(plan: LayerPlan, rows: int) -> int:
+    """Floats of scratch a decoder_layer call of this many rows (batch x positions) needs."""
+    width = (plan.heads + 2 * plan.kv_heads) * plan.head_dim
+    return rows * (3 * plan.hidden + width + 2 * plan.heads * plan.head_dim + 3 * plan.inter)
+
+
+def decoder_layer(plan: LayerPlan, x: torch.Tensor, q_pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, work: torch.Tensor,
+                  variant: Variant | None = None) -> torch.Tensor:
+    """A dense decoder layer's step in one call (ops.cpp specquant_decoder_layer): x [b, t, hidden] contiguous at
+    positions q_pos.. -> the layer's output, writing its k, v into keys / values [b, kv_heads, capacity, d] (a full
+    cache's buffers) at q_pos..; cos / sin [t, rot] contiguous; work at least layer_work(plan, b * t) floats. The
+    caller holds every tensor the plan points at."""
+    b, t, _ = x.shape
+    out = torch.empty_like(x)
+    status = LIBRARY.lib_for(variant).specquant_decoder_layer(
+        ctypes.addressof(plan), x.data_ptr(), b, t, q_pos, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+        values.data_ptr(), keys.stride(0), keys.stride(1), keys.shape[2], work.data_ptr(), out.data_ptr(),
+        torch.get_num_threads())
+    _check(status, "decoder_layer", lambda: f"x {tuple(x.shape)} at {q_pos}, cache {tuple(keys.shape)}")
+    return out

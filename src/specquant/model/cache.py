@@ -172,6 +172,15 @@ class KVCache(Cache):
             mask &= kpos > qpos - self.window
         return self.k, self.v, mask
 
+    def claim(self, start: int, t: int) -> None:
+        """Record a write of t positions at start into a full cache (the caller writes them: update, or a native
+        layer step, model/native_layer.py), after checking that it leaves no gap and fits."""
+        end = start + t
+        assert start <= self.length, f"write at position {start} leaves a gap after {self.length} cached positions"
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; asked to write up to {end}")
+        self.length = end
+
     def key_start(self, start: int) -> int:
         """Position of the first key `update(start, ...)` returns: 0, or the window's start for a ring."""
         return 0 if self.window is None else max(0, start - self.window + 1)
@@ -184,14 +193,13 @@ class KVCache(Cache):
         """
         t = k.shape[2]
         end = start + t
-        assert start <= self.length, f"write at position {start} leaves a gap after {self.length} cached positions"
-        self.length = end
         if self.window is None:
-            if end > self.capacity:
-                raise ValueError(f"KV cache holds {self.capacity} positions; asked to write up to {end}")
+            self.claim(start, t)
             self.k[:, :, start:end] = k
             self.v[:, :, start:end] = v
             return self.k[:, :, :end], self.v[:, :, :end], 0
+        assert start <= self.length, f"write at position {start} leaves a gap after {self.length} cached positions"
+        self.length = end
         if t > self.capacity - self.window + 1:
             raise ValueError(f"block of {t} tokens exceeds the ring cache's block limit")
         slots = torch.arange(start, end, device=k.device) % self.capacity

@@ -27,6 +27,7 @@ from torch import nn
 from specquant.model.attention import FOLD_MAX_ROWS, FOLD_MIN_ROWS, Attention, attention_mask
 from specquant.model.cache import Cache, KVCache
 from specquant.model.config import DEFAULT_LAYER_TYPE, ModelConfig
+from specquant.model import native_layer
 from specquant.model.layers import LAYER_KINDS, layer_kinds
 from specquant.model.modules import MLP, SMALL_MIN_WEIGHT, SMALL_ROWS, Linear, RMSNorm, add_norm, make_norm
 from specquant.model.rope import rope_tables
@@ -54,6 +55,10 @@ class DecoderLayer(nn.Module):
         return self._modules[self.mixer_attr]
 
     def forward(self, x, cos, sin, start_pos, input_pos=None, plan=None, tree: TreeLayout | None = None):
+        if tree is None and input_pos is None:  # the whole layer in one native call where it runs (native_layer.py)
+            out = native_layer.step(self, x, cos, sin, start_pos)
+            if out is not None:
+                return out
         # the residual add and the second norm in one call where kernels.ops runs them (modules.add_norm)
         h = self.input_layernorm(x)
         mixed = (self.mixer(h, cos, sin, start_pos, input_pos, plan) if tree is None

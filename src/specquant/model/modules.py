@@ -100,6 +100,18 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias)
 
+    def native_key(self) -> tuple | None:
+        """What native_projection's pointers depend on, or None where this product would not run natively
+        (model/native_layer.py asks before each call)."""
+        w, b = self.weight, self.bias
+        if w.requires_grad and torch.is_grad_enabled():
+            return None
+        return w.data_ptr(), w.dtype, None if b is None else b.data_ptr()
+
+    def native_projection(self) -> ops.Projection | None:
+        """This product as one projection of a native layer step: the kernels.ops.linear call dense_linear makes."""
+        return ops.dense_projection(self.weight, self.bias)
+
     @classmethod
     def concat(cls, mods: list["Linear"]) -> "Linear | None":
         """One Linear computing cat([m(x) for m in mods], -1) (model.fuse), or None when they cannot be fused."""

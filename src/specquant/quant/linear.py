@@ -43,6 +43,7 @@ measurement); a native backend runs its family's best variant for this CPU (kern
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import logging
@@ -54,8 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specquant.errors import SpecquantError
-from specquant.kernels import FAMILIES, TILE, w4a8
-from specquant.model.modules import dense_linear
+from specquant.kernels import FAMILIES, TILE, ops, w4a8
+from specquant.model.modules import NATIVE_ROWS, dense_linear
 from specquant.quant.config import W4_ACTIVATIONS
 from specquant.quant.grid import dequantize
 from specquant.quant.pack import pack_codes, packed_cols, unpack_codes
@@ -182,6 +183,26 @@ class QuantLinear(nn.Module):
             name = self._cache[key] = resolve_backend(self, x)
         return BACKENDS[name].forward(self, x)
 
+    # A native layer step (model/native_layer.py) runs this layer's GEMM itself when, for the few fp32 CPU rows it
+    # takes (fewer than LARGE_ROWS), forward has chosen the native W4A8 backend and prepared its layout: the same
+    # kernel on the same pointers, its bias added after, as _native_forward does.
+    def native_key(self) -> tuple | None:
+        name = self._cache.get(("backend", self.backend, self.activations, torch.float32, "cpu", False))
+        prepared = self._cache.get(("native", "w4a8"))
+        if name != "native_w4a8" or prepared is None or self.native_layout != "w4a8" or (
+                self.bias is not None and self.bias.dtype is not torch.float32):
+            return None
+        return prepared[0].data_ptr(), prepared[1].data_ptr(), None if self.bias is None else self.bias.data_ptr()
+
+    def native_projection(self) -> ops.Projection | None:
+        if self.native_key() is None:
+            return None
+        packed, scales = self._cache[("native", "w4a8")]
+        fn = ctypes.cast(FAMILIES["w4a8"].lib_for().specquant_w4a8_gemm, ctypes.c_void_p).value
+        return ops.Projection(kind=2, n=packed.shape[0] * TILE, k=self.in_features, group=self.group_size,
+                              bf16_scales=int(scales.dtype == torch.bfloat16), fn=fn, w=packed.data_ptr(),
+                              scales=scales.data_ptr(), bias=None if self.bias is None else self.bias.data_ptr())
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, symmetric={self.symmetric}, backend={self.backend}"
@@ -231,6 +252,7 @@ def _dequant_cached(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 INT4PACK_GROUPS = (32, 64, 128, 256)
 LARGE_ROWS = 128  # auto: from this many rows on, dequantize per call + dense GEMM beats the int4 kernel
+assert LARGE_ROWS > NATIVE_ROWS  # native_key reads the backend chosen for fewer rows: the native layer step's
 INT4PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

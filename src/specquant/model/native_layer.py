@@ -1,0 +1,121 @@
+"""A dense decoder layer's eager fp32 CPU step as one native call (kernels/ops.py decoder_layer).
+
+Why: a decode step's layer is some twenty Python-level calls (module calls, views, the cache's slice writes, a
+ctypes call per op, each 10-25 us of wrapper around a few us of work), which is most of a small model's step and a
+fifth of a 1.7B one's; llama.cpp runs the same layer as one graph. Here the layer's modules describe themselves once
+(a plan of pointers: kernels/ops.py LayerPlan) and the step is one call that makes the same native calls in the same
+order on the same values, so its output is the modules' bit for bit (tests/test_native_layer.py) and a verify row
+still equals the one-row step. The speed is in docs/BENCH.md ("One native call per layer").
+
+It runs where the modules would run every op natively anyway: a DecoderLayer over Attention (not the gated or
+DeltaNet kinds) with q/k/v and gate/up fused, a full sliced K/V cache (not a ring, not the static layout), an fp32
+CPU input of up to NATIVE_ROWS rows, no gradient, not compiling, no module hooks, and projections that can describe
+themselves (`native_projection`: dense fp32 / bf16 Linear, W4A8 QuantLinear). Anything else returns None and the
+layer runs its modules. `ENABLED = False` turns it off (the A/B in benchmarks/native_layer.py and the tests).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.nn.modules import module as torch_module
+
+from specquant.kernels import ops
+from specquant.kernels.family import PARALLEL_MIN_MACS  # a W4 GEMM's one-thread bound, as family.run_gemm's
+from specquant.model.attention import Attention
+from specquant.model.cache import KVCache
+from specquant.model.modules import NATIVE_ROWS, RMSNorm
+from specquant.model.norms import ZeroCentredRMSNorm
+
+ENABLED = True
+NORMS = (RMSNorm, ZeroCentredRMSNorm)  # the layer norms whose forward is ops.rms_norm with their `offset`
+_work = threading.local()  # one scratch tensor per thread, grown to the largest call: layers run one at a time
+
+
+class _Plan:
+    """A layer's LayerPlan and the key of the tensors it points at (rebuilt when one of them moves)."""
+
+    __slots__ = ("key", "plan", "keep")
+
+    def __init__(self, key: tuple, plan: ops.LayerPlan, keep: tuple):
+        self.key, self.plan, self.keep = key, plan, keep
+
+
+def _hooked(mods) -> bool:
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks for m in mods)
+
+
+def _key(layer, attn: Attention, mlp) -> tuple | None:
+    """What the plan depends on: each projection's native_key (None: it cannot describe itself), the norms'."""
+    keys = []
+    for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        fn = getattr(p, "native_key", None)
+        k = None if fn is None else fn()
+        if k is None:
+            return None
+        keys.append(k)
+    w = attn.qk_norm_weight
+    return (*keys, layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+            None if w is None else w.data_ptr())
+
+
+def _build(layer, attn: Attention, mlp, key: tuple, x: torch.Tensor, cos: torch.Tensor) -> _Plan | None:
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(n) not in NORMS for n in norms) or any(n.weight.dtype is not torch.float32 or not n.weight.is_contiguous() or n.offset != norms[0].offset
+           or n.eps != norms[0].eps for n in norms):
+        return None
+    qk = attn.qk_norm_weight
+    if qk is not None and (qk.dtype is not torch.float32 or not qk.is_contiguous()):
+        return None
+    projections = []
+    for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        proj = p.native_projection()
+        if proj is None:
+            return None
+        projections.append(proj)
+    d = attn.head_dim
+    plan = ops.LayerPlan(
+        hidden=x.shape[-1], heads=attn.n_heads, kv_heads=attn.n_kv, head_dim=d, inter=projections[3].k,
+        rot=cos.shape[-1], qk_norm_rows=0 if qk is None else qk.numel() // d, min_parallel_macs=PARALLEL_MIN_MACS,
+        input_norm=norms[0].weight.data_ptr(),
+        post_norm=norms[1].weight.data_ptr(), qk_norm=None if qk is None else qk.data_ptr(),
+        norm_offset=norms[0].offset, norm_eps=norms[0].eps, qk_eps=attn.eps, scale=d ** -0.5,
+        qkv=projections[0], o=projections[1], gate_up=projections[2], down=projections[3])
+    return _Plan(key, plan, (qk, *(n.weight for n in norms)))
+
+
+def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int) -> torch.Tensor | None:
+    """The layer's output for x [b, t, hidden] at start_pos by one native call (writing its k, v into the cache),
+    or None where the module docstring's conditions do not hold (nothing written: the caller runs the modules)."""
+    if not ENABLED or x.dtype is not torch.float32 or x.dim() != 3 or not x.is_contiguous():
+        return None
+    b, t, _ = x.shape
+    attn = layer._modules.get("self_attn")
+    if type(attn) is not Attention or b * t > NATIVE_ROWS or not ops.usable(x, cos, sin):
+        return None
+    cache, mlp = attn.cache, layer.mlp
+    if (type(cache) is not KVCache or cache.static or cache.window is not None or attn.qkv_proj is None
+            or mlp.gate_up_proj is None or not cache.k.is_contiguous() or cache.k.dtype is not torch.float32
+            or not cos.is_contiguous() or not sin.is_contiguous()):
+        return None
+    mods = (attn, mlp, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, layer.input_layernorm,
+            layer.post_attention_layernorm)
+    if _hooked(mods):
+        return None
+    key = _key(layer, attn, mlp)
+    if key is None:
+        return None
+    held = layer.__dict__.get("_native_plan")
+    if held is None or held.key != key:
+        held = _build(layer, attn, mlp, key, x, cos)
+        if held is None:
+            return None
+        layer.__dict__["_native_plan"] = held
+    need = ops.layer_work(held.plan, b * t)
+    work = getattr(_work, "tensor", None)
+    if work is None or work.numel() < need:
+        work = _work.tensor = torch.empty(need, dtype=torch.float32)
+    cache.claim(start_pos, t)
+    return ops.decoder_layer(held.plan, x, start_pos, cos, sin, cache.k, cache.v, work)

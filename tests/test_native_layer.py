@@ -1,0 +1,171 @@
+"""model/native_layer.py: a dense decoder layer's step as one native call equals the layer's modules bit for bit
+(prefill blocks, decode steps, verify blocks, rollbacks, a batch), on dense fp32, bf16-stored and W4A8 weights, with
+and without q/k norms and biases, on every ops variant this CPU runs; and it stands aside (the modules run, nothing
+written twice) wherever its conditions do not hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import need_kernel
+
+from specquant.bench.shapes import build, random_model
+from specquant.kernels import ops, w4a8
+from specquant.loader import load_model
+from specquant.model import native_layer
+from specquant.model.bf16_store import store_bf16
+from specquant.model.config import ModelConfig
+from specquant.model.fuse import fuse_projections
+
+pytestmark = pytest.mark.skipif(ops.LIBRARY.library() is None, reason="the native ops library is unavailable here")
+
+
+def _cfg(**over) -> ModelConfig:
+    base = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, vocab_size=300)
+    return ModelConfig(**{**base, **over})
+
+
+def _perturb_norms(model, seed: int = 3):
+    """Norm weights away from one, so a wrong weight row or offset shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.qk_norm_weight):
+                if w is not None:
+                    w.copy_(1 + 0.3 * torch.randn(w.shape, generator=gen))
+    return model
+
+
+def _dense(cfg: ModelConfig) -> torch.nn.Module:
+    model = random_model(cfg).eval()
+    fuse_projections(model)
+    return _perturb_norms(model)
+
+
+def _run(model, tokens: torch.Tensor, enabled: bool) -> list[torch.Tensor]:
+    """Prefill, decode steps, a verify block, a rollback into it and a second verify: every output."""
+    native_layer.ENABLED = enabled
+    try:
+        with torch.inference_mode():
+            model.setup_cache(tokens.shape[0], 96)
+            outs = [model(tokens[:, :20], 0)]
+            outs += [model(tokens[:, i : i + 1], i) for i in range(20, 24)]
+            outs.append(model(tokens[:, 24:32], 24))
+            model.rollback(27)
+            outs.append(model(tokens[:, 27:33], 27))
+            outs.append(model(tokens[:, 33:34], 33))
+        return outs
+    finally:
+        native_layer.ENABLED = True
+
+
+def _assert_same(model, batch: int = 1, planned: bool = True):
+    tokens = torch.randint(0, model.config.vocab_size, (batch, 40), generator=torch.Generator().manual_seed(1))
+    for layer in model.model.layers:
+        layer.__dict__.pop("_native_plan", None)
+    ref = _run(model, tokens, enabled=False)
+    assert not any("_native_plan" in layer.__dict__ for layer in model.model.layers)
+    got = _run(model, tokens, enabled=True)
+    assert all("_native_plan" in layer.__dict__ for layer in model.model.layers) == planned
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), (i, float((a - b).abs().max()))
+
+
+@pytest.mark.parametrize("over", [{}, dict(qk_norm=False, qkv_bias=True, o_bias=True), dict(num_key_value_heads=4),
+                                  dict(head_dim=48, partial_rotary_factor=0.5)], ids=["qwen3", "qwen2-bias", "mha", "partial-rope"])
+def test_dense_fp32_layer_equals_modules(over):
+    _assert_same(_dense(_cfg(**over)))
+
+
+def test_batch_of_two_equals_modules():
+    _assert_same(_dense(_cfg()), batch=2)
+
+
+def test_bf16_stored_layer_equals_modules():
+    model = random_model(_cfg(), torch.bfloat16).float().eval()
+    fuse_projections(model)
+    assert store_bf16(model) > 0
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16
+    _assert_same(_perturb_norms(model))
+
+
+def test_w4a8_layer_equals_modules():
+    need_kernel(w4a8.FAMILY)
+    model = build(_cfg(), "w4a8", "bf16")
+    _assert_same(_perturb_norms(model))
+
+
+def test_bundled_target_greedy_tokens_unchanged():
+    """tiny-target as the engines load it: the same logits on every step, so the same greedy tokens."""
+    _assert_same(load_model("tiny-target", fuse=True))
+
+
+@pytest.mark.parametrize("variant", ops.LIBRARY.supported_variants(), ids=lambda v: v.name)
+def test_every_ops_variant_equals_its_own_modules(variant, monkeypatch):
+    """SPECQUANT_NATIVE names one ops variant: the layer call and the modules' calls both run it."""
+    from specquant import kernels
+
+    monkeypatch.setenv("SPECQUANT_NATIVE", f"{variant.name},portable")
+    kernels.reset()
+    try:
+        if ops.LIBRARY.variant() is None or ops.LIBRARY.variant().name != variant.name:
+            pytest.skip(f"ops variant {variant.name} does not build here: {ops.LIBRARY.why()}")
+        _assert_same(_dense(_cfg()))
+    finally:
+        monkeypatch.delenv("SPECQUANT_NATIVE")
+        kernels.reset()
+
+
+def test_stands_aside_where_it_cannot_run():
+    """A ring cache (a window), the static layout, a module hook, W4 float activations: the modules run."""
+    model = _dense(_cfg())
+    tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        model.setup_cache(1, 96, window=16)
+        model(tokens[:, :8], 0)
+        assert not any("_native_plan" in layer.__dict__ for layer in model.model.layers)
+        model.setup_cache(1, 96, static=True)
+        model(tokens[:, :8], 0)
+        assert not any("_native_plan" in layer.__dict__ for layer in model.model.layers)
+    calls = []
+    handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        _assert_same(model, planned=False)  # layer 0 runs natively, layer 1 (hooked) its modules
+        assert calls and "_native_plan" in model.model.layers[0].__dict__
+        assert "_native_plan" not in model.model.layers[1].__dict__
+    finally:
+        handle.remove()
+    need_kernel(w4a8.FAMILY)
+    from specquant.quant.linear import set_w4_activations
+
+    w4 = build(_cfg(), "w4a8", "bf16")
+    set_w4_activations(w4, "float")
+    _assert_same(w4, planned=False)
+
+
+def test_plan_follows_moved_weights():
+    """A weight replaced after a step (a new tensor, not an in-place change) is read by the next step."""
+    model = _dense(_cfg())
+    tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _run(model, tokens, enabled=True)
+        layer = model.model.layers[0]
+        old = layer.__dict__["_native_plan"]
+        layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight * 2, requires_grad=False)
+        layer.input_layernorm.weight.data = layer.input_layernorm.weight.data * 0.5
+    _assert_same(model)
+    assert layer.__dict__["_native_plan"] is not old
+
+
+def test_off_switch_leaves_the_modules(monkeypatch):
+    from specquant import kernels
+
+    monkeypatch.setenv("SPECQUANT_NATIVE", "off")
+    kernels.reset()
+    try:
+        _assert_same(_dense(_cfg()), planned=False)
+    finally:
+        monkeypatch.delenv("SPECQUANT_NATIVE")
+        kernels.reset()
