@@ -20,7 +20,9 @@ cache as the decoder runs it (kernels.ops.attention for fp32 CPU steps of up to 
 SDPA with the model's mask); `rule` (hybrids) = the gated delta rule per DeltaNet layer on T rows from a state of
 the layer's shape, keeping the per-token deltas as a verify does (model/gated_delta.py: the recurrent form for one
 token, the chunked form for more); `lm_head` = the head on T rows; `rest` = step minus those (norms, RoPE, the
-causal conv, cache writes and the DeltaNet rollback record, embedding, Python).
+causal conv, cache writes and the DeltaNet rollback record, embedding, Python). A dense layer's step runs as one
+native call where it can (model/native_layer.py, as in the engines); `--layer modules` runs every layer on its
+modules instead, and `--layer ab` times that step too, interleaved, in a second row.
 
 Memory: a model is built directly in its dtype (the 4B hybrid is ~17 GB in fp32, ~8.5 GB in bf16), so a bf16 row never
 holds an fp32 copy. A W4 row is built in bf16 too and quantized from it (what `specquant quantize` reads from a bf16
@@ -50,7 +52,7 @@ the DeltaNet in_proj_a / in_proj_b, which ours keeps dense).
 
 Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b | hybrid] [--modes fp32,bf16,w4,w4a8]
        [--rows 1,2,4,8,16] [--context 128] [--reps 5] [--threads N] [--lm-head dense] [--llama-cpp DIR]
-       [--attention auto|reference|ab] [--aot]
+       [--attention auto|reference|ab] [--layer native|modules|ab] [--aot]
 A table, then one JSON line.
 """
 
@@ -70,6 +72,7 @@ import torch
 from specquant.bench.shapes import BESIDE, MODES, PRESETS, SHAPES, build, gguf_path, gguf_weights
 from specquant.kernels import LIBRARIES, ops
 from specquant.model.attention import NATIVE_MAX_ROWS, Attention
+from specquant.model import native_layer
 from specquant.model.decoder import Transformer
 from specquant.model.deltanet import GatedDeltaNet
 from specquant.model.gated_delta import gated_delta_rule, l2_normalize
@@ -137,7 +140,17 @@ def reference_step(model: Transformer, tokens: torch.Tensor, context: int):
     set_fold(model, True)
 
 
-def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bool = False) -> dict:
+def modules_step(model: Transformer, tokens: torch.Tensor, context: int):
+    """One step with every layer on its modules (--layer ab: timed interleaved with the native layer step)."""
+    native_layer.ENABLED = False
+    try:
+        model(tokens, context)
+    finally:
+        native_layer.ENABLED = True
+
+
+def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bool = False,
+            layer_ab: bool = False) -> dict:
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype
     gen = torch.Generator().manual_seed(1)
@@ -177,6 +190,8 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bo
         parts["rule"] = rule
     if ab:
         parts["reference_step"] = lambda t: reference_step(model, toks[t], context)
+    if layer_ab:
+        parts["modules_step"] = lambda t: modules_step(model, toks[t], context)
     samples = {(p, t): [] for p in parts for t in rows}
     with torch.inference_mode():
         for fn in parts.values():  # warm-up: backend choices, repacks, allocator
@@ -197,6 +212,8 @@ def measure(model: Transformer, rows: list[int], context: int, reps: int, ab: bo
                   "rest_ms": (med["step"] - med["linears"] - med["attention"] - rule_s - med["lm_head"]) * 1e3}
         if ab:
             res[t]["reference_ms"] = med["reference_step"] * 1e3
+        if layer_ab:
+            res[t]["modules_ms"] = med["modules_step"] * 1e3
     model.clear_cache()
     return res
 
@@ -311,6 +328,10 @@ def main():
                     help="auto: the decoder's rule (folded few-query attention where it measured faster); "
                     "reference: SDPA with enable_gqa everywhere (Attention.fold_enabled = False); ab: auto, plus "
                     "the reference step timed interleaved with it (a second row, 'reference')")
+    ap.add_argument("--layer", default="native", choices=["native", "modules", "ab"],
+                    help="native: a dense layer's step in one native call where it runs (model/native_layer.py, what "
+                    "the engines run); modules: every layer on its modules (native_layer.ENABLED = False); ab: "
+                    "native, plus the modules' step timed interleaved with it (a second row, 'modules')")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp directory with llama-bench")
     ap.add_argument("--aot", action="store_true",
                     help="also time the AOTInductor-packaged one-token step (decode.aot; built once per shape, mode "
@@ -350,7 +371,8 @@ def main():
             model = build(cfg, mode, args.lm_head)
             set_fold(model, args.attention != "reference")
             build_s = time.perf_counter() - t0
-            res = measure(model, rows, args.context, args.reps, ab=args.attention == "ab")
+            native_layer.ENABLED = args.layer != "modules"
+            res = measure(model, rows, args.context, args.reps, ab=args.attention == "ab", layer_ab=args.layer == "ab")
             floor = {t: step_bytes(model, args.context, t) / (bw * 1e9) * 1e3 for t in rows}
             one = res[1]
             lc = llama_bench(args.llama_cpp, shape, mode, rows)
@@ -393,6 +415,14 @@ def main():
                 row["reference_verify_steps"] = {t: ref[t] / ref[1] for t in rows if t > 1}
                 print(f"{'  reference':<12} {mode:<5} {row['reference_decode_tok_s']:7.1f} {'':>7} "
                       + " ".join(f"{row['reference_verify_steps'][t]:6.2f}" for t in rows if t > 1), flush=True)
+            if args.layer == "ab":
+                mod = {t: res[t]["modules_ms"] for t in rows}
+                row["modules_decode_tok_s"] = 1e3 / mod[1]
+                row["modules_verify_steps"] = {t: mod[t] / one["ms"] for t in rows if t > 1}
+                print(f"{'  modules':<12} {mode:<5} {row['modules_decode_tok_s']:7.1f} {'':>7} "
+                      + " ".join(f"{row['modules_verify_steps'][t]:6.2f}" for t in rows if t > 1)
+                      + f"  (every layer on its modules; native layer step x{mod[1] / one['ms']:.2f} faster at one "
+                      "row, vT here in native one-row steps)", flush=True)
             del model
     comparisons = beside_ratios(results)
     for c in comparisons:
@@ -403,7 +433,7 @@ def main():
           "lin/attn/rule/head/rest = 1-row ms; v4 = the same parts at 4 rows; 'beside': hybrid / Qwen3 step time "
           "in ms (below 1: the hybrid step is cheaper)")
     print(json.dumps({"benchmark": "shapes", "bandwidth_gb_s": bw, "threads": args.threads, "context": args.context,
-                      "reps": args.reps, "attention": args.attention, "load_avg": os.getloadavg()[0],
+                      "reps": args.reps, "attention": args.attention, "layer": args.layer, "load_avg": os.getloadavg()[0],
                       "openmp_wait": openmp_wait(),
                       "kernels": kernels,
                       "torch": torch.__version__,

@@ -64,11 +64,11 @@ def _run(model, tokens: torch.Tensor, enabled: bool) -> list[torch.Tensor]:
 def _assert_same(model, batch: int = 1, planned: bool = True):
     tokens = torch.randint(0, model.config.vocab_size, (batch, 40), generator=torch.Generator().manual_seed(1))
     for layer in model.model.layers:
-        layer.__dict__.pop("_native_plan", None)
+        native_layer._PLANS.pop(layer, None)
     ref = _run(model, tokens, enabled=False)
-    assert not any("_native_plan" in layer.__dict__ for layer in model.model.layers)
+    assert not any(native_layer.planned(layer) for layer in model.model.layers)
     got = _run(model, tokens, enabled=True)
-    assert all("_native_plan" in layer.__dict__ for layer in model.model.layers) == planned
+    assert all(native_layer.planned(layer) for layer in model.model.layers) == planned
     for i, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a, b), (i, float((a - b).abs().max()))
 
@@ -119,22 +119,26 @@ def test_every_ops_variant_equals_its_own_modules(variant, monkeypatch):
 
 
 def test_stands_aside_where_it_cannot_run():
-    """A ring cache (a window), the static layout, a module hook, W4 float activations: the modules run."""
+    """A ring cache (a window), the static layout, gradients on, a module hook, W4 float activations: the modules
+    run."""
     model = _dense(_cfg())
     tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         model.setup_cache(1, 96, window=16)
         model(tokens[:, :8], 0)
-        assert not any("_native_plan" in layer.__dict__ for layer in model.model.layers)
+        assert not any(native_layer.planned(layer) for layer in model.model.layers)
         model.setup_cache(1, 96, static=True)
         model(tokens[:, :8], 0)
-        assert not any("_native_plan" in layer.__dict__ for layer in model.model.layers)
+        assert not any(native_layer.planned(layer) for layer in model.model.layers)
+    model.setup_cache(1, 96)
+    model(tokens[:, :8], 0)  # gradients on (training, QAD): autograd sees the modules' ops
+    assert not any(native_layer.planned(layer) for layer in model.model.layers)
     calls = []
     handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: calls.append(1))
     try:
         _assert_same(model, planned=False)  # layer 0 runs natively, layer 1 (hooked) its modules
-        assert calls and "_native_plan" in model.model.layers[0].__dict__
-        assert "_native_plan" not in model.model.layers[1].__dict__
+        assert calls and native_layer.planned(model.model.layers[0])
+        assert not native_layer.planned(model.model.layers[1])
     finally:
         handle.remove()
     need_kernel(w4a8.FAMILY)
@@ -152,11 +156,11 @@ def test_plan_follows_moved_weights():
     with torch.inference_mode():
         _run(model, tokens, enabled=True)
         layer = model.model.layers[0]
-        old = layer.__dict__["_native_plan"]
+        old = native_layer._PLANS[layer]
         layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight * 2, requires_grad=False)
         layer.input_layernorm.weight.data = layer.input_layernorm.weight.data * 0.5
     _assert_same(model)
-    assert layer.__dict__["_native_plan"] is not old
+    assert native_layer._PLANS[layer] is not old
 
 
 def test_off_switch_leaves_the_modules(monkeypatch):
@@ -169,3 +173,18 @@ def test_off_switch_leaves_the_modules(monkeypatch):
     finally:
         monkeypatch.delenv("SPECQUANT_NATIVE")
         kernels.reset()
+
+
+def test_a_deep_copy_runs_on_its_own_weights():
+    """A model copied after native steps (the bench copies targets) runs natively on its own tensors."""
+    import copy
+
+    model = _dense(_cfg())
+    tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    first = _run(model, tokens, enabled=True)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # the original's weights gone: the copy must not read them
+    assert all(torch.equal(a, b) for a, b in zip(first, _run(twin, tokens, enabled=True)))
+    assert all(native_layer.planned(layer) for layer in twin.model.layers)

@@ -164,7 +164,7 @@ def _steps(model, ids, monkeypatch, native: bool):
     calls = {}
     if native:
         for name in ("rms_norm", "swiglu", "attention", "norm_rope", "delta_step", "delta_replay", "delta_gates",
-                     "linear"):
+                     "linear", "decoder_layer"):
             def counted(*a, _f=getattr(ops, name), _n=name, **k):
                 calls[_n] = calls.get(_n, 0) + 1
                 return _f(*a, **k)
@@ -184,8 +184,11 @@ def _steps(model, ids, monkeypatch, native: bool):
     return out, calls
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_window", "hybrid"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_modules", "qwen3_window", "hybrid"])
 def test_model_steps_with_native_ops_match_the_reference_ops(kind, monkeypatch):
+    """qwen3: each layer's step is one native call (model/native_layer.py); qwen3_modules: its modules make the
+    native calls one by one (native_layer.ENABLED off); qwen3_window: a ring cache, where the modules always do."""
+    from specquant.model import native_layer
     from specquant.model.config import ModelConfig
     from specquant.model.decoder import Transformer
     from specquant.model.fuse import fuse_projections
@@ -206,9 +209,12 @@ def test_model_steps_with_native_ops_match_the_reference_ops(kind, monkeypatch):
     fuse_projections(model)
     ids = torch.randint(0, cfg.vocab_size, (1, 80), generator=torch.Generator().manual_seed(1))
     ref, none = _steps(model, ids, monkeypatch, native=False)
+    monkeypatch.setattr(native_layer, "ENABLED", kind != "qwen3_modules")
     got, calls = _steps(model, ids, monkeypatch, native=True)
     expected = {"rms_norm", "swiglu", "attention", "norm_rope", "linear"}
     expected |= {"delta_step", "delta_replay", "delta_gates"} if kind == "hybrid" else set()
+    if kind == "qwen3":
+        expected = {"decoder_layer", "rms_norm", "linear"}  # the layers, then the final norm and the head
     assert not none and set(calls) == expected, calls  # the native paths did run
     for a, b in zip(got, ref):
         close(a, b, rtol=1e-4, atol=1e-4)

@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specquant.model import native_layer
 from specquant.model.attention import FOLD_MAX_ROWS, FOLD_MIN_ROWS, Attention, attention_mask
 from specquant.model.cache import Cache, KVCache
 from specquant.model.config import DEFAULT_LAYER_TYPE, ModelConfig
-from specquant.model import native_layer
 from specquant.model.layers import LAYER_KINDS, layer_kinds
 from specquant.model.modules import MLP, SMALL_MIN_WEIGHT, SMALL_ROWS, Linear, RMSNorm, add_norm, make_norm
 from specquant.model.rope import rope_tables

@@ -101,11 +101,8 @@ class Linear(nn.Linear):
         return dense_linear(x, self.weight, self.bias)
 
     def native_key(self) -> tuple | None:
-        """What native_projection's pointers depend on, or None where this product would not run natively
-        (model/native_layer.py asks before each call)."""
+        """What native_projection's pointers depend on (model/native_layer.py asks before each call)."""
         w, b = self.weight, self.bias
-        if w.requires_grad and torch.is_grad_enabled():
-            return None
         return w.data_ptr(), w.dtype, None if b is None else b.data_ptr()
 
     def native_projection(self) -> ops.Projection | None:

@@ -9,7 +9,7 @@ still equals the one-row step. The speed is in docs/BENCH.md ("One native call p
 
 It runs where the modules would run every op natively anyway: a DecoderLayer over Attention (not the gated or
 DeltaNet kinds) with q/k/v and gate/up fused, a full sliced K/V cache (not a ring, not the static layout), an fp32
-CPU input of up to NATIVE_ROWS rows, no gradient, not compiling, no module hooks, and projections that can describe
+CPU input of up to NATIVE_ROWS rows, gradients off (no_grad / inference_mode), not compiling, no module hooks, and projections that can describe
 themselves (`native_projection`: dense fp32 / bf16 Linear, W4A8 QuantLinear). Anything else returns None and the
 layer runs its modules. `ENABLED = False` turns it off (the A/B in benchmarks/native_layer.py and the tests).
 """
@@ -17,6 +17,7 @@ layer runs its modules. `ENABLED = False` turns it off (the A/B in benchmarks/na
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 from torch.nn.modules import module as torch_module
@@ -31,12 +32,15 @@ from specquant.model.norms import ZeroCentredRMSNorm
 ENABLED = True
 NORMS = (RMSNorm, ZeroCentredRMSNorm)  # the layer norms whose forward is ops.rms_norm with their `offset`
 _work = threading.local()  # one scratch tensor per thread, grown to the largest call: layers run one at a time
+# each layer's plan, beside the layer rather than in it: a copy.deepcopy or pickle of the model never meets the
+# ctypes pointers (which cannot be copied, and would point at the original's tensors)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Plan:
     """A layer's LayerPlan and the key of the tensors it points at (rebuilt when one of them moves)."""
 
-    __slots__ = ("key", "plan", "keep")
+    __slots__ = ("keep", "key", "plan")
 
     def __init__(self, key: tuple, plan: ops.LayerPlan, keep: tuple):
         self.key, self.plan, self.keep = key, plan, keep
@@ -86,11 +90,16 @@ def _build(layer, attn: Attention, mlp, key: tuple, x: torch.Tensor, cos: torch.
     return _Plan(key, plan, (qk, *(n.weight for n in norms)))
 
 
+def planned(layer) -> bool:
+    """Whether a step of this layer has run natively since it was built (tests)."""
+    return layer in _PLANS
+
+
 def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int) -> torch.Tensor | None:
     """The layer's output for x [b, t, hidden] at start_pos by one native call (writing its k, v into the cache),
     or None where the module docstring's conditions do not hold (nothing written: the caller runs the modules)."""
-    if not ENABLED or x.dtype is not torch.float32 or x.dim() != 3 or not x.is_contiguous():
-        return None
+    if not ENABLED or torch.is_grad_enabled() or x.dtype is not torch.float32 or x.dim() != 3 or not x.is_contiguous():
+        return None  # with gradients on, autograd must see the modules' ops (training, QAD)
     b, t, _ = x.shape
     attn = layer._modules.get("self_attn")
     if type(attn) is not Attention or b * t > NATIVE_ROWS or not ops.usable(x, cos, sin):
@@ -107,12 +116,12 @@ def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos
     key = _key(layer, attn, mlp)
     if key is None:
         return None
-    held = layer.__dict__.get("_native_plan")
+    held = _PLANS.get(layer)
     if held is None or held.key != key:
         held = _build(layer, attn, mlp, key, x, cos)
         if held is None:
             return None
-        layer.__dict__["_native_plan"] = held
+        _PLANS[layer] = held
     need = ops.layer_work(held.plan, b * t)
     work = getattr(_work, "tensor", None)
     if work is None or work.numel() < need:
