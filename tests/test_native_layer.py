@@ -10,7 +10,7 @@ import torch
 from conftest import need_kernel
 
 from specquant.bench.shapes import build, random_model
-from specquant.kernels import ops, w4a8
+from specquant.kernels import ops, w4_bf16, w4a8
 from specquant.loader import load_model
 from specquant.model import native_layer
 from specquant.model.bf16_store import store_bf16
@@ -97,6 +97,14 @@ def test_w4a8_layer_equals_modules():
     _assert_same(_perturb_norms(model))
 
 
+def test_w4a16_layer_equals_modules():
+    """W4 with float activations: the layer rounds them to bf16 itself, as the w4_bf16 gemm's caller does."""
+    need_kernel(w4_bf16.FAMILY)
+    model = build(_cfg(), "w4", "bf16")
+    assert model.model.layers[0].mlp.down_proj.activations != "int8"
+    _assert_same(_perturb_norms(model))
+
+
 def test_bundled_target_greedy_tokens_unchanged():
     """tiny-target as the engines load it: the same logits on every step, so the same greedy tokens."""
     _assert_same(load_model("tiny-target", fuse=True))
@@ -119,8 +127,8 @@ def test_every_ops_variant_equals_its_own_modules(variant, monkeypatch):
 
 
 def test_stands_aside_where_it_cannot_run():
-    """A ring cache (a window), the static layout, gradients on, a module hook, W4 float activations: the modules
-    run."""
+    """A ring cache (a window), the static layout, gradients on, a module hook, a W4 layer on torch's reference
+    backend: the modules run."""
     model = _dense(_cfg())
     tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -141,11 +149,10 @@ def test_stands_aside_where_it_cannot_run():
         assert not native_layer.planned(model.model.layers[1])
     finally:
         handle.remove()
-    need_kernel(w4a8.FAMILY)
-    from specquant.quant.linear import set_w4_activations
+    from specquant.quant.linear import set_backend
 
-    w4 = build(_cfg(), "w4a8", "bf16")
-    set_w4_activations(w4, "float")
+    w4 = build(_cfg(), "w4", "bf16")
+    set_backend(w4, "reference")  # torch's dequantize-and-matmul: no native kernel to call
     _assert_same(w4, planned=False)
 
 

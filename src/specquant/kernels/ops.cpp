@@ -511,8 +511,9 @@ int linear(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const f
 }
 
 // One projection of a decoder layer as specquant_decoder_layer runs it: y [m, n] = x [m, k]·wᵀ (+ bias), by kind
-//   0: linear (w fp32 [n, k]), 1: linear on a bf16 w, 2: a W4 family's GEMM (fn, with kernels/family.py's GEMM_ARGS:
-//   packed codes w, scales, group, bf16_scales), its bias added after the sum.
+//   0: linear (w fp32 [n, k]), 1: linear on a bf16 w, 2: a W4 family's GEMM on fp32 x (fn, with kernels/family.py's
+//   GEMM_ARGS: packed codes w, scales, group, bf16_scales), 3: the same on x rounded to bf16 (into scratch, as
+//   torch's .to(torch.bfloat16) rounds: to nearest, ties to even); a GEMM's bias added after its sum.
 // Each is the call the layer's module makes on its own (model.modules.dense_linear, quant/linear.py's native
 // backend), on the same thread rule, so every output is the same bit for bit.
 typedef int (*GemmFn)(const float* x, int64_t m, int64_t k, const void* packed, const void* scales, int64_t n,
@@ -537,12 +538,26 @@ struct LayerPlan {
   Projection qkv, o, gate_up, down;
 };
 
-int project(const LayerPlan& L, const Projection& p, const float* x, int64_t m, float* y, int threads) {
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// scratch: m·k uint16 for kind 3
+int project(const LayerPlan& L, const Projection& p, const float* x, int64_t m, float* y, int threads,
+            uint16_t* scratch) {
   if (p.kind == 0) return linear(x, m, p.k, static_cast<const float*>(p.w), p.n, p.bias, y, threads);
   if (p.kind == 1) return linear(x, m, p.k, static_cast<const uint16_t*>(p.w), p.n, p.bias, y, threads);
-  if (p.kind != 2 || !p.fn) return 1;
-  const int status = p.fn(x, m, p.k, p.w, p.scales, p.n, p.group, static_cast<int>(p.bf16_scales), y,
-                          m * p.n * p.k >= L.min_parallel_macs ? threads : 1);
+  if ((p.kind != 2 && p.kind != 3) || !p.fn) return 1;
+  const void* in = x;
+  if (p.kind == 3) {
+    for (int64_t i = 0; i < m * p.k; ++i) scratch[i] = to_bf16(x[i]);
+    in = scratch;
+  }
+  const int status = p.fn(static_cast<const float*>(in), m, p.k, p.w, p.scales, p.n, p.group,
+                          static_cast<int>(p.bf16_scales), y, m * p.n * p.k >= L.min_parallel_macs ? threads : 1);
   if (status || !p.bias) return status;
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < p.n; ++i) y[r * p.n + i] = y[r * p.n + i] + p.bias[i];
@@ -646,7 +661,7 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
 // each by the same function on the same values, so every output is the modules' bit for bit (tested). The cache is a
 // full one (key j at position j): [batch, kv_heads, capacity, head_dim] buffers, batch / head strides kv_sb /
 // kv_sh. cos / sin [t, rot]: the positions' rows of the tables. work: rows x (3·hidden + qkv + 2·heads·head_dim
-// + 3·inter) floats (model/native_layer.py). Returns 0, 1 for a bad shape (or a projection's status), 2 from
+// + 3·inter + max(hidden, heads·head_dim, inter)) floats (kernels/ops.py layer_work). Returns 0, 1 for a bad shape (or a projection's status), 2 from
 // attention.
 int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch, int64_t t, int64_t q_pos,
                             const float* cos, const float* sin, float* cache_k, float* cache_v, int64_t kv_sb,
@@ -666,9 +681,10 @@ int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch
   float* x2 = ob + rows * H;
   float* gu = x2 + rows * H;
   float* s = gu + rows * 2 * F;
+  uint16_t* bf = reinterpret_cast<uint16_t*>(s + rows * F);  // kind 3's bf16 activations
   int status = specquant_rms_norm(x, nullptr, nullptr, rows, H, H, L.input_norm, L.norm_offset, nullptr, L.norm_eps,
                                   h, threads);
-  if (status || (status = project(L, L.qkv, h, rows, y, threads))) return status;
+  if (status || (status = project(L, L.qkv, h, rows, y, threads, bf))) return status;
   const int64_t vectors = rows * (nq + nkv);
 #pragma omp parallel for num_threads(threads) schedule(static) if (vectors * d >= (1 << 17) && threads > 1)
   for (int64_t n = 0; n < vectors; ++n) {  // q heads into q [batch, heads, t, d], k heads into the cache
@@ -684,10 +700,10 @@ int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch
              sizeof(float) * d);
   status = specquant_attention(q, batch, nq, t, d, nq * t * d, t * d, d, cache_k, cache_v, nkv, q_pos + t, kv_sb,
                                kv_sh, q_pos, 0, 0, L.scale, a, threads);
-  if (status || (status = project(L, L.o, a, rows, ob, threads))) return status;
+  if (status || (status = project(L, L.o, a, rows, ob, threads, bf))) return status;
   status = specquant_rms_norm(x, ob, x2, rows, H, H, L.post_norm, L.norm_offset, nullptr, L.norm_eps, h, threads);
-  if (status || (status = project(L, L.gate_up, h, rows, gu, threads))) return status;
-  if ((status = specquant_swiglu(gu, rows, F, s, threads)) || (status = project(L, L.down, s, rows, out, threads)))
+  if (status || (status = project(L, L.gate_up, h, rows, gu, threads, bf))) return status;
+  if ((status = specquant_swiglu(gu, rows, F, s, threads)) || (status = project(L, L.down, s, rows, out, threads, bf)))
     return status;
   for (int64_t i = 0; i < rows * H; ++i) out[i] = x2[i] + out[i];
   return 0;

@@ -305,7 +305,8 @@ def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 class Projection(ctypes.Structure):
     """ops.cpp's Projection: one fused projection of a decoder_layer plan. kind 0: fp32 weight [n, k] (linear),
-    1: bf16 weight, 2: a W4 family's GEMM `fn` (kernels/family.py GEMM_ARGS) on packed codes `w` and `scales`."""
+    1: bf16 weight, 2: a W4 family's GEMM `fn` (kernels/family.py GEMM_ARGS) on packed codes `w` and `scales`, 3:
+    the same on activations rounded to bf16 (w4_bf16's)."""
     _fields_ = [("kind", _I64), ("n", _I64), ("k", _I64), ("group", _I64), ("bf16_scales", _I64), ("fn", _PTR),
                 ("w", _PTR), ("scales", _PTR), ("bias", _PTR)]
 
@@ -331,7 +332,8 @@ def dense_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Project
 def layer_work(plan: LayerPlan, rows: int) -> int:
     """Floats of scratch a decoder_layer call of this many rows (batch x positions) needs."""
     width = (plan.heads + 2 * plan.kv_heads) * plan.head_dim
-    return rows * (3 * plan.hidden + width + 2 * plan.heads * plan.head_dim + 3 * plan.inter)
+    widest = max(plan.hidden, plan.heads * plan.head_dim, plan.inter)  # a bf16-activation GEMM's rounded input
+    return rows * (3 * plan.hidden + width + 2 * plan.heads * plan.head_dim + 3 * plan.inter + widest)
 
 
 def decoder_layer(plan: LayerPlan, x: torch.Tensor, q_pos: int, cos: torch.Tensor, sin: torch.Tensor,

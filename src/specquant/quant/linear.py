@@ -184,22 +184,28 @@ class QuantLinear(nn.Module):
         return BACKENDS[name].forward(self, x)
 
     # A native layer step (model/native_layer.py) runs this layer's GEMM itself when, for the few fp32 CPU rows it
-    # takes (fewer than LARGE_ROWS), forward has chosen the native W4A8 backend and prepared its layout: the same
-    # kernel on the same pointers, its bias added after, as _native_forward does.
+    # takes (fewer than LARGE_ROWS), forward has chosen a native backend and prepared its layout: the same kernel on
+    # the same pointers (on activations rounded to bf16 for w4_bf16, as its gemm rounds them), its bias added after,
+    # as _native_forward does.
     def native_key(self) -> tuple | None:
         name = self._cache.get(("backend", self.backend, self.activations, torch.float32, "cpu", False))
-        prepared = self._cache.get(("native", "w4a8"))
-        if name != "native_w4a8" or prepared is None or self.native_layout != "w4a8" or (
+        family = NATIVE_FAMILIES.get(name)
+        prepared = self._cache.get(("native", family))
+        if prepared is None or self.native_layout != family or (
                 self.bias is not None and self.bias.dtype is not torch.float32):
             return None
-        return prepared[0].data_ptr(), prepared[1].data_ptr(), None if self.bias is None else self.bias.data_ptr()
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return family, prepared[0].data_ptr(), prepared[1].data_ptr(), bias
 
     def native_projection(self) -> ops.Projection | None:
-        if self.native_key() is None:
+        key = self.native_key()
+        if key is None:
             return None
-        packed, scales = self._cache[("native", "w4a8")]
-        fn = ctypes.cast(FAMILIES["w4a8"].lib_for().specquant_w4a8_gemm, ctypes.c_void_p).value
-        return ops.Projection(kind=2, n=packed.shape[0] * TILE, k=self.in_features, group=self.group_size,
+        family = key[0]
+        packed, scales = self._cache[("native", family)]
+        fn = ctypes.cast(getattr(FAMILIES[family].lib_for(), f"specquant_{family}_gemm"), ctypes.c_void_p).value
+        return ops.Projection(kind=2 if family == "w4a8" else 3, n=packed.shape[0] * TILE, k=self.in_features,
+                              group=self.group_size,
                               bf16_scales=int(scales.dtype == torch.bfloat16), fn=fn, w=packed.data_ptr(),
                               scales=scales.data_ptr(), bias=None if self.bias is None else self.bias.data_ptr())
 
@@ -379,6 +385,7 @@ def _triton_forward(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return _triton_w4().forward(m, x)
 
 
+NATIVE_FAMILIES = {"native_w4_bf16": "w4_bf16", "native_w4a8": "w4a8"}  # backend -> kernel family (native_key)
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(_reference, lambda m, x: True),
     "dequant_cached": Backend(_dequant_cached, lambda m, x: True),
