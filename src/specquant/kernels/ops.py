@@ -337,16 +337,16 @@ def layer_work(plan: LayerPlan, rows: int) -> int:
 
 
 def decoder_layer(plan: LayerPlan, x: torch.Tensor, q_pos: int, cos: torch.Tensor, sin: torch.Tensor,
-                  keys: torch.Tensor, values: torch.Tensor, work: torch.Tensor,
-                  variant: Variant | None = None) -> torch.Tensor:
+                  keys: torch.Tensor, values: torch.Tensor, work: torch.Tensor, variant: Variant | None = None,
+                  address: int | None = None) -> torch.Tensor:
     """A dense decoder layer's step in one call (ops.cpp specquant_decoder_layer): x [b, t, hidden] contiguous at
     positions q_pos.. -> the layer's output, writing its k, v into keys / values [b, kv_heads, capacity, d] (a full
     cache's buffers) at q_pos..; cos / sin [t, rot] contiguous; work at least layer_work(plan, b * t) floats. The
-    caller holds every tensor the plan points at."""
+    caller holds every tensor the plan points at. address: ctypes.addressof(plan), when the caller keeps it."""
     b, t, _ = x.shape
     out = torch.empty_like(x)
     status = LIBRARY.lib_for(variant).specquant_decoder_layer(
-        ctypes.addressof(plan), x.data_ptr(), b, t, q_pos, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+        ctypes.addressof(plan) if address is None else address, x.data_ptr(), b, t, q_pos, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
         values.data_ptr(), keys.stride(0), keys.stride(1), keys.shape[2], work.data_ptr(), out.data_ptr(),
         torch.get_num_threads())
     _check(status, "decoder_layer", lambda: f"x {tuple(x.shape)} at {q_pos}, cache {tuple(keys.shape)}")

@@ -102,7 +102,8 @@ class Linear(nn.Linear):
 
     def native_key(self) -> tuple | None:
         """What native_projection's pointers depend on (model/native_layer.py asks before each call)."""
-        w, b = self.weight, self.bias
+        params = self._parameters  # not self.weight: nn.Module.__getattr__ costs ~1 us, asked every step
+        w, b = params["weight"], params.get("bias")
         return w.data_ptr(), w.dtype, None if b is None else b.data_ptr()
 
     def native_projection(self) -> ops.Projection | None:

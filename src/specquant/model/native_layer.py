@@ -16,6 +16,7 @@ layer runs its modules. `ENABLED = False` turns it off (the A/B in benchmarks/na
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 
@@ -38,12 +39,15 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Plan:
-    """A layer's LayerPlan and the key of the tensors it points at (rebuilt when one of them moves)."""
+    """A layer's LayerPlan, the key of the tensors it points at (rebuilt when one of them moves), what it keeps
+    alive, and the scratch floats a call needs per row."""
 
-    __slots__ = ("keep", "key", "plan")
+    __slots__ = ("address", "keep", "key", "per_row", "plan")
 
     def __init__(self, key: tuple, plan: ops.LayerPlan, keep: tuple):
         self.key, self.plan, self.keep = key, plan, keep
+        self.address = ctypes.addressof(plan)
+        self.per_row = ops.layer_work(plan, 1)
 
 
 def _hooked(mods) -> bool:
@@ -51,42 +55,39 @@ def _hooked(mods) -> bool:
         m._forward_hooks or m._forward_pre_hooks for m in mods)
 
 
-def _key(layer, attn: Attention, mlp) -> tuple | None:
+# Each step asks for these: module attributes are read from the module's own dicts (_modules, _parameters,
+# _buffers), since nn.Module.__getattr__ costs about a microsecond a lookup, and a layer step makes ~25 of them.
+def _key(projections, norms, qk: torch.Tensor | None) -> tuple | None:
     """What the plan depends on: each projection's native_key (None: it cannot describe itself), the norms'."""
     keys = []
-    for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+    for p in projections:
         fn = getattr(p, "native_key", None)
         k = None if fn is None else fn()
         if k is None:
             return None
         keys.append(k)
-    w = attn.qk_norm_weight
-    return (*keys, layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-            None if w is None else w.data_ptr())
+    return (*keys, *(n._parameters["weight"].data_ptr() for n in norms), None if qk is None else qk.data_ptr())
 
 
-def _build(layer, attn: Attention, mlp, key: tuple, x: torch.Tensor, cos: torch.Tensor) -> _Plan | None:
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(type(n) not in NORMS for n in norms) or any(n.weight.dtype is not torch.float32 or not n.weight.is_contiguous() or n.offset != norms[0].offset
-           or n.eps != norms[0].eps for n in norms):
+def _build(attn: Attention, projections, norms, qk: torch.Tensor | None, key: tuple, x: torch.Tensor,
+           cos: torch.Tensor) -> _Plan | None:
+    if any(type(n) not in NORMS for n in norms) or any(
+            n.weight.dtype is not torch.float32 or not n.weight.is_contiguous() or n.offset != norms[0].offset
+            or n.eps != norms[0].eps for n in norms):
         return None
-    qk = attn.qk_norm_weight
     if qk is not None and (qk.dtype is not torch.float32 or not qk.is_contiguous()):
         return None
-    projections = []
-    for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        proj = p.native_projection()
-        if proj is None:
-            return None
-        projections.append(proj)
+    described = [p.native_projection() for p in projections]
+    if any(p is None for p in described):
+        return None
     d = attn.head_dim
     plan = ops.LayerPlan(
-        hidden=x.shape[-1], heads=attn.n_heads, kv_heads=attn.n_kv, head_dim=d, inter=projections[3].k,
+        hidden=x.shape[-1], heads=attn.n_heads, kv_heads=attn.n_kv, head_dim=d, inter=described[3].k,
         rot=cos.shape[-1], qk_norm_rows=0 if qk is None else qk.numel() // d, min_parallel_macs=PARALLEL_MIN_MACS,
-        input_norm=norms[0].weight.data_ptr(),
-        post_norm=norms[1].weight.data_ptr(), qk_norm=None if qk is None else qk.data_ptr(),
-        norm_offset=norms[0].offset, norm_eps=norms[0].eps, qk_eps=attn.eps, scale=d ** -0.5,
-        qkv=projections[0], o=projections[1], gate_up=projections[2], down=projections[3])
+        input_norm=norms[0].weight.data_ptr(), post_norm=norms[1].weight.data_ptr(),
+        qk_norm=None if qk is None else qk.data_ptr(), norm_offset=norms[0].offset, norm_eps=norms[0].eps,
+        qk_eps=attn.eps, scale=d ** -0.5, qkv=described[0], o=described[1], gate_up=described[2],
+        down=described[3])
     return _Plan(key, plan, (qk, *(n.weight for n in norms)))
 
 
@@ -101,30 +102,35 @@ def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos
     if not ENABLED or torch.is_grad_enabled() or x.dtype is not torch.float32 or x.dim() != 3 or not x.is_contiguous():
         return None  # with gradients on, autograd must see the modules' ops (training, QAD)
     b, t, _ = x.shape
-    attn = layer._modules.get("self_attn")
+    mods = layer._modules
+    attn, mlp = mods.get("self_attn"), mods.get("mlp")
     if type(attn) is not Attention or b * t > NATIVE_ROWS or not ops.usable(x, cos, sin):
         return None
-    cache, mlp = attn.cache, layer.mlp
-    if (type(cache) is not KVCache or cache.static or cache.window is not None or attn.qkv_proj is None
-            or mlp.gate_up_proj is None or not cache.k.is_contiguous() or cache.k.dtype is not torch.float32
-            or not cos.is_contiguous() or not sin.is_contiguous()):
+    am, mm = attn._modules, mlp._modules
+    cache = am.get("cache")
+    projections = (am.get("qkv_proj"), am.get("o_proj"), mm.get("gate_up_proj"), mm.get("down_proj"))
+    if (type(cache) is not KVCache or cache.static or cache.window is not None or projections[0] is None
+            or projections[2] is None):
         return None
-    mods = (attn, mlp, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, layer.input_layernorm,
-            layer.post_attention_layernorm)
-    if _hooked(mods):
+    keys, values = cache._buffers["k"], cache._buffers["v"]
+    if keys.dtype is not torch.float32 or not keys.is_contiguous() or not cos.is_contiguous() or not sin.is_contiguous():
         return None
-    key = _key(layer, attn, mlp)
+    norms = (mods["input_layernorm"], mods["post_attention_layernorm"])
+    if _hooked((attn, mlp, *projections, *norms)):
+        return None
+    qk = attn._buffers.get("qk_norm_weight")
+    key = _key(projections, norms, qk)
     if key is None:
         return None
     held = _PLANS.get(layer)
     if held is None or held.key != key:
-        held = _build(layer, attn, mlp, key, x, cos)
+        held = _build(attn, projections, norms, qk, key, x, cos)
         if held is None:
             return None
         _PLANS[layer] = held
-    need = ops.layer_work(held.plan, b * t)
+    need = held.per_row * b * t
     work = getattr(_work, "tensor", None)
     if work is None or work.numel() < need:
         work = _work.tensor = torch.empty(need, dtype=torch.float32)
     cache.claim(start_pos, t)
-    return ops.decoder_layer(held.plan, x, start_pos, cos, sin, cache.k, cache.v, work)
+    return ops.decoder_layer(held.plan, x, start_pos, cos, sin, keys, values, work, address=held.address)
