@@ -195,3 +195,16 @@ def test_a_deep_copy_runs_on_its_own_weights():
             p.zero_()  # the original's weights gone: the copy must not read them
     assert all(torch.equal(a, b) for a, b in zip(first, _run(twin, tokens, enabled=True)))
     assert all(native_layer.planned(layer) for layer in twin.model.layers)
+
+
+def test_a_hook_on_the_layer_itself_runs_its_modules():
+    """Calibration hooks a whole layer (quant/calib.py): that layer's module call runs, hooks and all."""
+    model = _dense(_cfg())
+    seen = []
+    handle = model.model.layers[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
+    try:
+        _assert_same(model, planned=False)
+        assert seen and not native_layer.planned(model.model.layers[0])
+        assert native_layer.planned(model.model.layers[1])
+    finally:
+        handle.remove()

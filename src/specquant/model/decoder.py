@@ -55,10 +55,6 @@ class DecoderLayer(nn.Module):
         return self._modules[self.mixer_attr]
 
     def forward(self, x, cos, sin, start_pos, input_pos=None, plan=None, tree: TreeLayout | None = None):
-        if tree is None and input_pos is None:  # the whole layer in one native call where it runs (native_layer.py)
-            out = native_layer.step(self, x, cos, sin, start_pos)
-            if out is not None:
-                return out
         # the residual add and the second norm in one call where kernels.ops runs them (modules.add_norm)
         h = self.input_layernorm(x)
         mixed = (self.mixer(h, cos, sin, start_pos, input_pos, plan) if tree is None
@@ -266,15 +262,20 @@ class Transformer(nn.Module):
             cos = self.rope_cos[start_pos : start_pos + t].to(x.dtype)
             sin = self.rope_sin[start_pos : start_pos + t].to(x.dtype)
         # what every layer of a kind shares in a sliced-cache step (attention's mask, whether it folds) is built
-        # once per step, by the kind's first layer
+        # once per step, by the first layer of the kind that runs its modules
         plans = {}
         hidden = {}
+        native = tree is None and input_pos is None
         for i, layer in enumerate(self.model.layers):
-            kind = layer.layer_type
-            if kind not in plans:
-                plan = None if self.static_cache or tree is not None else getattr(layer.mixer, "plan", None)
-                plans[kind] = None if plan is None else plan(start_pos, t, x.dtype, x.device)
-            x = layer(x, cos, sin, start_pos, input_pos, plans[kind], tree)
+            # the whole layer in one native call where it runs (model/native_layer.py), else its modules
+            out = native_layer.step(layer, x, cos, sin, start_pos) if native else None
+            if out is None:
+                kind = layer.layer_type
+                if kind not in plans:
+                    plan = None if self.static_cache or tree is not None else getattr(layer.mixer, "plan", None)
+                    plans[kind] = None if plan is None else plan(start_pos, t, x.dtype, x.device)
+                out = layer(x, cos, sin, start_pos, input_pos, plans[kind], tree)
+            x = out
             if i in hidden_layers:
                 hidden[i] = x
         if last_only:

@@ -9,9 +9,11 @@ still equals the one-row step. The speed is in docs/BENCH.md ("One native call p
 
 It runs where the modules would run every op natively anyway: a DecoderLayer over Attention (not the gated or
 DeltaNet kinds) with q/k/v and gate/up fused, a full sliced K/V cache (not a ring, not the static layout), an fp32
-CPU input of up to NATIVE_ROWS rows, gradients off (no_grad / inference_mode), not compiling, no module hooks, and projections that can describe
-themselves (`native_projection`: dense fp32 / bf16 Linear, W4A8 QuantLinear). Anything else returns None and the
-layer runs its modules. `ENABLED = False` turns it off (the A/B in benchmarks/native_layer.py and the tests).
+CPU input of up to NATIVE_ROWS rows, gradients off (no_grad / inference_mode), not compiling, no module hooks
+(Transformer.forward calls `step` in place of the layer's module call, so the layer's own hooks count too), and
+projections that describe themselves (`native_projection`: a dense fp32 / bf16 Linear, a W4 QuantLinear on a native
+kernel). Anything else returns None and the layer runs its modules. `ENABLED = False` turns it off (the tests, and
+benchmarks/shapes.py --layer modules|ab).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos
     if keys.dtype is not torch.float32 or not keys.is_contiguous() or not cos.is_contiguous() or not sin.is_contiguous():
         return None
     norms = (mods["input_layernorm"], mods["post_attention_layernorm"])
-    if _hooked((attn, mlp, *projections, *norms)):
+    if _hooked((layer, attn, mlp, *projections, *norms)):  # the layer's own too: Transformer.forward calls this
         return None
     qk = attn._buffers.get("qk_norm_weight")
     key = _key(projections, norms, qk)
