@@ -44,12 +44,12 @@ def _dense(cfg: ModelConfig) -> torch.nn.Module:
     return _perturb_norms(model)
 
 
-def _run(model, tokens: torch.Tensor, enabled: bool) -> list[torch.Tensor]:
+def _run(model, tokens: torch.Tensor, enabled: bool, window: int | None = -1) -> list[torch.Tensor]:
     """Prefill, decode steps, a verify block, a rollback into it and a second verify: every output."""
     native_layer.ENABLED = enabled
     try:
         with torch.inference_mode():
-            model.setup_cache(tokens.shape[0], 96)
+            model.setup_cache(tokens.shape[0], 96, max_block=16, window=window)
             outs = [model(tokens[:, :20], 0)]
             outs += [model(tokens[:, i : i + 1], i) for i in range(20, 24)]
             outs.append(model(tokens[:, 24:32], 24))
@@ -61,13 +61,13 @@ def _run(model, tokens: torch.Tensor, enabled: bool) -> list[torch.Tensor]:
         native_layer.ENABLED = True
 
 
-def _assert_same(model, batch: int = 1, planned: bool = True):
+def _assert_same(model, batch: int = 1, planned: bool = True, window: int | None = -1):
     tokens = torch.randint(0, model.config.vocab_size, (batch, 40), generator=torch.Generator().manual_seed(1))
     for layer in model.model.layers:
         native_layer._PLANS.pop(layer, None)
-    ref = _run(model, tokens, enabled=False)
+    ref = _run(model, tokens, enabled=False, window=window)
     assert not any(native_layer.planned(layer) for layer in model.model.layers)
-    got = _run(model, tokens, enabled=True)
+    got = _run(model, tokens, enabled=True, window=window)
     assert all(native_layer.planned(layer) for layer in model.model.layers) == planned
     for i, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a, b), (i, float((a - b).abs().max()))
@@ -77,6 +77,14 @@ def _assert_same(model, batch: int = 1, planned: bool = True):
                                   dict(head_dim=48, partial_rotary_factor=0.5)], ids=["qwen3", "qwen2-bias", "mha", "partial-rope"])
 def test_dense_fp32_layer_equals_modules(over):
     _assert_same(_dense(_cfg(**over)))
+
+
+@pytest.mark.parametrize("window", [8, 16])
+def test_ring_cache_equals_modules(window):
+    """A sliding-window ring (the draft window): the 20-token prefill runs in blocks of max_block 16, the positions
+    wrap the ring, and the rollback lands inside the last block."""
+    _assert_same(_dense(_cfg()), window=window)
+    _assert_same(_dense(_cfg()), batch=2, window=window)
 
 
 def test_batch_of_two_equals_modules():
@@ -127,14 +135,10 @@ def test_every_ops_variant_equals_its_own_modules(variant, monkeypatch):
 
 
 def test_stands_aside_where_it_cannot_run():
-    """A ring cache (a window), the static layout, gradients on, a module hook, a W4 layer on torch's reference
-    backend: the modules run."""
+    """The static layout, gradients on, a module hook, a W4 layer on torch's reference backend: the modules run."""
     model = _dense(_cfg())
     tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        model.setup_cache(1, 96, window=16)
-        model(tokens[:, :8], 0)
-        assert not any(native_layer.planned(layer) for layer in model.model.layers)
         model.setup_cache(1, 96, static=True)
         model(tokens[:, :8], 0)
         assert not any(native_layer.planned(layer) for layer in model.model.layers)

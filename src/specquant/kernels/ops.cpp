@@ -658,18 +658,22 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
 // shape), the sequence of calls the layer's modules make on their own in an eager fp32 step (DecoderLayer.forward):
 //   h = input_norm(x); y = qkv(h); q, k = norm_rope(y's q / k heads); k, v -> the cache at q_pos..q_pos+t-1;
 //   a = attention(q, cache); x2 = x + o(a), h = post_norm(x2); out = x2 + down(swiglu(gate_up(h))),
-// each by the same function on the same values, so every output is the modules' bit for bit (tested). The cache is a
-// full one (key j at position j): [batch, kv_heads, capacity, head_dim] buffers, batch / head strides kv_sb /
-// kv_sh. cos / sin [t, rot]: the positions' rows of the tables. work: rows x (3·hidden + qkv + 2·heads·head_dim
-// + 3·inter + max(hidden, heads·head_dim, inter)) floats (kernels/ops.py layer_work). Returns 0, 1 for a bad shape (or a projection's status), 2 from
+// each by the same function on the same values, so every output is the modules' bit for bit (tested). The cache's
+// buffers are [batch, kv_heads, capacity, head_dim] (batch / head strides kv_sb / kv_sh): a full cache (window 0:
+// position p in slot p) or a ring (window W > 0: slot p % capacity, a query sees (p - W, p], and the window's keys
+// are gathered in position order before attention, as KVCache.update does). cos / sin [t, rot]: the positions'
+// rows of the tables. work: rows x (3·hidden + qkv + 2·heads·head_dim + 3·inter + max(hidden, heads·head_dim,
+// inter)) floats, plus 2·batch·kv_heads·capacity·head_dim for a ring (kernels/ops.py layer_work). Returns 0, 1 for a bad shape (or a projection's status), 2 from
 // attention.
 int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch, int64_t t, int64_t q_pos,
                             const float* cos, const float* sin, float* cache_k, float* cache_v, int64_t kv_sb,
-                            int64_t kv_sh, int64_t capacity, float* work, float* out, int threads) {
+                            int64_t kv_sh, int64_t capacity, int64_t window, float* work, float* out, int threads) {
   const LayerPlan& L = *plan;
   const int64_t H = L.hidden, d = L.head_dim, nq = L.heads, nkv = L.kv_heads, F = L.inter, rows = batch * t;
   const int64_t width = (nq + 2 * nkv) * d;  // one row of the fused q / k / v projection
-  if (batch <= 0 || t <= 0 || q_pos < 0 || q_pos + t > capacity || nq % nkv || L.rot < 0 || L.rot > d ||
+  const bool ring = window > 0;
+  if (batch <= 0 || t <= 0 || q_pos < 0 || (ring ? t > capacity - window + 1 : q_pos + t > capacity) || nq % nkv ||
+      L.rot < 0 || L.rot > d ||
       L.rot > 1024 || L.rot % 2 || L.qkv.n != width || L.qkv.k != H || L.o.k != nq * d || L.o.n != H ||
       L.gate_up.k != H || L.gate_up.n != 2 * F || L.down.k != F || L.down.n != H)
     return 1;
@@ -681,7 +685,8 @@ int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch
   float* x2 = ob + rows * H;
   float* gu = x2 + rows * H;
   float* s = gu + rows * 2 * F;
-  uint16_t* bf = reinterpret_cast<uint16_t*>(s + rows * F);  // kind 3's bf16 activations
+  uint16_t* bf = reinterpret_cast<uint16_t*>(s + rows * F);  // kind 3's bf16 activations: rows·widest floats' room
+  const int64_t widest = H > nq * d ? (H > F ? H : F) : (nq * d > F ? nq * d : F);
   int status = specquant_rms_norm(x, nullptr, nullptr, rows, H, H, L.input_norm, L.norm_offset, nullptr, L.norm_eps,
                                   h, threads);
   if (status || (status = project(L, L.qkv, h, rows, y, threads, bf))) return status;
@@ -689,17 +694,36 @@ int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch
 #pragma omp parallel for num_threads(threads) schedule(static) if (vectors * d >= (1 << 17) && threads > 1)
   for (int64_t n = 0; n < vectors; ++n) {  // q heads into q [batch, heads, t, d], k heads into the cache
     const int64_t b = n / (t * (nq + nkv)), p = (n / (nq + nkv)) % t, hh = n % (nq + nkv);
-    float* o = hh < nq ? q + ((b * nq + hh) * t + p) * d : cache_k + b * kv_sb + (hh - nq) * kv_sh + (q_pos + p) * d;
+    const int64_t slot = ring ? (q_pos + p) % capacity : q_pos + p;
+    float* o = hh < nq ? q + ((b * nq + hh) * t + p) * d : cache_k + b * kv_sb + (hh - nq) * kv_sh + slot * d;
     const float* w = L.qk_norm_rows ? L.qk_norm + (hh % L.qk_norm_rows) * d : nullptr;
     norm_rope_vector(y + (b * t + p) * width + hh * d, o, d, w, 0.0f, L.qk_eps, cos + p * L.rot, sin + p * L.rot,
                      L.rot);
   }
-  for (int64_t r = 0; r < rows; ++r)  // v as it is
+  for (int64_t r = 0; r < rows; ++r) {  // v as it is
+    const int64_t slot = ring ? (q_pos + r % t) % capacity : q_pos + r % t;
     for (int64_t j = 0; j < nkv; ++j)
-      memcpy(cache_v + (r / t) * kv_sb + j * kv_sh + (q_pos + r % t) * d, y + r * width + (nq + nkv + j) * d,
+      memcpy(cache_v + (r / t) * kv_sb + j * kv_sh + slot * d, y + r * width + (nq + nkv + j) * d,
              sizeof(float) * d);
-  status = specquant_attention(q, batch, nq, t, d, nq * t * d, t * d, d, cache_k, cache_v, nkv, q_pos + t, kv_sb,
-                               kv_sh, q_pos, 0, 0, L.scale, a, threads);
+  }
+  if (ring) {  // the window's keys and values in position order (model/cache.py KVCache.update's index_select)
+    const int64_t first = q_pos - window + 1 > 0 ? q_pos - window + 1 : 0, k_len = q_pos + t - first;
+    float* ks = s + rows * F + rows * widest;  // past the bf16 activations' floats
+    float* vs = ks + batch * nkv * k_len * d;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < nkv; ++j)
+        for (int64_t i = 0; i < k_len; ++i) {
+          const int64_t from = b * kv_sb + j * kv_sh + ((first + i) % capacity) * d;
+          const int64_t to = ((b * nkv + j) * k_len + i) * d;
+          memcpy(ks + to, cache_k + from, sizeof(float) * d);
+          memcpy(vs + to, cache_v + from, sizeof(float) * d);
+        }
+    status = specquant_attention(q, batch, nq, t, d, nq * t * d, t * d, d, ks, vs, nkv, k_len, nkv * k_len * d,
+                                 k_len * d, q_pos, first, window, L.scale, a, threads);
+  } else {
+    status = specquant_attention(q, batch, nq, t, d, nq * t * d, t * d, d, cache_k, cache_v, nkv, q_pos + t, kv_sb,
+                                 kv_sh, q_pos, 0, 0, L.scale, a, threads);
+  }
   if (status || (status = project(L, L.o, a, rows, ob, threads, bf))) return status;
   status = specquant_rms_norm(x, ob, x2, rows, H, H, L.post_norm, L.norm_offset, nullptr, L.norm_eps, h, threads);
   if (status || (status = project(L, L.gate_up, h, rows, gu, threads, bf))) return status;

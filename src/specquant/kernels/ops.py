@@ -60,8 +60,8 @@ FUNCTIONS = {
     "specquant_delta_gates": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
     "specquant_attention": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
                             _I64, _I64, _I64, _F32, _PTR, _INT],
-    "specquant_decoder_layer": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR,
-                                _INT],
+    "specquant_decoder_layer": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
+                                _PTR, _INT],
 }
 LIBRARY = Library("ops", VARIANTS, FUNCTIONS)
 
@@ -329,25 +329,28 @@ def dense_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Project
                       w=weight.data_ptr(), bias=None if bias is None else bias.data_ptr())
 
 
-def layer_work(plan: LayerPlan, rows: int) -> int:
-    """Floats of scratch a decoder_layer call of this many rows (batch x positions) needs."""
+def layer_work(plan: LayerPlan, rows: int, ring_keys: int = 0) -> int:
+    """Floats of scratch a decoder_layer call of this many rows (batch x positions) needs; ring_keys: a ring cache's
+    batch x capacity (its window's keys and values are gathered there)."""
     width = (plan.heads + 2 * plan.kv_heads) * plan.head_dim
     widest = max(plan.hidden, plan.heads * plan.head_dim, plan.inter)  # a bf16-activation GEMM's rounded input
-    return rows * (3 * plan.hidden + width + 2 * plan.heads * plan.head_dim + 3 * plan.inter + widest)
+    return (rows * (3 * plan.hidden + width + 2 * plan.heads * plan.head_dim + 3 * plan.inter + widest)
+            + 2 * ring_keys * plan.kv_heads * plan.head_dim)
 
 
 def decoder_layer(plan: LayerPlan, x: torch.Tensor, q_pos: int, cos: torch.Tensor, sin: torch.Tensor,
-                  keys: torch.Tensor, values: torch.Tensor, work: torch.Tensor, variant: Variant | None = None,
-                  address: int | None = None) -> torch.Tensor:
+                  keys: torch.Tensor, values: torch.Tensor, work: torch.Tensor, window: int | None = None,
+                  variant: Variant | None = None, address: int | None = None) -> torch.Tensor:
     """A dense decoder layer's step in one call (ops.cpp specquant_decoder_layer): x [b, t, hidden] contiguous at
     positions q_pos.. -> the layer's output, writing its k, v into keys / values [b, kv_heads, capacity, d] (a full
-    cache's buffers) at q_pos..; cos / sin [t, rot] contiguous; work at least layer_work(plan, b * t) floats. The
-    caller holds every tensor the plan points at. address: ctypes.addressof(plan), when the caller keeps it."""
+    cache's buffers, or a ring's with its window) at q_pos..; cos / sin [t, rot] contiguous; work at least
+    layer_work(plan, b * t) floats (a ring: layer_work(plan, b * t, b * capacity)). The caller holds every tensor the
+    plan points at. address: ctypes.addressof(plan), when the caller keeps it."""
     b, t, _ = x.shape
     out = torch.empty_like(x)
     status = LIBRARY.lib_for(variant).specquant_decoder_layer(
         ctypes.addressof(plan) if address is None else address, x.data_ptr(), b, t, q_pos, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-        values.data_ptr(), keys.stride(0), keys.stride(1), keys.shape[2], work.data_ptr(), out.data_ptr(),
+        values.data_ptr(), keys.stride(0), keys.stride(1), keys.shape[2], window or 0, work.data_ptr(), out.data_ptr(),
         torch.get_num_threads())
     _check(status, "decoder_layer", lambda: f"x {tuple(x.shape)} at {q_pos}, cache {tuple(keys.shape)}")
     return out

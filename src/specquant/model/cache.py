@@ -173,12 +173,15 @@ class KVCache(Cache):
         return self.k, self.v, mask
 
     def claim(self, start: int, t: int) -> None:
-        """Record a write of t positions at start into a full cache (the caller writes them: update, or a native
-        layer step, model/native_layer.py), after checking that it leaves no gap and fits."""
+        """Record a write of t positions at start (the caller writes them: update, or a native layer step,
+        model/native_layer.py), after checking that it leaves no gap and fits: a full cache's capacity, a ring's
+        block limit."""
         end = start + t
         assert start <= self.length, f"write at position {start} leaves a gap after {self.length} cached positions"
-        if end > self.capacity:
+        if self.window is None and end > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} positions; asked to write up to {end}")
+        if self.window is not None and t > self.capacity - self.window + 1:
+            raise ValueError(f"block of {t} tokens exceeds the ring cache's block limit")
         self.length = end
 
     def key_start(self, start: int) -> int:
@@ -193,15 +196,11 @@ class KVCache(Cache):
         """
         t = k.shape[2]
         end = start + t
+        self.claim(start, t)
         if self.window is None:
-            self.claim(start, t)
             self.k[:, :, start:end] = k
             self.v[:, :, start:end] = v
             return self.k[:, :, :end], self.v[:, :, :end], 0
-        assert start <= self.length, f"write at position {start} leaves a gap after {self.length} cached positions"
-        self.length = end
-        if t > self.capacity - self.window + 1:
-            raise ValueError(f"block of {t} tokens exceeds the ring cache's block limit")
         slots = torch.arange(start, end, device=k.device) % self.capacity
         self.k.index_copy_(2, slots, k)
         self.v.index_copy_(2, slots, v)

@@ -8,7 +8,7 @@ order on the same values, so its output is the modules' bit for bit (tests/test_
 still equals the one-row step. The speed is in docs/BENCH.md ("One native call per layer").
 
 It runs where the modules would run every op natively anyway: a DecoderLayer over Attention (not the gated or
-DeltaNet kinds) with q/k/v and gate/up fused, a full sliced K/V cache (not a ring, not the static layout), an fp32
+DeltaNet kinds) with q/k/v and gate/up fused, a sliced K/V cache (full or a ring; not the static layout), an fp32
 CPU input of up to NATIVE_ROWS rows, gradients off (no_grad / inference_mode), not compiling, no module hooks
 (Transformer.forward calls `step` in place of the layer's module call, so the layer's own hooks count too), and
 projections that describe themselves (`native_projection`: a dense fp32 / bf16 Linear, a W4 QuantLinear on a native
@@ -44,12 +44,13 @@ class _Plan:
     """A layer's LayerPlan, the key of the tensors it points at (rebuilt when one of them moves), what it keeps
     alive, and the scratch floats a call needs per row."""
 
-    __slots__ = ("address", "keep", "key", "per_row", "plan")
+    __slots__ = ("address", "keep", "key", "per_ring_key", "per_row", "plan")
 
     def __init__(self, key: tuple, plan: ops.LayerPlan, keep: tuple):
         self.key, self.plan, self.keep = key, plan, keep
         self.address = ctypes.addressof(plan)
         self.per_row = ops.layer_work(plan, 1)
+        self.per_ring_key = ops.layer_work(plan, 0, 1)
 
 
 def _hooked(mods) -> bool:
@@ -111,8 +112,7 @@ def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos
     am, mm = attn._modules, mlp._modules
     cache = am.get("cache")
     projections = (am.get("qkv_proj"), am.get("o_proj"), mm.get("gate_up_proj"), mm.get("down_proj"))
-    if (type(cache) is not KVCache or cache.static or cache.window is not None or projections[0] is None
-            or projections[2] is None):
+    if type(cache) is not KVCache or cache.static or projections[0] is None or projections[2] is None:
         return None
     keys, values = cache._buffers["k"], cache._buffers["v"]
     if keys.dtype is not torch.float32 or not keys.is_contiguous() or not cos.is_contiguous() or not sin.is_contiguous():
@@ -130,9 +130,10 @@ def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos
         if held is None:
             return None
         _PLANS[layer] = held
-    need = held.per_row * b * t
+    window = cache.window
+    need = held.per_row * b * t + (0 if window is None else held.per_ring_key * b * keys.shape[2])
     work = getattr(_work, "tensor", None)
     if work is None or work.numel() < need:
         work = _work.tensor = torch.empty(need, dtype=torch.float32)
     cache.claim(start_pos, t)
-    return ops.decoder_layer(held.plan, x, start_pos, cos, sin, keys, values, work, address=held.address)
+    return ops.decoder_layer(held.plan, x, start_pos, cos, sin, keys, values, work, window, address=held.address)
