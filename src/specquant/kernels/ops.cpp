@@ -661,7 +661,7 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
 // each by the same function on the same values, so every output is the modules' bit for bit (tested). The cache's
 // buffers are [batch, kv_heads, capacity, head_dim] (batch / head strides kv_sb / kv_sh): a full cache (window 0:
 // position p in slot p) or a ring (window W > 0: slot p % capacity, a query sees (p - W, p], and the window's keys
-// are gathered in position order before attention, as KVCache.update does). cos / sin [t, rot]: the positions'
+// are gathered in position order before attention, as model/cache.py does). cos / sin [t, rot]: the positions'
 // rows of the tables. work: rows x (3·hidden + qkv + 2·heads·head_dim + 3·inter + max(hidden, heads·head_dim,
 // inter)) floats, plus 2·batch·kv_heads·capacity·head_dim for a ring (kernels/ops.py layer_work). Returns 0, 1 for a bad shape (or a projection's status), 2 from
 // attention.
@@ -706,7 +706,7 @@ int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch
       memcpy(cache_v + (r / t) * kv_sb + j * kv_sh + slot * d, y + r * width + (nq + nkv + j) * d,
              sizeof(float) * d);
   }
-  if (ring) {  // the window's keys and values in position order (model/cache.py KVCache.update's index_select)
+  if (ring) {  // the window's keys and values in position order (model/cache.py's ring update, index_select)
     const int64_t first = q_pos - window + 1 > 0 ? q_pos - window + 1 : 0, k_len = q_pos + t - first;
     float* ks = s + rows * F + rows * widest;  // past the bf16 activations' floats
     float* vs = ks + batch * nkv * k_len * d;
