@@ -21,7 +21,7 @@
 
 Why: a one-row eager step runs each of these as 4-10 torch ops of 2-5 us each (dispatch, not arithmetic), and
 torch's CPU flash-attention kernel spends about 200 us per layer on one query over 128 cached keys; the profile and
-the before / after step times are in docs/BENCH.md ("Native small ops").
+the before / after step times are in docs/BENCH.md ("Smaller CPU wins").
 
 `usable(*tensors)` says when a call may take the native path: fp32 CPU tensors with a contiguous last dimension,
 no autograd, not inside torch.compile / torch.export tracing (a compiled or AOT-packaged step keeps the reference

@@ -25,7 +25,7 @@ FOLD_MIN_ROWS = {torch.float32: 1, torch.bfloat16: 2}  # from this many, in thes
 # row equals the one-query decode step bit for bit and a speculative run emits exactly the target's greedy tokens
 # (SDPA's rows differ from the kernel's in the last bit; with only 1..4 queries native, the hybrid demo's 21-row
 # suffix verifies changed a token at a near-tie). Longer blocks (prefill) take SDPA. Speed at 1-8 queries is in
-# docs/BENCH.md ("Native small ops").
+# docs/BENCH.md ("Smaller CPU wins").
 NATIVE_MAX_ROWS = 64
 
 
