@@ -5,6 +5,8 @@ written twice) wherever its conditions do not hold."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import need_kernel
@@ -118,20 +120,27 @@ def test_bundled_target_greedy_tokens_unchanged():
     _assert_same(load_model("tiny-target", fuse=True))
 
 
-@pytest.mark.parametrize("variant", ops.LIBRARY.supported_variants(), ids=lambda v: v.name)
-def test_every_ops_variant_equals_its_own_modules(variant, monkeypatch):
-    """SPECQUANT_NATIVE names one ops variant: the layer call and the modules' calls both run it."""
+@contextlib.contextmanager
+def _native(monkeypatch, switch: str):
+    """SPECQUANT_NATIVE=switch for the block, the kernels' choices read again on the way in and out."""
     from specquant import kernels
 
-    monkeypatch.setenv("SPECQUANT_NATIVE", f"{variant.name},portable")
+    monkeypatch.setenv("SPECQUANT_NATIVE", switch)
     kernels.reset()
     try:
-        if ops.LIBRARY.variant() is None or ops.LIBRARY.variant().name != variant.name:
-            pytest.skip(f"ops variant {variant.name} does not build here: {ops.LIBRARY.why()}")
-        _assert_same(_dense(_cfg()))
+        yield
     finally:
         monkeypatch.delenv("SPECQUANT_NATIVE")
         kernels.reset()
+
+
+@pytest.mark.parametrize("variant", ops.LIBRARY.supported_variants(), ids=lambda v: v.name)
+def test_every_ops_variant_equals_its_own_modules(variant, monkeypatch):
+    """SPECQUANT_NATIVE names one ops variant: the layer call and the modules' calls both run it."""
+    with _native(monkeypatch, f"{variant.name},portable"):
+        if ops.LIBRARY.variant() is None or ops.LIBRARY.variant().name != variant.name:
+            pytest.skip(f"ops variant {variant.name} does not build here: {ops.LIBRARY.why()}")
+        _assert_same(_dense(_cfg()))
 
 
 def test_stands_aside_where_it_cannot_run():
@@ -175,15 +184,8 @@ def test_plan_follows_moved_weights():
 
 
 def test_off_switch_leaves_the_modules(monkeypatch):
-    from specquant import kernels
-
-    monkeypatch.setenv("SPECQUANT_NATIVE", "off")
-    kernels.reset()
-    try:
+    with _native(monkeypatch, "off"):
         _assert_same(_dense(_cfg()), planned=False)
-    finally:
-        monkeypatch.delenv("SPECQUANT_NATIVE")
-        kernels.reset()
 
 
 def test_a_deep_copy_runs_on_its_own_weights():
