@@ -433,7 +433,8 @@ def main():
           "lin/attn/rule/head/rest = 1-row ms; v4 = the same parts at 4 rows; 'beside': hybrid / Qwen3 step time "
           "in ms (below 1: the hybrid step is cheaper)")
     print(json.dumps({"benchmark": "shapes", "bandwidth_gb_s": bw, "threads": args.threads, "context": args.context,
-                      "reps": args.reps, "attention": args.attention, "layer": args.layer, "load_avg": os.getloadavg()[0],
+                      "reps": args.reps, "attention": args.attention, "layer": args.layer,
+                      "load_avg": os.getloadavg()[0],
                       "openmp_wait": openmp_wait(),
                       "kernels": kernels,
                       "torch": torch.__version__,

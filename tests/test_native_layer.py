@@ -214,3 +214,20 @@ def test_a_hook_on_the_layer_itself_runs_its_modules():
         assert native_layer.planned(model.model.layers[1])
     finally:
         handle.remove()
+
+
+def test_plan_follows_a_swapped_module():
+    """A projection module replaced by another over the same weight tensor (a re-fuse, a swapped head) is read anew."""
+    from specquant.model.modules import Linear
+
+    model = _dense(_cfg())
+    tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    _run(model, tokens, enabled=True)
+    layer = model.model.layers[1]
+    old = native_layer._PLANS[layer]
+    down = layer.mlp.down_proj
+    twin = Linear(down.in_features, down.out_features, bias=False).requires_grad_(False)
+    twin.weight = down.weight  # the same tensor, a new module
+    layer.mlp.down_proj = twin
+    _assert_same(model)
+    assert native_layer._PLANS[layer] is not old

@@ -1,7 +1,7 @@
 """The native CPU kernels: the W4 kernel families QuantLinear runs W4 layers on, each with its weight layout and its
 variants in instruction-set order (best first), and the decoder's small fused ops (ops.py: the norms, SwiGLU,
-norm + RoPE, few-query attention, the delta rule's step, a whole dense layer in one call), a library of one source built per instruction set
-(avx512, avx2, portable). This package sits below model/ and quant/, which both call it.
+norm + RoPE, few-query attention, the delta rule's step, a whole dense layer in one call), a library of one source
+built per instruction set (avx512, avx2, portable). This package sits below model/ and quant/, which both call it.
 
   family   arithmetic                                       variants, best first (each module's VARIANTS)
   w4_bf16  bf16 activations x exact int4 weights, fp32 sums   avx512_bf16, avx2 (+FMA), portable

@@ -663,8 +663,8 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
 // position p in slot p) or a ring (window W > 0: slot p % capacity, a query sees (p - W, p], and the window's keys
 // are gathered in position order before attention, as model/cache.py does). cos / sin [t, rot]: the positions'
 // rows of the tables. work: rows x (3·hidden + qkv + 2·heads·head_dim + 3·inter + max(hidden, heads·head_dim,
-// inter)) floats, plus 2·batch·kv_heads·capacity·head_dim for a ring (kernels/ops.py layer_work). Returns 0, 1 for a bad shape (or a projection's status), 2 from
-// attention.
+// inter)) floats, plus 2·batch·kv_heads·capacity·head_dim for a ring (kernels/ops.py layer_work). Returns 0, 1
+// for a bad shape (or a projection's status), 2 from attention.
 int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch, int64_t t, int64_t q_pos,
                             const float* cos, const float* sin, float* cache_k, float* cache_v, int64_t kv_sb,
                             int64_t kv_sh, int64_t capacity, int64_t window, float* work, float* out, int threads) {

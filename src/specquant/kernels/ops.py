@@ -349,8 +349,8 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, q_pos: int, cos: torch.Tenso
     b, t, _ = x.shape
     out = torch.empty_like(x)
     status = LIBRARY.lib_for(variant).specquant_decoder_layer(
-        ctypes.addressof(plan) if address is None else address, x.data_ptr(), b, t, q_pos, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-        values.data_ptr(), keys.stride(0), keys.stride(1), keys.shape[2], window or 0, work.data_ptr(), out.data_ptr(),
-        torch.get_num_threads())
+        ctypes.addressof(plan) if address is None else address, x.data_ptr(), b, t, q_pos, cos.data_ptr(),
+        sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.shape[2], window or 0,
+        work.data_ptr(), out.data_ptr(), torch.get_num_threads())
     _check(status, "decoder_layer", lambda: f"x {tuple(x.shape)} at {q_pos}, cache {tuple(keys.shape)}")
     return out

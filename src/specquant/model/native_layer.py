@@ -61,15 +61,17 @@ def _hooked(mods) -> bool:
 # Each step asks for these: module attributes are read from the module's own dicts (_modules, _parameters,
 # _buffers), since nn.Module.__getattr__ costs about a microsecond a lookup, and a layer step makes ~25 of them.
 def _key(projections, norms, qk: torch.Tensor | None) -> tuple | None:
-    """What the plan depends on: each projection's native_key (None: it cannot describe itself), the norms'."""
+    """What the plan depends on: which modules, each projection's native_key (None: it cannot describe itself), the
+    norms' weights."""
     keys = []
     for p in projections:
         fn = getattr(p, "native_key", None)
         k = None if fn is None else fn()
         if k is None:
             return None
-        keys.append(k)
-    return (*keys, *(n._parameters["weight"].data_ptr() for n in norms), None if qk is None else qk.data_ptr())
+        keys.append((id(p), k))
+    weights = ((id(n), n._parameters["weight"].data_ptr()) for n in norms)
+    return (*keys, *weights, None if qk is None else qk.data_ptr())
 
 
 def _build(attn: Attention, projections, norms, qk: torch.Tensor | None, key: tuple, x: torch.Tensor,
@@ -115,7 +117,8 @@ def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos
     if type(cache) is not KVCache or cache.static or projections[0] is None or projections[2] is None:
         return None
     keys, values = cache._buffers["k"], cache._buffers["v"]
-    if keys.dtype is not torch.float32 or not keys.is_contiguous() or not cos.is_contiguous() or not sin.is_contiguous():
+    if (keys.dtype is not torch.float32 or not keys.is_contiguous() or not cos.is_contiguous()
+            or not sin.is_contiguous()):
         return None
     norms = (mods["input_layernorm"], mods["post_attention_layernorm"])
     if _hooked((layer, attn, mlp, *projections, *norms)):  # the layer's own too: Transformer.forward calls this
