@@ -7,6 +7,7 @@ from 1) rather than HF's 0.02-std init, which leaves logits near zero and would 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -179,6 +180,25 @@ def native_kernels(request, monkeypatch):
     kernels.reset()  # the families cache their choice: read the switch again
     yield request.param
     kernels.reset()
+
+
+@contextlib.contextmanager
+def native_switch(monkeypatch, value: str):
+    """SPECQUANT_NATIVE=value inside the block, every kernel family's choice read again on the way in and out; the
+    switch the run had before (none, or SPECQUANT_NATIVE=avx2,portable for the whole suite) is back after it."""
+    from specquant import kernels
+
+    before = os.environ.get("SPECQUANT_NATIVE")
+    monkeypatch.setenv("SPECQUANT_NATIVE", value)
+    kernels.reset()
+    try:
+        yield
+    finally:
+        if before is None:
+            monkeypatch.delenv("SPECQUANT_NATIVE")
+        else:
+            monkeypatch.setenv("SPECQUANT_NATIVE", before)
+        kernels.reset()
 
 
 def need_kernel(family, variant=None):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import randomize_
+from conftest import native_switch, randomize_
 
 from specquant.decode import aot
 from specquant.decode.compiled import Stepper
@@ -303,7 +303,6 @@ def test_w4_activations_are_part_of_the_package_key():
 def test_native_and_fallback_w4_steps_have_different_package_keys(monkeypatch):
     """A package built where the native W4 kernel runs reads other buffers (the kernel's layout) than one built on
     torch's int4 fallback (SPECQUANT_NATIVE=off, or a CPU without the kernel): different keys, never mixed up."""
-    from specquant import kernels
     from specquant.quant import QuantConfig, quantize
     from specquant.kernels import w4_bf16
 
@@ -318,11 +317,6 @@ def test_native_and_fallback_w4_steps_have_different_package_keys(monkeypatch):
         return aot.package_key(model, 1, True, model.cache_layout(1, 256, static=True))
 
     native = key()
-    monkeypatch.setenv("SPECQUANT_NATIVE", "off")
-    kernels.reset()
-    try:
+    with native_switch(monkeypatch, "off"):
         assert key() != native
-    finally:
-        monkeypatch.undo()
-        kernels.reset()
     assert key() == native

@@ -3,6 +3,7 @@ outputs bit for bit on every path the decoder takes (native few-row steps, F.lin
 
 import pytest
 import torch
+from conftest import native_switch
 
 from specquant.kernels import ops
 from specquant.loader import load_model
@@ -63,13 +64,6 @@ def test_weights_bf16_cannot_hold_stay_fp32_and_a_compiled_bf16_linear_is_the_ea
 
 def test_without_the_native_library_nothing_is_stored(monkeypatch):
     """SPECQUANT_NATIVE=off: the widened copy each call would cost more than the bytes saved, so weights stay fp32."""
-    from specquant import kernels
-
-    monkeypatch.setenv("SPECQUANT_NATIVE", "off")
-    kernels.reset()
-    try:
+    with native_switch(monkeypatch, "off"):
         model = load_model("tiny-target", fuse=True)
         assert store_bf16(model) == 0 and all(m.weight.dtype == torch.float32 for m in _linears(model))
-    finally:
-        monkeypatch.delenv("SPECQUANT_NATIVE")
-        kernels.reset()

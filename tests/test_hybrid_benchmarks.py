@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_benchmark
+from conftest import load_benchmark, native_switch
 
 from specquant.bench.shapes import hybrid, random_model
-from specquant import kernels
 from specquant.kernels import ops, w4a8
 
 
@@ -68,15 +67,10 @@ def test_shapes_refuses_what_it_cannot_run(bench, monkeypatch, capsys):
     shapes = bench
     with pytest.raises(SystemExit, match="unknown mode 'w5'; known: fp32, bf16, w4, w4a8"):
         _run(shapes, ["--shapes", "qwen3-tiny", "--modes", "fp32,w5"], monkeypatch, capsys)
-    monkeypatch.setenv("SPECQUANT_NATIVE", "off")
-    kernels.reset()
-    try:
+    with native_switch(monkeypatch, "off"):
         with pytest.raises(SystemExit, match="mode w4a8 needs the native W4A8 kernel.*SPECQUANT_NATIVE=off"):
             _run(shapes, ["--shapes", "qwen3-tiny", "--modes", "w4,w4a8"], monkeypatch, capsys)
         assert "streamed read bandwidth" not in capsys.readouterr().out  # refused before anything ran
-    finally:
-        monkeypatch.delenv("SPECQUANT_NATIVE")
-        kernels.reset()
 
 
 def test_w4_hybrid_quantizes_what_specquant_quantize_would(bench):

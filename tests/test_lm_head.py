@@ -3,6 +3,7 @@ checkpoint round trip (the head's own config group, bf16 restored on load)."""
 
 import pytest
 import torch
+from conftest import native_switch
 
 from specquant.errors import SpecquantError
 from specquant.kernels import ops
@@ -24,7 +25,6 @@ def test_bf16_head_on_fp32_activations_is_one_product_on_every_path(monkeypatch)
     """A bf16 head on fp32 activations computes x against the exact widened weight: the native few-row call (half
     the bytes of the dense head) within float rounding of F.linear on weight.float(), which prefill-sized inputs and
     SPECQUANT_NATIVE=off take; a verify row equals the one-row step bit for bit."""
-    from specquant import kernels
     from specquant.model.modules import NATIVE_ROWS
 
     g = torch.Generator().manual_seed(3)
@@ -38,13 +38,8 @@ def test_bf16_head_on_fp32_activations_is_one_product_on_every_path(monkeypatch)
         assert torch.equal(torch.cat([head(x[:, i : i + 1]) for i in range(5)], 1), got)
     long = torch.randn(1, NATIVE_ROWS + 1, 128, generator=g)
     assert torch.equal(head(long), torch.nn.functional.linear(long, head.weight.float()))
-    monkeypatch.setenv("SPECQUANT_NATIVE", "off")
-    kernels.reset()
-    try:
+    with native_switch(monkeypatch, "off"):
         assert torch.equal(head(x), reference)
-    finally:
-        monkeypatch.delenv("SPECQUANT_NATIVE")
-        kernels.reset()
 
 
 @torch.no_grad()

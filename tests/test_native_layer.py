@@ -5,11 +5,9 @@ written twice) wherever its conditions do not hold."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from conftest import need_kernel
+from conftest import native_switch, need_kernel
 
 from specquant.bench.shapes import build, random_model
 from specquant.kernels import ops, w4_bf16, w4a8
@@ -120,24 +118,10 @@ def test_bundled_target_greedy_tokens_unchanged():
     _assert_same(load_model("tiny-target", fuse=True))
 
 
-@contextlib.contextmanager
-def _native(monkeypatch, switch: str):
-    """SPECQUANT_NATIVE=switch for the block, the kernels' choices read again on the way in and out."""
-    from specquant import kernels
-
-    monkeypatch.setenv("SPECQUANT_NATIVE", switch)
-    kernels.reset()
-    try:
-        yield
-    finally:
-        monkeypatch.delenv("SPECQUANT_NATIVE")
-        kernels.reset()
-
-
 @pytest.mark.parametrize("variant", ops.LIBRARY.supported_variants(), ids=lambda v: v.name)
 def test_every_ops_variant_equals_its_own_modules(variant, monkeypatch):
     """SPECQUANT_NATIVE names one ops variant: the layer call and the modules' calls both run it."""
-    with _native(monkeypatch, f"{variant.name},portable"):
+    with native_switch(monkeypatch, f"{variant.name},portable"):
         if ops.LIBRARY.variant() is None or ops.LIBRARY.variant().name != variant.name:
             pytest.skip(f"ops variant {variant.name} does not build here: {ops.LIBRARY.why()}")
         _assert_same(_dense(_cfg()))
@@ -184,7 +168,7 @@ def test_plan_follows_moved_weights():
 
 
 def test_off_switch_leaves_the_modules(monkeypatch):
-    with _native(monkeypatch, "off"):
+    with native_switch(monkeypatch, "off"):
         _assert_same(_dense(_cfg()), planned=False)
 
 

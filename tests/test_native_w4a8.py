@@ -10,7 +10,7 @@ skip, with the reason, where it does not build (its CPU extension missing, no g+
 
 import pytest
 import torch
-from conftest import kernel_variants, need_kernel
+from conftest import kernel_variants, native_switch, need_kernel
 
 from _quant_models import HAS_TINY_TARGET
 from specquant.spec_decode.engine import generate
@@ -137,19 +137,12 @@ def test_fused_projections_keep_int8_activations():
 
 
 def test_unknown_mode_and_unavailable_kernel_are_one_line_errors(monkeypatch):
-    from specquant import kernels
-
     with pytest.raises(SpecquantError, match="use one of auto, float, int8"):
         set_w4_activations(torch.nn.Sequential(), "int4")
-    monkeypatch.setenv("SPECQUANT_NATIVE", "0")
-    kernels.reset()
-    try:
+    with native_switch(monkeypatch, "0"):
         with pytest.raises(SpecquantError, match=r"unavailable here \(disabled by SPECQUANT_NATIVE=0\); use float "
                                                  r"activations"):
             set_w4_activations(torch.nn.Sequential(), "int8")
-    finally:
-        monkeypatch.undo()
-        kernels.reset()
 
 
 def test_unsupported_layers_are_declined():
