@@ -215,3 +215,17 @@ def test_plan_follows_a_swapped_module():
     layer.mlp.down_proj = twin
     _assert_same(model)
     assert native_layer._PLANS[layer] is not old
+
+
+def test_a_layer_that_cannot_run_natively_is_judged_once(monkeypatch):
+    """A layer the native step cannot take (here a bf16 norm weight) runs its modules, and its plan is not tried again
+    on every step: once per key."""
+    model = _dense(_cfg())
+    layer = model.model.layers[0]
+    layer.input_layernorm.weight.data = layer.input_layernorm.weight.data.to(torch.bfloat16)
+    built = []
+    build = native_layer._build
+    monkeypatch.setattr(native_layer, "_build", lambda *a: built.append(a) or build(*a))
+    _assert_same(model, planned=False)  # layer 0 on its modules, the same outputs
+    assert not native_layer.planned(layer) and native_layer.planned(model.model.layers[1])
+    assert len(built) == 2  # one judgement per layer over the run's eight forwards

@@ -42,15 +42,16 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class _Plan:
     """A layer's LayerPlan, the key of the tensors it points at (rebuilt when one of them moves), what it keeps
-    alive, and the scratch floats a call needs per row."""
+    alive, and the scratch floats a call needs per row. plan None: this layer, as the key describes it, cannot run
+    natively (kept too, so a step does not try to build it again until the key changes)."""
 
     __slots__ = ("address", "keep", "key", "per_ring_key", "per_row", "plan")
 
-    def __init__(self, key: tuple, plan: ops.LayerPlan, keep: tuple):
+    def __init__(self, key: tuple, plan: ops.LayerPlan | None = None, keep: tuple = ()):
         self.key, self.plan, self.keep = key, plan, keep
-        self.address = ctypes.addressof(plan)
-        self.per_row = ops.layer_work(plan, 1)
-        self.per_ring_key = ops.layer_work(plan, 0, 1)
+        self.address = None if plan is None else ctypes.addressof(plan)
+        self.per_row = 0 if plan is None else ops.layer_work(plan, 1)
+        self.per_ring_key = 0 if plan is None else ops.layer_work(plan, 0, 1)
 
 
 def _hooked(mods) -> bool:
@@ -75,16 +76,16 @@ def _key(projections, norms, qk: torch.Tensor | None) -> tuple | None:
 
 
 def _build(attn: Attention, projections, norms, qk: torch.Tensor | None, key: tuple, x: torch.Tensor,
-           cos: torch.Tensor) -> _Plan | None:
+           cos: torch.Tensor) -> _Plan:
     if any(type(n) not in NORMS for n in norms) or any(
             n.weight.dtype is not torch.float32 or not n.weight.is_contiguous() or n.offset != norms[0].offset
             or n.eps != norms[0].eps for n in norms):
-        return None
+        return _Plan(key)
     if qk is not None and (qk.dtype is not torch.float32 or not qk.is_contiguous()):
-        return None
+        return _Plan(key)
     described = [p.native_projection() for p in projections]
     if any(p is None for p in described):
-        return None
+        return _Plan(key)
     d = attn.head_dim
     plan = ops.LayerPlan(
         hidden=x.shape[-1], heads=attn.n_heads, kv_heads=attn.n_kv, head_dim=d, inter=described[3].k,
@@ -98,7 +99,8 @@ def _build(attn: Attention, projections, norms, qk: torch.Tensor | None, key: tu
 
 def planned(layer) -> bool:
     """Whether a step of this layer has run natively since it was built (tests)."""
-    return layer in _PLANS
+    held = _PLANS.get(layer)
+    return held is not None and held.plan is not None
 
 
 def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int) -> torch.Tensor | None:
@@ -129,10 +131,9 @@ def step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos
         return None
     held = _PLANS.get(layer)
     if held is None or held.key != key:
-        held = _build(attn, projections, norms, qk, key, x, cos)
-        if held is None:
-            return None
-        _PLANS[layer] = held
+        held = _PLANS[layer] = _build(attn, projections, norms, qk, key, x, cos)
+    if held.plan is None:
+        return None
     window = cache.window
     need = held.per_row * b * t + (0 if window is None else held.per_ring_key * b * keys.shape[2])
     work = getattr(_work, "tensor", None)
