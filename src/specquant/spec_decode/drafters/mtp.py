@@ -48,9 +48,9 @@ def draft_head(target: Transformer, head: str) -> nn.Module:
     if head == "w4" and hidden % W4_HEAD_GROUP:
         raise SpecquantError(f"a w4 MTP head groups {W4_HEAD_GROUP} inputs, which does not divide hidden_size "
                              f"{hidden}; use head w8 or bf16")
+    dtype = target.model.embed_tokens.weight.dtype
     # .to: a decoding target may hold its head in bf16 (model/bf16_store.py), as the exact values of the fp32 one
-    return head_module(target.lm_head.weight.to(target.model.embed_tokens.weight.dtype), head,
-                       target.model.embed_tokens.weight.dtype)
+    return head_module(target.lm_head.weight.to(dtype), head, dtype)
 
 
 class MTPDrafter:
