@@ -1,7 +1,8 @@
-"""model/native_layer.py: a dense decoder layer's step as one native call equals the layer's modules bit for bit
+"""model/native_layer.py: a decoder layer's step as one native call equals the layer's modules bit for bit
 (prefill blocks, decode steps, verify blocks, rollbacks, a batch), on dense fp32, bf16-stored and W4A8 weights, with
-and without q/k norms and biases, on every ops variant this CPU runs; and it stands aside (the modules run, nothing
-written twice) wherever its conditions do not hold."""
+and without q/k norms and biases, for dense attention and Qwen3.5's gated attention and Gated DeltaNet layers, on
+every ops variant this CPU runs; and it stands aside (the modules run, nothing written twice) wherever its conditions
+do not hold."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from conftest import native_switch, need_kernel
 
-from specquant.bench.shapes import build, random_model
+from specquant.bench.shapes import build, hybrid, random_model
 from specquant.kernels import ops, w4_bf16, w4a8
 from specquant.loader import load_model
 from specquant.model import native_layer
@@ -45,7 +46,8 @@ def _dense(cfg: ModelConfig) -> torch.nn.Module:
 
 
 def _run(model, tokens: torch.Tensor, enabled: bool, window: int | None = -1) -> list[torch.Tensor]:
-    """Prefill, decode steps, a verify block, a rollback into it and a second verify: every output."""
+    """Prefill, decode steps, a verify block, a rollback into it and a second verify, then a drafter's pattern (one-
+    token steps rolled back over several of them): every output."""
     native_layer.ENABLED = enabled
     try:
         with torch.inference_mode():
@@ -55,7 +57,9 @@ def _run(model, tokens: torch.Tensor, enabled: bool, window: int | None = -1) ->
             outs.append(model(tokens[:, 24:32], 24))
             model.rollback(27)
             outs.append(model(tokens[:, 27:33], 27))
-            outs.append(model(tokens[:, 33:34], 33))
+            outs += [model(tokens[:, i : i + 1], i) for i in range(33, 36)]
+            model.rollback(34)
+            outs.append(model(tokens[:, 34:37], 34))
         return outs
     finally:
         native_layer.ENABLED = True
@@ -125,6 +129,72 @@ def test_every_ops_variant_equals_its_own_modules(variant, monkeypatch):
         if ops.LIBRARY.variant() is None or ops.LIBRARY.variant().name != variant.name:
             pytest.skip(f"ops variant {variant.name} does not build here: {ops.LIBRARY.why()}")
         _assert_same(_dense(_cfg()))
+        _assert_same(_hybrid())
+
+
+def _hybrid_cfg(**over) -> ModelConfig:
+    """A small Qwen3.5 hybrid: DeltaNet, DeltaNet, DeltaNet, gated attention (partial RoPE, zero-centred norms),
+    grouped value heads (4 value heads over 2 key heads)."""
+    base = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                vocab_size=300, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                linear_value_head_dim=32, max_position_embeddings=256)
+    return hybrid(4, **{**base, **over})
+
+
+def _perturb_hybrid(model, seed: int = 5):
+    """Every norm weight, the conv and the gates' parameters away from their defaults, so a wrong row, offset or
+    weight shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "conv1d" in name or name.endswith(("A_log", "dt_bias")):
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _hybrid(mode: str = "fp32", **over):
+    cfg = _hybrid_cfg(**over)
+    if mode == "fp32":
+        model = _perturb_hybrid(random_model(cfg).eval())
+        fuse_projections(model)
+        return model
+    need_kernel(w4a8.FAMILY if mode == "w4a8" else w4_bf16.FAMILY)
+    model = build(cfg, mode, "bf16")
+    return _perturb_hybrid(model)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "w4a8", "w4"])
+def test_hybrid_layers_equal_modules(mode):
+    """Gated attention and Gated DeltaNet layers: prefill (longer than max_block: DeltaNet runs its modules there),
+    decode steps, a verify, rollbacks into a verify and over one-token steps; a batch of two."""
+    model = _hybrid(mode)
+    _assert_same(model)
+    _assert_same(model, batch=2)
+
+
+def test_hybrid_on_a_ring_and_without_grouped_value_heads():
+    _assert_same(_hybrid(linear_num_value_heads=2), window=8)
+
+
+def test_bundled_hybrid_greedy_tokens_unchanged():
+    """tiny-hybrid as the engines load it (bf16-stored dense weights)."""
+    _assert_same(load_model("tiny-hybrid", fuse=True))
+
+
+def test_deltanet_stands_aside_for_its_reference_form_and_a_static_cache():
+    model = _hybrid()
+    for layer in model.model.layers[:3]:
+        layer.linear_attn.fast = False  # the reference form rounds as transformers does: not the native call's
+    _assert_same(model, planned=False)
+    assert not any(native_layer.planned(layer) for layer in model.model.layers[:3])
+    assert native_layer.planned(model.model.layers[3])
+    tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        model.setup_cache(1, 96, static=True)
+        for layer in model.model.layers:
+            native_layer._PLANS.pop(layer, None)
+        model(tokens[:, :8], 0)
+        assert not any(native_layer.planned(layer) for layer in model.model.layers)
 
 
 def test_stands_aside_where_it_cannot_run():
@@ -224,8 +294,8 @@ def test_a_layer_that_cannot_run_natively_is_judged_once(monkeypatch):
     layer = model.model.layers[0]
     layer.input_layernorm.weight.data = layer.input_layernorm.weight.data.to(torch.bfloat16)
     built = []
-    build = native_layer._build
-    monkeypatch.setattr(native_layer, "_build", lambda *a: built.append(a) or build(*a))
+    build = native_layer._build_attention
+    monkeypatch.setattr(native_layer, "_build_attention", lambda *a: built.append(a) or build(*a))
     _assert_same(model, planned=False)  # layer 0 on its modules, the same outputs
     assert not native_layer.planned(layer) and native_layer.planned(model.model.layers[1])
     assert len(built) == 2  # one judgement per layer over the run's eight forwards

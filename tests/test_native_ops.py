@@ -164,7 +164,7 @@ def _steps(model, ids, monkeypatch, native: bool):
     calls = {}
     if native:
         for name in ("rms_norm", "swiglu", "attention", "norm_rope", "delta_step", "delta_replay", "delta_gates",
-                     "linear", "decoder_layer"):
+                     "delta_conv", "sigmoid_mul", "linear", "decoder_layer", "deltanet_layer"):
             def counted(*a, _f=getattr(ops, name), _n=name, **k):
                 calls[_n] = calls.get(_n, 0) + 1
                 return _f(*a, **k)
@@ -184,16 +184,17 @@ def _steps(model, ids, monkeypatch, native: bool):
     return out, calls
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_modules", "qwen3_window", "hybrid"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_modules", "qwen3_window", "hybrid", "hybrid_modules"])
 def test_model_steps_with_native_ops_match_the_reference_ops(kind, monkeypatch):
-    """qwen3, qwen3_window (a ring cache): each layer's step is one native call (model/native_layer.py);
-    qwen3_modules: its modules make the native calls one by one (native_layer.ENABLED off)."""
+    """qwen3, qwen3_window (a ring cache), hybrid: each layer's step is one native call (model/native_layer.py;
+    the hybrid's 40-token prefill is longer than its DeltaNet caches' max_block, so those layers run their modules
+    there); *_modules: the modules make the native calls one by one (native_layer.ENABLED off)."""
     from specquant.model import native_layer
     from specquant.model.config import ModelConfig
     from specquant.model.decoder import Transformer
     from specquant.model.fuse import fuse_projections
 
-    if kind == "hybrid":
+    if kind.startswith("hybrid"):
         from _qwen35_models import hf_config
 
         cfg = ModelConfig.from_hf(hf_config("gva", linear_value_head_dim=32).to_dict())  # V % 16: delta_step
@@ -209,12 +210,16 @@ def test_model_steps_with_native_ops_match_the_reference_ops(kind, monkeypatch):
     fuse_projections(model)
     ids = torch.randint(0, cfg.vocab_size, (1, 80), generator=torch.Generator().manual_seed(1))
     ref, none = _steps(model, ids, monkeypatch, native=False)
-    monkeypatch.setattr(native_layer, "ENABLED", kind != "qwen3_modules")
+    monkeypatch.setattr(native_layer, "ENABLED", not kind.endswith("_modules"))
     got, calls = _steps(model, ids, monkeypatch, native=True)
     expected = {"rms_norm", "swiglu", "attention", "norm_rope", "linear"}
-    expected |= {"delta_step", "delta_replay", "delta_gates"} if kind == "hybrid" else set()
+    if kind == "hybrid_modules":
+        expected |= {"delta_step", "delta_replay", "delta_gates", "delta_conv", "sigmoid_mul"}
     if kind in ("qwen3", "qwen3_window"):
         expected = {"decoder_layer", "rms_norm", "linear"}  # the layers, then the final norm and the head
+    if kind == "hybrid":  # the layers; DeltaNet's prefill on its modules (its rule chunked); rollbacks; norm, head
+        expected = {"decoder_layer", "deltanet_layer", "rms_norm", "linear", "swiglu", "delta_gates", "delta_conv",
+                    "delta_replay"}
     assert not none and set(calls) == expected, calls  # the native paths did run
     for a, b in zip(got, ref):
         close(a, b, rtol=1e-4, atol=1e-4)
@@ -299,6 +304,45 @@ def test_delta_gates_match_torch_and_do_not_depend_on_the_rows(variant, heads):
         assert torch.equal(x, torch.cat([r[n] for r in rows], 1))
     with pytest.raises(ValueError, match="delta_gates"):
         ops.delta_gates(a, b[..., :-1], a_log, dt_bias, variant=variant)
+
+
+@pytest.mark.parametrize("hk,kd,vc,kernel,t", [(16, 128, 2048, 4, 1), (2, 64, 256, 4, 5), (3, 10, 36, 3, 2),
+                                                (1, 16, 1, 8, 4)])
+def test_delta_conv_matches_reference_and_its_rows_are_independent(variant, hk, kd, vc, kernel, t):
+    """The conv (C % 16 channels included), SiLU and q / k norms against the torch ops; a row alone equals it in a
+    block; a tree's windows read the rows they name."""
+    g = torch.Generator().manual_seed(hk * 7 + t)
+    c = 2 * hk * kd + vc
+    hist = torch.randn(2, kernel - 1 + t, c, generator=g) * 2
+    w = torch.randn(c, 1, kernel, generator=g) * 0.5
+    got = ops.delta_conv(hist, w, hk, kd, t, variant=variant)
+    for x, y in zip(got, ops.delta_conv_reference(hist, w, hk, kd, t)):
+        close(x, y, rtol=1e-5, atol=1e-5)
+    for i in range(t):  # output i alone, from its own kernel rows
+        alone = ops.delta_conv(hist[:, i : i + kernel], w, hk, kd, 1, variant=variant)
+        for x, y in zip(got, alone):
+            assert torch.equal(x[:, i : i + 1], y)
+    windows = torch.stack([torch.randperm(kernel - 1 + t, generator=g)[:kernel] for _ in range(3)])
+    tree = ops.delta_conv(hist, w, hk, kd, 3, windows, variant=variant)
+    for x, y in zip(tree, ops.delta_conv_reference(hist, w, hk, kd, 3, windows)):
+        close(x, y, rtol=1e-5, atol=1e-5)
+    for bad in (dict(t=t + 1), dict(windows=windows + kernel + t)):
+        with pytest.raises(ValueError, match="delta_conv"):
+            ops.delta_conv(hist, w, hk, kd, **{"t": 3, **bad}, variant=variant)
+
+
+@pytest.mark.parametrize("heads,d,rows", [(8, 256, 1), (4, 64, 5), (3, 20, 2)])
+def test_sigmoid_mul_matches_torch_on_a_projection_s_gate_halves(variant, heads, d, rows):
+    g = torch.Generator().manual_seed(heads * d)
+    qg = torch.randn(2, rows, heads, 2 * d, generator=g) * 4  # [query | gate] per head, as GatedAttention's q_proj
+    gate = qg[..., d:]
+    a = torch.randn(2, rows, heads, d, generator=g)
+    want = ops.sigmoid_mul_reference(a, gate)
+    got = ops.sigmoid_mul(a.clone(), gate, variant=variant)
+    close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(ops.sigmoid_mul(a[:, :1].clone(), gate[:, :1], variant=variant), got[:, :1])
+    with pytest.raises(ValueError, match="sigmoid_mul"):
+        ops.sigmoid_mul(a, gate[..., :-1], variant=variant)
 
 
 def _random_model(kind: str, w4: bool):

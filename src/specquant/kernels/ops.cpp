@@ -451,6 +451,73 @@ int specquant_delta_gates(const float* a, const float* b, int64_t rows, int64_t 
   return 0;
 }
 
+// Gated attention's output gate: a[r, h, i] *= sigmoid(gate[r·g_rs + h·g_hs + i]) for rows r < rows, heads h, i <
+// d (a contiguous [rows, heads, d]; gate rows and heads strided: the gate halves of a [query | gate] projection).
+// Scalar libm expf per element, as the gated norm's gate above. model/gated_attention.py's step and the native layer
+// both call this, so their outputs agree bit for bit (torch.sigmoid's vectorized bits cannot be matched from here).
+int specquant_sigmoid_mul(float* a, int64_t rows, int64_t heads, int64_t d, const float* gate, int64_t g_rs,
+                          int64_t g_hs) {
+  if (rows < 0 || heads <= 0 || d <= 0) return 1;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* o = a + (r * heads + h) * d;
+      const float* g = gate + r * g_rs + h * g_hs;
+      for (int64_t i = 0; i < d; ++i) o[i] = o[i] * (1.0f / (1.0f + expf(-g[i])));
+    }
+  return 0;
+}
+
+// Gated DeltaNet's causal depthwise conv, SiLU and the q / k L2 norms (model/deltanet.py, fast path), for t outputs
+// per sequence: hist [batch, rows_in, C] holds each sequence's kernel-1 earlier inputs then its new ones; output n
+// reads the kernel rows windows[n·kernel + j] (null: n + j, a chain), conv_n[c] = Σ_j hist[r_j, c]·w[c·kernel + j]
+// (w: nn.Conv1d's [C, 1, kernel] weight; summed in j order, one multiply and one add each), then y = silu(conv_n).
+// q, k [batch, t, hk, kd] are y's first 2·hk·kd channels, each head vector times 1 / sqrt(Σ x² + eps) (dot's order);
+// v [batch, t, C - 2·hk·kd] the rest. kernel <= 8, C <= 32768. A row's result does not depend on the other rows.
+int specquant_delta_conv(const float* hist, int64_t batch, int64_t rows_in, int64_t t, int64_t C, const float* w,
+                         int64_t kernel, const int64_t* windows, int64_t hk, int64_t kd, float eps, float* q,
+                         float* k, float* v, int threads) {
+  const int64_t qk = hk * kd, vc = C - 2 * qk;
+  if (batch <= 0 || t <= 0 || kernel <= 0 || kernel > 8 || hk <= 0 || kd <= 0 || vc < 0 || C > 32768 ||
+      (!windows && rows_in < t + kernel - 1))
+    return 1;
+  if (windows)
+    for (int64_t i = 0; i < t * kernel; ++i)
+      if (windows[i] < 0 || windows[i] >= rows_in) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (batch * t * C >= (1 << 17) && threads > 1)
+  for (int64_t n = 0; n < batch * t; ++n) {
+    const int64_t b = n / t, i = n % t;
+    const float* rows[8];
+    for (int64_t j = 0; j < kernel; ++j)
+      rows[j] = hist + (b * rows_in + (windows ? windows[i * kernel + j] : i + j)) * C;
+    float y[32768 / 16][16];  // the row's activations, 16 channels at a time (C <= 32768, checked above)
+    int64_t c0 = 0;
+    for (; c0 + 16 <= C; c0 += 16) {
+      float wt[8][16];  // the block's taps, transposed: the channel loops below vectorize
+      for (int cc = 0; cc < 16; ++cc)
+        for (int64_t j = 0; j < kernel; ++j) wt[j][cc] = w[(c0 + cc) * kernel + j];
+      float acc[16];
+      for (int cc = 0; cc < 16; ++cc) acc[cc] = rows[0][c0 + cc] * wt[0][cc];
+      for (int64_t j = 1; j < kernel; ++j)
+        for (int cc = 0; cc < 16; ++cc) acc[cc] = acc[cc] + rows[j][c0 + cc] * wt[j][cc];
+      for (int cc = 0; cc < 16; ++cc) y[c0 / 16][cc] = silu(acc[cc]);
+    }
+    for (; c0 < C; ++c0) {  // C % 16 channels, the same arithmetic one at a time
+      float acc = rows[0][c0] * w[c0 * kernel];
+      for (int64_t j = 1; j < kernel; ++j) acc = acc + rows[j][c0] * w[c0 * kernel + j];
+      y[c0 / 16][c0 % 16] = silu(acc);
+    }
+    const float* yr = &y[0][0];
+    for (int64_t hh = 0; hh < 2 * hk; ++hh) {
+      const float* x = yr + hh * kd;
+      const float inv = 1.0f / sqrtf(dot(x, x, kd) + eps);
+      float* o = (hh < hk ? q + (n * hk + hh) * kd : k + (n * hk + hh - hk) * kd);
+      for (int64_t c = 0; c < kd; ++c) o[c] = x[c] * inv;
+    }
+    memcpy(v + n * vc, yr + 2 * qk, sizeof(float) * vc);
+  }
+  return 0;
+}
+
 }  // extern "C"
 
 namespace {
@@ -526,16 +593,23 @@ struct Projection {
   const float* bias;
 };
 
-// A dense decoder layer (model/decoder.py's DecoderLayer over model/attention.py's Attention, q/k/v and gate/up
-// fused): shapes, weights and constants, filled once by model/native_layer.py (its ctypes twin: kernels/ops.py).
+// An attention decoder layer (model/decoder.py's DecoderLayer over model/attention.py's Attention or
+// model/gated_attention.py's GatedAttention, q/k/v and gate/up fused): shapes, weights and constants, filled once by
+// model/native_layer.py (its ctypes twin: kernels/ops.py).
 struct LayerPlan {
   int64_t hidden, heads, kv_heads, head_dim, inter, rot, qk_norm_rows;  // qk_norm_rows 0: no q / k norm
   int64_t min_parallel_macs;  // a W4 GEMM below this many multiply-adds runs on one thread (family.PARALLEL_MIN_MACS)
   const float* input_norm;
   const float* post_norm;
-  const float* qk_norm;  // [qk_norm_rows, head_dim]: a row per q head then per k head, or one row for every head
+  // [qk_norm_rows, head_dim]: a row per q head then per k head, or one row for every head; with k_norm, q's rows
+  const float* qk_norm;
   float norm_offset, norm_eps, qk_eps, scale;
   Projection qkv, o, gate_up, down;
+  // gated (Qwen3.5): the q projection's row is [query | gate] per head, and the attention output is multiplied by
+  // sigmoid(gate) (specquant_sigmoid_mul) before o
+  int64_t gated;
+  const float* k_norm;  // null: k's norm rows follow q's in qk_norm; else k's own (qk_norm_rows of them)
+  float qk_offset;      // the q / k norms' weight offset (1: zero-centred)
 };
 
 inline uint16_t to_bf16(float f) {
@@ -545,8 +619,8 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// scratch: m·k uint16 for kind 3
-int project(const LayerPlan& L, const Projection& p, const float* x, int64_t m, float* y, int threads,
+// scratch: m·k uint16 for kind 3; min_macs: a W4 GEMM below this runs on one thread (LayerPlan.min_parallel_macs)
+int project(int64_t min_macs, const Projection& p, const float* x, int64_t m, float* y, int threads,
             uint16_t* scratch) {
   if (p.kind == 0) return linear(x, m, p.k, static_cast<const float*>(p.w), p.n, p.bias, y, threads);
   if (p.kind == 1) return linear(x, m, p.k, static_cast<const uint16_t*>(p.w), p.n, p.bias, y, threads);
@@ -557,7 +631,7 @@ int project(const LayerPlan& L, const Projection& p, const float* x, int64_t m, 
     in = scratch;
   }
   const int status = p.fn(static_cast<const float*>(in), m, p.k, p.w, p.scales, p.n, p.group,
-                          static_cast<int>(p.bf16_scales), y, m * p.n * p.k >= L.min_parallel_macs ? threads : 1);
+                          static_cast<int>(p.bf16_scales), y, m * p.n * p.k >= min_macs ? threads : 1);
   if (status || !p.bias) return status;
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < p.n; ++i) y[r * p.n + i] = y[r * p.n + i] + p.bias[i];
@@ -654,10 +728,33 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
   return status;
 }
 
-// A whole dense decoder layer for t positions in one call: x [batch, t, hidden] at positions q_pos.. -> out (same
+}  // extern "C"
+
+namespace {
+
+// A layer's second half, as DecoderLayer.forward runs it after the mixer: x2 = x + mixed, h = post_norm(x2),
+// out = x2 + down(swiglu(gate_up(h))). Scratch: x2, h [rows, hidden], gu [rows, 2·inter], s [rows, inter], bf.
+int mlp_tail(const float* x, const float* mixed, int64_t rows, int64_t H, int64_t F, const float* post_norm,
+             float offset, float eps, const Projection& gate_up, const Projection& down, int64_t min_macs, float* x2,
+             float* h, float* gu, float* s, uint16_t* bf, float* out, int threads) {
+  if (gate_up.k != H || gate_up.n != 2 * F || down.k != F || down.n != H) return 1;
+  int status = specquant_rms_norm(x, mixed, x2, rows, H, H, post_norm, offset, nullptr, eps, h, threads);
+  if (status || (status = project(min_macs, gate_up, h, rows, gu, threads, bf))) return status;
+  if ((status = specquant_swiglu(gu, rows, F, s, threads)) ||
+      (status = project(min_macs, down, s, rows, out, threads, bf)))
+    return status;
+  for (int64_t i = 0; i < rows * H; ++i) out[i] = x2[i] + out[i];
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// A whole attention decoder layer for t positions in one call: x [batch, t, hidden] at positions q_pos.. -> out (same
 // shape), the sequence of calls the layer's modules make on their own in an eager fp32 step (DecoderLayer.forward):
 //   h = input_norm(x); y = qkv(h); q, k = norm_rope(y's q / k heads); k, v -> the cache at q_pos..q_pos+t-1;
-//   a = attention(q, cache); x2 = x + o(a), h = post_norm(x2); out = x2 + down(swiglu(gate_up(h))),
+//   a = attention(q, cache) (gated: a·sigmoid(y's gate heads)); then mlp_tail on x and o(a),
 // each by the same function on the same values, so every output is the modules' bit for bit (tested). The cache's
 // buffers are [batch, kv_heads, capacity, head_dim] (batch / head strides kv_sb / kv_sh): a full cache (window 0:
 // position p in slot p) or a ring (window W > 0: slot p % capacity, a query sees (p - W, p], and the window's keys
@@ -670,12 +767,13 @@ int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch
                             int64_t kv_sh, int64_t capacity, int64_t window, float* work, float* out, int threads) {
   const LayerPlan& L = *plan;
   const int64_t H = L.hidden, d = L.head_dim, nq = L.heads, nkv = L.kv_heads, F = L.inter, rows = batch * t;
-  const int64_t width = (nq + 2 * nkv) * d;  // one row of the fused q / k / v projection
+  const int64_t qw = L.gated ? 2 * d : d;  // one q head's columns in a row of the fused projection (and its gate)
+  const int64_t width = nq * qw + 2 * nkv * d;  // one row of the fused q / k / v projection
   const bool ring = window > 0;
   if (batch <= 0 || t <= 0 || q_pos < 0 || (ring ? t > capacity - window + 1 : q_pos + t > capacity) || nq % nkv ||
-      L.rot < 0 || L.rot > d ||
-      L.rot > 1024 || L.rot % 2 || L.qkv.n != width || L.qkv.k != H || L.o.k != nq * d || L.o.n != H ||
-      L.gate_up.k != H || L.gate_up.n != 2 * F || L.down.k != F || L.down.n != H)
+      L.rot < 0 || L.rot > d || L.rot > 1024 || L.rot % 2 || L.qkv.n != width || L.qkv.k != H || L.o.k != nq * d ||
+      L.o.n != H || (L.k_norm && !L.qk_norm) || L.gate_up.k != H || L.gate_up.n != 2 * F || L.down.k != F ||
+      L.down.n != H)
     return 1;
   float* h = work;
   float* y = h + rows * H;
@@ -689,21 +787,25 @@ int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch
   const int64_t widest = H > nq * d ? (H > F ? H : F) : (nq * d > F ? nq * d : F);
   int status = specquant_rms_norm(x, nullptr, nullptr, rows, H, H, L.input_norm, L.norm_offset, nullptr, L.norm_eps,
                                   h, threads);
-  if (status || (status = project(L, L.qkv, h, rows, y, threads, bf))) return status;
+  if (status || (status = project(L.min_parallel_macs, L.qkv, h, rows, y, threads, bf))) return status;
   const int64_t vectors = rows * (nq + nkv);
 #pragma omp parallel for num_threads(threads) schedule(static) if (vectors * d >= (1 << 17) && threads > 1)
   for (int64_t n = 0; n < vectors; ++n) {  // q heads into q [batch, heads, t, d], k heads into the cache
     const int64_t b = n / (t * (nq + nkv)), p = (n / (nq + nkv)) % t, hh = n % (nq + nkv);
     const int64_t slot = ring ? (q_pos + p) % capacity : q_pos + p;
     float* o = hh < nq ? q + ((b * nq + hh) * t + p) * d : cache_k + b * kv_sb + (hh - nq) * kv_sh + slot * d;
-    const float* w = L.qk_norm_rows ? L.qk_norm + (hh % L.qk_norm_rows) * d : nullptr;
-    norm_rope_vector(y + (b * t + p) * width + hh * d, o, d, w, 0.0f, L.qk_eps, cos + p * L.rot, sin + p * L.rot,
-                     L.rot);
+    const float* w = nullptr;
+    if (L.k_norm)  // q's and k's own norms (gated attention's q_norm, k_norm)
+      w = (hh < nq ? L.qk_norm : L.k_norm) + ((hh < nq ? hh : hh - nq) % L.qk_norm_rows) * d;
+    else if (L.qk_norm_rows)
+      w = L.qk_norm + (hh % L.qk_norm_rows) * d;
+    const float* xv = y + (b * t + p) * width + (hh < nq ? hh * qw : nq * qw + (hh - nq) * d);
+    norm_rope_vector(xv, o, d, w, L.qk_offset, L.qk_eps, cos + p * L.rot, sin + p * L.rot, L.rot);
   }
   for (int64_t r = 0; r < rows; ++r) {  // v as it is
     const int64_t slot = ring ? (q_pos + r % t) % capacity : q_pos + r % t;
     for (int64_t j = 0; j < nkv; ++j)
-      memcpy(cache_v + (r / t) * kv_sb + j * kv_sh + slot * d, y + r * width + (nq + nkv + j) * d,
+      memcpy(cache_v + (r / t) * kv_sb + j * kv_sh + slot * d, y + r * width + nq * qw + (nkv + j) * d,
              sizeof(float) * d);
   }
   if (ring) {  // the window's keys and values in position order (model/cache.py's ring update, index_select)
@@ -724,13 +826,112 @@ int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch
     status = specquant_attention(q, batch, nq, t, d, nq * t * d, t * d, d, cache_k, cache_v, nkv, q_pos + t, kv_sb,
                                  kv_sh, q_pos, 0, 0, L.scale, a, threads);
   }
-  if (status || (status = project(L, L.o, a, rows, ob, threads, bf))) return status;
-  status = specquant_rms_norm(x, ob, x2, rows, H, H, L.post_norm, L.norm_offset, nullptr, L.norm_eps, h, threads);
-  if (status || (status = project(L, L.gate_up, h, rows, gu, threads, bf))) return status;
-  if ((status = specquant_swiglu(gu, rows, F, s, threads)) || (status = project(L, L.down, s, rows, out, threads, bf)))
-    return status;
-  for (int64_t i = 0; i < rows * H; ++i) out[i] = x2[i] + out[i];
+  if (!status && L.gated) status = specquant_sigmoid_mul(a, rows, nq, d, y + d, width, qw);
+  if (status || (status = project(L.min_parallel_macs, L.o, a, rows, ob, threads, bf))) return status;
+  return mlp_tail(x, ob, rows, H, F, L.post_norm, L.norm_offset, L.norm_eps, L.gate_up, L.down, L.min_parallel_macs,
+                  x2, h, gu, s, bf, out, threads);
+}
+
+// A Gated DeltaNet decoder layer (model/deltanet.py's GatedDeltaNet, fast path, in a DecoderLayer): shapes, weights
+// and constants, filled once by model/native_layer.py (its ctypes twin: kernels/ops.py DeltaPlan).
+struct DeltaPlan {
+  int64_t hidden, inter, key_heads, key_dim, value_heads, value_dim, kernel, min_parallel_macs;
+  const float* input_norm;
+  const float* post_norm;
+  const float* conv;      // nn.Conv1d's weight [conv_dim, 1, kernel]
+  const float* a_log;     // [value_heads]
+  const float* dt_bias;   // [value_heads]
+  const float* out_norm;  // the gated norm's weight [value_dim]
+  float norm_offset, norm_eps, out_eps, l2_eps, scale;
+  Projection qkv, z, a, b, out, gate_up, down;
+};
+
+// The floats of work a deltanet_layer call needs (its layout below), into *floats. Returns 0.
+int specquant_deltanet_work(const DeltaPlan* plan, int64_t batch, int64_t t, int64_t* floats) {
+  const DeltaPlan& P = *plan;
+  const int64_t rows = batch * t, H = P.hidden, F = P.inter, hv = P.value_heads * P.value_dim;
+  const int64_t C = 2 * P.key_heads * P.key_dim + hv, qk = P.key_heads * P.key_dim;
+  const int64_t widest = H > hv ? (H > F ? H : F) : (hv > F ? hv : F);
+  *floats = rows * (3 * H + C + 2 * qk + 5 * hv + 4 * P.value_heads + 3 * F + widest) +
+            batch * (P.kernel - 1 + t) * C;
   return 0;
+}
+
+// A whole Gated DeltaNet decoder layer for t tokens in one call: x [batch, t, hidden] -> out, the calls the layer's
+// modules make on their own in an eager fp32 step (DecoderLayer.forward, GatedDeltaNet.forward with its cache):
+//   h = input_norm(x); hist = [conv_in; qkv(h)] per sequence; q, k, v = delta_conv(hist); g, beta =
+//   delta_gates(a(h), b(h)); o, S, delta = delta_step(q, k, v, g, beta, state_in); y = out(rms_norm(o, gate z(h)));
+//   then mlp_tail on x and y,
+// each by the same function on the same values, so every output is the modules' bit for bit (tested). The cache's
+// part (DeltaNetCache.begin ran before, in Python): the state after the block into state_out [batch, value_heads,
+// K, V] (state_in is kept: it may be the rollback anchor), the conv state after it into conv_out [batch, kernel-1,
+// C] (conv_in: the one before; both contiguous), and the rollback record at the block's slot: the t pre-conv inputs
+// into rec_hist, q's keys into rec_keys, the deltas into rec_delta, g into rec_g (each pointing at sequence 0's
+// first row, sequences rec_*_sb floats apart). work: specquant_deltanet_work floats. Returns 0, or 1 for a bad shape
+// (or a projection's status): nothing is written to the cache before every shape has been checked.
+int specquant_deltanet_layer(const DeltaPlan* plan, const float* x, int64_t batch, int64_t t, const float* conv_in,
+                             const float* state_in, float* conv_out, float* state_out, float* rec_hist,
+                             int64_t rec_hist_sb, float* rec_keys, int64_t rec_keys_sb, float* rec_delta,
+                             int64_t rec_delta_sb, float* rec_g, int64_t rec_g_sb, float* work, float* out,
+                             int threads) {
+  const DeltaPlan& P = *plan;
+  const int64_t rows = batch * t, H = P.hidden, F = P.inter, hk = P.key_heads, kd = P.key_dim;
+  const int64_t nv = P.value_heads, vd = P.value_dim, hv = nv * vd, qk = hk * kd, C = 2 * qk + hv, k1 = P.kernel - 1;
+  if (batch <= 0 || t <= 0 || k1 < 0 || P.kernel > 8 || nv % hk || vd % 16 || P.qkv.k != H || P.qkv.n != C ||
+      P.z.k != H || P.z.n != hv || P.a.k != H || P.a.n != nv || P.b.k != H || P.b.n != nv || P.out.k != hv ||
+      P.out.n != H || P.gate_up.k != H || P.gate_up.n != 2 * F || P.down.k != F || P.down.n != H)
+    return 1;
+  const int64_t widest = H > hv ? (H > F ? H : F) : (hv > F ? hv : F);
+  float* h = work;                                 // rows x H
+  float* y = h + rows * H;                         // rows x C: qkv(h)
+  float* qn = y + rows * C;                        // rows x qk
+  float* kn = qn + rows * qk;                      // rows x qk
+  float* v = kn + rows * qk;                       // rows x hv
+  float* o = v + rows * hv;                        // rows x hv
+  float* deltas = o + rows * hv;                   // rows x hv
+  float* z = deltas + rows * hv;                   // rows x hv
+  float* gn = z + rows * hv;                       // rows x hv
+  float* ga = gn + rows * hv;                      // rows x nv: a(h), then b(h), g, beta
+  float* gb = ga + rows * nv;
+  float* g = gb + rows * nv;
+  float* beta = g + rows * nv;
+  float* mo = beta + rows * nv;                    // rows x H
+  float* x2 = mo + rows * H;                       // rows x H
+  float* gu = x2 + rows * H;                       // rows x 2F
+  float* s = gu + rows * 2 * F;                    // rows x F
+  uint16_t* bf = reinterpret_cast<uint16_t*>(s + rows * F);  // rows x widest floats' room
+  float* hist = s + rows * F + rows * widest;      // batch x (k1 + t) x C
+  const int64_t macs = P.min_parallel_macs;
+  int status = specquant_rms_norm(x, nullptr, nullptr, rows, H, H, P.input_norm, P.norm_offset, nullptr, P.norm_eps,
+                                  h, threads);
+  if (status || (status = project(macs, P.qkv, h, rows, y, threads, bf)) ||
+      (status = project(macs, P.a, h, rows, ga, threads, bf)) ||
+      (status = project(macs, P.b, h, rows, gb, threads, bf)) ||
+      (status = project(macs, P.z, h, rows, z, threads, bf)))
+    return status;
+  for (int64_t b = 0; b < batch; ++b) {  // each sequence's conv window: the conv state, then its new inputs
+    memcpy(hist + b * (k1 + t) * C, conv_in + b * k1 * C, sizeof(float) * k1 * C);
+    memcpy(hist + (b * (k1 + t) + k1) * C, y + b * t * C, sizeof(float) * t * C);
+  }
+  if ((status = specquant_delta_conv(hist, batch, k1 + t, t, C, P.conv, P.kernel, nullptr, hk, kd, P.l2_eps, qn, kn,
+                                     v, threads)) ||
+      (status = specquant_delta_gates(ga, gb, rows, nv, P.a_log, P.dt_bias, g, beta)) ||
+      (status = specquant_delta_step(qn, kn, v, g, beta, state_in, batch, t, hk, nv, kd, vd, P.scale, state_out, o,
+                                     deltas, threads)))
+    return status;
+  for (int64_t b = 0; b < batch; ++b) {  // the cache: the record's slots, and the conv state after the block
+    memcpy(rec_hist + b * rec_hist_sb, y + b * t * C, sizeof(float) * t * C);
+    memcpy(rec_keys + b * rec_keys_sb, kn + b * t * qk, sizeof(float) * t * qk);
+    memcpy(rec_delta + b * rec_delta_sb, deltas + b * t * hv, sizeof(float) * t * hv);
+    memcpy(rec_g + b * rec_g_sb, g + b * t * nv, sizeof(float) * t * nv);
+    memcpy(conv_out + b * k1 * C, hist + (b * (k1 + t) + t) * C, sizeof(float) * k1 * C);
+  }
+  if ((status = specquant_rms_norm(o, nullptr, nullptr, rows * nv, vd, vd, P.out_norm, 0.0f, z, P.out_eps, gn,
+                                   threads)) ||
+      (status = project(macs, P.out, gn, rows, mo, threads, bf)))
+    return status;
+  return mlp_tail(x, mo, rows, H, F, P.post_norm, P.norm_offset, P.norm_eps, P.gate_up, P.down, macs, x2, h, gu, s,
+                  bf, out, threads);
 }
 
 }  // extern "C"

@@ -10,14 +10,19 @@
   delta_replay  the state after the first j tokens of a delta_step        delta_replay_reference (gated_delta.py's
                 record, bit-equal to the stepped state                    state_after: one matmul)
   delta_gates   DeltaNet's g and beta from in_proj_a / in_proj_b          delta_gates_reference
+  delta_conv    DeltaNet's causal depthwise conv, SiLU and q / k L2        delta_conv_reference
+                norms, for a chain or a tree's windows
+  sigmoid_mul   gated attention's a·sigmoid(gate), in place               sigmoid_mul_reference
   attention     softmax(q·kᵀ·scale, causal and windowed by position)·v,   attention_reference
                 GQA, few queries over a K/V cache, out [b, t, heads, d]
   linear        x·wᵀ (+ b) for the few fp32 rows of a decode / verify      F.linear (a bf16 w: F.linear
                 step, rows batch- and thread-invariant; w fp32 or bf16     on w widened to fp32)
                 (widened exactly in registers: half the bytes streamed)
-  decoder_layer a whole dense decoder layer (norms, fused projections on     the layer's modules, each
-                their own kernels, q/k norm + RoPE, K/V cache write,       making the calls above itself
-                attention, SwiGLU, residuals) in one call                  (model/native_layer.py)
+  decoder_layer a whole attention decoder layer (norms, fused projections   the layer's modules, each
+                on their own kernels, q/k norm + RoPE, K/V cache write,    making the calls above itself
+                attention, the output gate, SwiGLU, residuals) in one call (model/native_layer.py)
+  deltanet_layer a whole Gated DeltaNet decoder layer (norms, projections, the same
+                conv, gates, rule, gated norm, the rollback record, MLP)
 
 Why: a one-row eager step runs each of these as 4-10 torch ops of 2-5 us each (dispatch, not arithmetic), and
 torch's CPU flash-attention kernel spends about 200 us per layer on one query over 128 cached keys; the profile and
@@ -62,6 +67,11 @@ FUNCTIONS = {
                             _I64, _I64, _I64, _F32, _PTR, _INT],
     "specquant_decoder_layer": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
                                 _PTR, _INT],
+    "specquant_sigmoid_mul": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
+    "specquant_delta_conv": [_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _PTR, _INT],
+    "specquant_deltanet_work": [_PTR, _I64, _I64, _PTR],
+    "specquant_deltanet_layer": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64,
+                                 _PTR, _I64, _PTR, _PTR, _INT],
 }
 LIBRARY = Library("ops", VARIANTS, FUNCTIONS)
 
@@ -269,6 +279,73 @@ def delta_gates_reference(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Ten
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()), b.sigmoid().float()
 
 
+CONV_MAX_KERNEL, CONV_MAX_CHANNELS = 8, 32768  # delta_conv's bounds (ops.cpp)
+
+
+def delta_conv_fits(kernel: int, channels: int) -> bool:
+    return kernel <= CONV_MAX_KERNEL and channels <= CONV_MAX_CHANNELS
+
+
+def delta_conv(hist: torch.Tensor, weight: torch.Tensor, key_heads: int, key_dim: int, t: int,
+               windows: torch.Tensor | None = None, eps: float = 1e-6,
+               variant: Variant | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """delta_conv_reference, natively: hist [b, R, C] fp32 (each sequence's kernel-1 earlier inputs, then its new
+    ones), weight nn.Conv1d's [C, 1, kernel]; t outputs per sequence, output n from the rows windows[n] ([t, kernel]
+    int64; None: n .. n + kernel - 1) -> (q, k [b, t, key_heads, key_dim] L2-normalised, v [b, t, C - 2 qk])."""
+    b, rows_in, c = hist.shape
+    kernel = weight.shape[-1]
+    qk = key_heads * key_dim
+    if weight.shape != (c, 1, kernel) or c < 2 * qk or (windows is not None and windows.shape != (t, kernel)):
+        raise ValueError(f"delta_conv: hist {tuple(hist.shape)}, weight {tuple(weight.shape)}, {key_heads} key heads "
+                         f"of {key_dim}" + ("" if windows is None else f", windows {tuple(windows.shape)}"))
+    hist, w = hist.contiguous(), weight.contiguous()
+    win = None if windows is None else windows.to(torch.int64).contiguous()
+    q, k = torch.empty(b, t, key_heads, key_dim), torch.empty(b, t, key_heads, key_dim)
+    v = torch.empty(b, t, c - 2 * qk)
+    _check(LIBRARY.lib_for(variant).specquant_delta_conv(
+        hist.data_ptr(), b, rows_in, t, c, w.data_ptr(), kernel, None if win is None else win.data_ptr(), key_heads,
+        key_dim, eps, q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads()),
+           "delta_conv", lambda: f"hist {tuple(hist.shape)}, weight {tuple(weight.shape)}, t {t}")
+    return q, k, v
+
+
+def delta_conv_reference(hist, weight, key_heads: int, key_dim: int, t: int, windows=None, eps: float = 1e-6):
+    """The torch ops delta_conv fuses (model/deltanet.py's fast path: the conv as kernel multiply-adds in fp32,
+    SiLU, gated_delta.l2_normalize on q's and k's heads)."""
+    b, _, c = hist.shape
+    kernel, qk = weight.shape[-1], key_heads * key_dim
+    if windows is None:
+        windows = torch.arange(t)[:, None] + torch.arange(kernel)[None, :]
+    w = weight.float()[:, 0]  # [C, kernel]
+    out = hist[:, windows[:, 0]].float() * w[:, 0]
+    for j in range(1, kernel):
+        out = out + hist[:, windows[:, j]].float() * w[:, j]
+    y = F.silu(out)
+    heads = y[..., : 2 * qk].reshape(b, t, 2 * key_heads, key_dim)
+    heads = heads * torch.rsqrt((heads * heads).sum(-1, keepdim=True) + eps)
+    return heads[:, :, :key_heads].contiguous(), heads[:, :, key_heads:].contiguous(), y[..., 2 * qk :].contiguous()
+
+
+def sigmoid_mul(a: torch.Tensor, gate: torch.Tensor, variant: Variant | None = None) -> torch.Tensor:
+    """a·sigmoid(gate), natively, in place on a: a [..., heads, d] contiguous, gate of a's shape, any strides (the
+    gate halves of a [query | gate] projection are read where they are). Returns a."""
+    heads, d = a.shape[-2:]
+    if gate.shape != a.shape or not a.is_contiguous():
+        raise ValueError(f"sigmoid_mul: a {tuple(a.shape)} (contiguous), gate {tuple(gate.shape)}")
+    rows = a.numel() // (heads * d)
+    g = gate.reshape(rows, heads, d)  # a view where the rows are evenly strided, as a projection's are
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    _check(LIBRARY.lib_for(variant).specquant_sigmoid_mul(a.data_ptr(), rows, heads, d, g.data_ptr(), g.stride(0),
+                                                          g.stride(1)),
+           "sigmoid_mul", lambda: f"a {tuple(a.shape)}")
+    return a
+
+
+def sigmoid_mul_reference(a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return a * torch.sigmoid(gate)
+
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: int, k_pos: int,
               window: int | None, scale: float | None = None, variant: Variant | None = None) -> torch.Tensor:
     """attention_reference, natively. q [b, heads, t, d] (any strides with d contiguous); keys, values [b, kv_heads,
@@ -312,12 +389,23 @@ class Projection(ctypes.Structure):
 
 
 class LayerPlan(ctypes.Structure):
-    """ops.cpp's LayerPlan: a dense decoder layer's shapes, weights and constants (model/native_layer.py fills it)."""
+    """ops.cpp's LayerPlan: an attention decoder layer's shapes, weights and constants (model/native_layer.py fills
+    it). gated: Qwen3.5's gated attention ([query | gate] per head, own q / k norms: qk_norm is q's, k_norm k's)."""
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("inter", _I64),
                 ("rot", _I64), ("qk_norm_rows", _I64), ("min_parallel_macs", _I64), ("input_norm", _PTR),
                 ("post_norm", _PTR), ("qk_norm", _PTR), ("norm_offset", _F32), ("norm_eps", _F32), ("qk_eps", _F32),
                 ("scale", _F32), ("qkv", Projection), ("o", Projection), ("gate_up", Projection),
-                ("down", Projection)]
+                ("down", Projection), ("gated", _I64), ("k_norm", _PTR), ("qk_offset", _F32)]
+
+
+class DeltaPlan(ctypes.Structure):
+    """ops.cpp's DeltaPlan: a Gated DeltaNet decoder layer's shapes, weights and constants (model/native_layer.py)."""
+    _fields_ = [("hidden", _I64), ("inter", _I64), ("key_heads", _I64), ("key_dim", _I64), ("value_heads", _I64),
+                ("value_dim", _I64), ("kernel", _I64), ("min_parallel_macs", _I64), ("input_norm", _PTR),
+                ("post_norm", _PTR), ("conv", _PTR), ("a_log", _PTR), ("dt_bias", _PTR), ("out_norm", _PTR),
+                ("norm_offset", _F32), ("norm_eps", _F32), ("out_eps", _F32), ("l2_eps", _F32), ("scale", _F32),
+                ("qkv", Projection), ("z", Projection), ("a", Projection), ("b", Projection), ("out", Projection),
+                ("gate_up", Projection), ("down", Projection)]
 
 
 def dense_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Projection | None:
@@ -332,7 +420,7 @@ def dense_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Project
 def layer_work(plan: LayerPlan, rows: int, ring_keys: int = 0) -> int:
     """Floats of scratch a decoder_layer call of this many rows (batch x positions) needs; ring_keys: a ring cache's
     batch x capacity (its window's keys and values are gathered there)."""
-    width = (plan.heads + 2 * plan.kv_heads) * plan.head_dim
+    width = ((2 if plan.gated else 1) * plan.heads + 2 * plan.kv_heads) * plan.head_dim
     widest = max(plan.hidden, plan.heads * plan.head_dim, plan.inter)  # a bf16-activation GEMM's rounded input
     return (rows * (3 * plan.hidden + width + 2 * plan.heads * plan.head_dim + 3 * plan.inter + widest)
             + 2 * ring_keys * plan.kv_heads * plan.head_dim)
@@ -353,4 +441,32 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, q_pos: int, cos: torch.Tenso
         sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.shape[2], window or 0,
         work.data_ptr(), out.data_ptr(), torch.get_num_threads())
     _check(status, "decoder_layer", lambda: f"x {tuple(x.shape)} at {q_pos}, cache {tuple(keys.shape)}")
+    return out
+
+
+def deltanet_work(plan: DeltaPlan, batch: int, t: int) -> int:
+    """Floats of scratch a deltanet_layer call of batch x t tokens needs (ops.cpp lays it out)."""
+    floats = ctypes.c_int64()
+    _check(LIBRARY.lib_for(None).specquant_deltanet_work(ctypes.byref(plan), batch, t, ctypes.byref(floats)),
+           "deltanet_work", lambda: f"batch {batch}, t {t}")
+    return floats.value
+
+
+def deltanet_layer(plan: DeltaPlan, x: torch.Tensor, conv_in: torch.Tensor, state_in: torch.Tensor,
+                   conv_out: torch.Tensor, state_out: torch.Tensor, record: tuple[torch.Tensor, ...],
+                   work: torch.Tensor, variant: Variant | None = None, address: int | None = None) -> torch.Tensor:
+    """A Gated DeltaNet decoder layer's step in one call (ops.cpp specquant_deltanet_layer): x [b, t, hidden]
+    contiguous -> the layer's output; reads conv_in [b, kernel-1, C] and state_in [b, value_heads, K, V]
+    (contiguous), writes the state and conv state after the block into state_out / conv_out (contiguous, new) and
+    the block's rollback record into record = (hist, keys, delta, g): views of a DeltaNetCache's record buffers at
+    the block's slot (their rows contiguous within each sequence). work: deltanet_work(plan, b, t) floats."""
+    b, t, _ = x.shape
+    out = torch.empty_like(x)
+    hist, keys, delta, g = record
+    status = LIBRARY.lib_for(variant).specquant_deltanet_layer(
+        ctypes.addressof(plan) if address is None else address, x.data_ptr(), b, t, conv_in.data_ptr(),
+        state_in.data_ptr(), conv_out.data_ptr(), state_out.data_ptr(), hist.data_ptr(), hist.stride(0),
+        keys.data_ptr(), keys.stride(0), delta.data_ptr(), delta.stride(0), g.data_ptr(), g.stride(0),
+        work.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    _check(status, "deltanet_layer", lambda: f"x {tuple(x.shape)}, state {tuple(state_in.shape)}")
     return out

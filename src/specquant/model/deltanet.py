@@ -48,8 +48,8 @@ from torch import nn
 from specquant.kernels import ops
 from specquant.model.cache import Cache, Snapshot
 from specquant.model.modules import Linear
-from specquant.model.gated_delta import (DEFAULT_CHUNK, gated_delta_rule, l2_normalize, native_rule, state_after,
-                                         zero_state)
+from specquant.model.gated_delta import (DEFAULT_CHUNK, L2_EPS, gated_delta_rule, l2_normalize, native_rule,
+                                         state_after, zero_state)
 from specquant.model.norms import GatedRMSNorm
 from specquant.model.tree import TreeLayout
 
@@ -194,6 +194,17 @@ class DeltaNetCache(Cache):
         self._set("state", state)
         self._set("conv", hist[:, t:] if self.static else hist[:, t:].clone())  # no view of a prefill's inputs
 
+    def record_at(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the record at the slot begin() announced (pre-conv inputs, keys, deltas, g), for a native layer
+        step that writes the block's record in place (model/native_layer.py); it then calls `finish`."""
+        at = self.at
+        return self.hist[:, self.kernel - 1 + at :], self.keys[:, at:], self.delta[:, at:], self.g[:, at:]
+
+    def finish(self, state: torch.Tensor, conv: torch.Tensor):
+        """The state and conv state after a block whose record a native layer step wrote (write's other half)."""
+        self._set("state", state)
+        self._set("conv", conv)
+
     def rollback(self, length: int):
         """Keep positions < length: the state and conv state become those after position length-1.
 
@@ -321,12 +332,8 @@ class GatedDeltaNet(nn.Module):
         # time-major [b, k-1+t, conv_dim]: a token's inputs are one contiguous row, so the cache appends, slices
         # and rolls back whole rows (channel-major, each of these was a strided copy: ~45 us per layer and step)
         hist = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x)], 1)
-        if self.fast:
-            mixed = self._conv_taps([hist[:, j : j + t] for j in range(self.kernel)])
-        else:  # the reference: transformers' casts (conv and SiLU in x's dtype), on its channel-major layout
-            w = self.conv1d.weight
-            mixed = F.conv1d(hist.transpose(1, 2).to(w.dtype), w, groups=self.conv_dim).transpose(1, 2)
-        q, k, v, g, beta = self._inputs(x, mixed)
+        q, k, v = self._mix(hist, t)
+        g, beta = self._gates(x)
         need_delta = cache is not None and t <= cache.max_block  # one-token steps too: an LM drafter rolls back
         # over several of them
         out, new_state, delta = gated_delta_rule(q, k, v, g, beta, state, self.key_dim ** -0.5, self.chunk_size,
@@ -347,14 +354,8 @@ class GatedDeltaNet(nn.Module):
             raise ValueError("a tree forward needs a cache (Transformer.setup_cache)")
         prev_conv, state = cache.begin_tree(start_pos)
         inputs = torch.cat([prev_conv.to(x.dtype), self.in_proj_qkv(x)], 1)  # [b, kernel-1+N, conv_dim]
-        windows = tree.conv_windows(self.kernel).to(x.device)  # [N, kernel]
-        if self.fast:
-            mixed = self._conv_taps([inputs.index_select(1, windows[:, j]) for j in range(self.kernel)])
-        else:  # each node's window as its own sequence of kernel inputs: one output each
-            w = self.conv1d.weight
-            cols = inputs[:, windows].reshape(b * n, self.kernel, self.conv_dim).transpose(1, 2).to(w.dtype)
-            mixed = F.conv1d(cols, w, groups=self.conv_dim).reshape(b, n, self.conv_dim)
-        q, k, v, g, beta = self._inputs(x, mixed)
+        q, k, v = self._mix(inputs, n, tree.conv_windows(self.kernel).to(x.device))
+        g, beta = self._gates(x)
         # segment order (TreeLayout.order): each segment a contiguous run, each start state replayed from its
         # parent segment's start state over the parent's offset + 1 tokens (no gathers per segment)
         order = torch.tensor(tree.order, device=x.device)
@@ -380,27 +381,42 @@ class GatedDeltaNet(nn.Module):
         cache.keep_tree(inputs, k, delta, g)
         return self._output(x, out)
 
-    def _inputs(self, x, conv):
-        """(q, k, v, g, beta) of the rule from x [b, T, hidden] and the causal conv's output conv [b, T,
-        conv_dim] (fp32 on the fast path; the reference's in the conv weight's dtype)."""
-        b, t, _ = x.shape
+    def _mix(self, hist: torch.Tensor, t: int, windows: torch.Tensor | None = None):
+        """(q, k, v) of the rule from the pre-conv inputs hist [b, kernel-1+T, conv_dim] (the conv state, then the
+        block's rows): the causal depthwise conv of each of the t outputs, SiLU, q and k L2-normalised per key head.
+        Output n's taps are rows n .. n+kernel-1, or windows[n] ([t, kernel]: a tree's root paths). The fast path
+        keeps fp32 from the conv on (kernels.ops.delta_conv in one call on fp32 CPU eager steps: the call the native
+        layer step makes, so both agree bit for bit); the reference rounds where transformers does."""
+        b = hist.shape[0]
         kt = self.key_heads * self.key_dim
-        if self.fast:  # fp32 from the conv to the norm: one rounding back to x's dtype, at the end
+        w = self.conv1d.weight
+        if self.fast and ops.usable(hist, w) and ops.delta_conv_fits(self.kernel, self.conv_dim):
+            q, k, v = ops.delta_conv(hist, w, self.key_heads, self.key_dim, t, windows, L2_EPS)
+            return q, k, v.view(b, t, self.value_heads, self.value_dim)
+        if self.fast:
+            taps = ([hist[:, j : j + t] for j in range(self.kernel)] if windows is None
+                    else [hist.index_select(1, windows[:, j]) for j in range(self.kernel)])
             # [b, t, conv_dim] fp32, contiguous: l2_normalize's sum then runs over contiguous rows, alike for any t
-            mixed = F.silu(conv)
+            mixed = F.silu(self._conv_taps(taps))
             qk = l2_normalize(mixed[..., : 2 * kt].reshape(b, t, 2 * self.key_heads, self.key_dim))
             q, k = qk[:, :, : self.key_heads], qk[:, :, self.key_heads :]
-        else:  # the reference: SiLU in x's dtype, as transformers does
-            mixed = F.silu(conv).to(x.dtype)
+        else:  # the reference: transformers' casts (conv and SiLU in x's dtype), on its channel-major layout
+            if windows is None:
+                conv = F.conv1d(hist.transpose(1, 2).to(w.dtype), w, groups=self.conv_dim).transpose(1, 2)
+            else:  # each node's window as its own sequence of kernel inputs: one output each
+                cols = hist[:, windows].reshape(b * t, self.kernel, self.conv_dim).transpose(1, 2).to(w.dtype)
+                conv = F.conv1d(cols, w, groups=self.conv_dim).reshape(b, t, self.conv_dim)
+            mixed = F.silu(conv).to(hist.dtype)
             q = l2_normalize(mixed[..., :kt].reshape(b, t, self.key_heads, self.key_dim))
             k = l2_normalize(mixed[..., kt : 2 * kt].reshape(b, t, self.key_heads, self.key_dim))
-        v = mixed[..., 2 * kt :].reshape(b, t, self.value_heads, self.value_dim)
+        return q, k, mixed[..., 2 * kt :].reshape(b, t, self.value_heads, self.value_dim)
+
+    def _gates(self, x):
+        """(g, beta) [b, T, value_heads] of the rule from x [b, T, hidden]."""
         a_in, b_in = self.in_proj_a(x), self.in_proj_b(x)
         if self.fast and ops.usable(a_in, b_in, self.A_log, self.dt_bias):  # a row's gates whatever the rows
-            g, beta = ops.delta_gates(a_in, b_in, self.A_log, self.dt_bias)
-        else:  # sigmoid in x's dtype, as transformers does
-            g, beta = ops.delta_gates_reference(a_in, b_in, self.A_log, self.dt_bias)
-        return q, k, v, g, beta
+            return ops.delta_gates(a_in, b_in, self.A_log, self.dt_bias)
+        return ops.delta_gates_reference(a_in, b_in, self.A_log, self.dt_bias)  # sigmoid in x's dtype, as transformers
 
     def _output(self, x, out):
         """out_proj of the gated norm of the rule's output out [b, T, value_heads, V] (fp32, or x's dtype)."""

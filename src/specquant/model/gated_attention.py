@@ -8,7 +8,8 @@ v_proj, o_proj, q_norm, k_norm}`):
 - RoPE rotates only the first rotary_dim = head_dim * partial_rotary_factor dims of each head, with
   rotate_half over those rotary_dim dims: model/rope.py's apply_rope on that slice, with rope_tables(rotary_dim)
   rows as cos / sin (ModelConfig.rotary_dim; the decoder builds its tables that wide);
-- the attention output is multiplied by sigmoid(gate) before o_proj.
+- the attention output is multiplied by sigmoid(gate) before o_proj (kernels.ops.sigmoid_mul on fp32 CPU eager
+  steps: one native call, and the one model/native_layer.py makes, so both paths agree bit for bit).
 The rest (GQA, masks, the sliced / ring / static KV cache, folded few-query attention) is the decoder's Attention,
 inherited: plan(), fold(), attend() and the KVCache are the same code.
 """
@@ -63,5 +64,8 @@ class GatedAttention(Attention):
         v = v.view(b, t, kv, d).transpose(1, 2)
         out = (self.attend_cached(q, k, v, start_pos, input_pos, plan) if tree is None  # [b, t, h * d]
                else self.attend_tree(q, k, v, start_pos, tree))
-        out = out * torch.sigmoid(gate.reshape(b, t, h * d))
+        if out.is_contiguous() and ops.usable(out, gate):  # in place, by the call the native layer step makes
+            out = ops.sigmoid_mul(out.view(b, t, h, d), gate).view(b, t, h * d)
+        else:
+            out = out * torch.sigmoid(gate.reshape(b, t, h * d))
         return self.o_proj(out)

@@ -50,7 +50,10 @@ from specquant.kernels import ops
 DEFAULT_CHUNK = 64  # tokens per chunk of the chunked form (flash-linear-attention's and transformers' choice)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2_EPS = 1e-6  # l2_normalize's eps (the Qwen3.5 kernels'); kernels.ops.delta_conv takes it too
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim, in fp32: eps inside the root, as the Qwen3.5 kernels have it
     (F.normalize clamps the norm instead, a different function near zero)."""
     x = x.float()
