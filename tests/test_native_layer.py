@@ -299,3 +299,39 @@ def test_a_layer_that_cannot_run_natively_is_judged_once(monkeypatch):
     _assert_same(model, planned=False)  # layer 0 on its modules, the same outputs
     assert not native_layer.planned(layer) and native_layer.planned(model.model.layers[1])
     assert len(built) == 2  # one judgement per layer over the run's eight forwards
+
+
+def test_mtp_drafter_layer_runs_natively_and_equals_its_modules():
+    """The MTP drafter (`--draft mtp` on tiny-hybrid) is laid out for decoding (fused, bf16-stored) and its layer's
+    cached steps run as one native call, with the drafts its modules would make: prefill of several positions, then
+    chained one-token steps, a rollback and more."""
+    from specquant.loader import load_model
+    from specquant.spec_decode.drafters import KINDS
+
+    target = load_model("tiny-hybrid", fuse=True)
+    mtp = KINDS["mtp"].build(None, target, None).model
+    block = mtp.layers[0]
+    assert block.self_attn.qkv_proj is not None and block.mlp.gate_up_proj is not None
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, 12, target.config.hidden_size, generator=gen)
+    embeds = torch.randn(1, 12, target.config.hidden_size, generator=gen)
+
+    def run(enabled: bool):
+        native_layer.ENABLED = enabled
+        native_layer._PLANS.pop(block, None)
+        try:
+            with torch.inference_mode():
+                mtp.setup_cache(1, 64)
+                outs = [mtp(hidden[:, :6], embeds[:, :6], 0)]
+                outs += [mtp(hidden[:, i : i + 1], embeds[:, i : i + 1], i) for i in range(6, 9)]
+                mtp.rollback(7)
+                outs.append(mtp(hidden[:, 7:12], embeds[:, 7:12], 7))
+            return outs, native_layer.planned(block)
+        finally:
+            native_layer.ENABLED = True
+
+    ref, ref_planned = run(False)
+    got, got_planned = run(True)
+    assert not ref_planned and got_planned
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)

@@ -75,10 +75,20 @@ class Cache(nn.Module, abc.ABC):
 
     kind: str  # layout()'s name for this kind of cache
     snapshot_cuttable = False  # whether snapshot() gives a Snapshot restorable at any shorter length
+    # Plain values a step sets (positions, flags; a kind adds its own), stored straight in the instance dict:
+    # nn.Module.__setattr__ first checks whether each value is a Parameter, Buffer or Module (about 4 us a set with
+    # torch 2.13), and a decode step sets several per layer (a sixth of a tiny hybrid's step, measured)
+    PLAIN: frozenset = frozenset({"length"})
 
     def __init__(self, batch: int, capacity: int):
         super().__init__()
         self.batch, self.capacity = batch, capacity
+
+    def __setattr__(self, name: str, value):
+        if name in self.PLAIN:
+            self.__dict__[name] = value  # where nn.Module.__setattr__ puts a plain value, after its checks
+        else:
+            super().__setattr__(name, value)
 
     @abc.abstractmethod
     def reset(self) -> None: ...

@@ -75,6 +75,7 @@ class DeltaNetCache(Cache):
     state is simply kept)."""
 
     kind = "deltanet"
+    PLAIN = frozenset({"length", "start", "block", "has_factors", "rolled_back", "at", "tree_record"})
 
     def __init__(self, batch: int, capacity: int, dtype, device, window: int | None, static: bool, *,
                  key_heads: int, key_dim: int, value_heads: int, value_dim: int, kernel: int,
@@ -148,8 +149,8 @@ class DeltaNetCache(Cache):
     def _set(self, name: str, value: torch.Tensor):
         if self.static:
             getattr(self, name).copy_(value)
-        else:
-            setattr(self, name, value)
+        else:  # rebind the registered buffer, as nn.Module.__setattr__ would after its checks (Cache.PLAIN says why)
+            self._buffers[name] = value
 
     def begin(self, start: int | None, t: int):
         """Announce a forward of t tokens at position start (None: where the cache is), before it runs: a start
@@ -197,8 +198,9 @@ class DeltaNetCache(Cache):
     def record_at(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of the record at the slot begin() announced (pre-conv inputs, keys, deltas, g), for a native layer
         step that writes the block's record in place (model/native_layer.py); it then calls `finish`."""
-        at = self.at
-        return self.hist[:, self.kernel - 1 + at :], self.keys[:, at:], self.delta[:, at:], self.g[:, at:]
+        at, buffers = self.at, self._buffers  # not self.hist etc.: nn.Module.__getattr__, each step
+        return (buffers["hist"][:, self.kernel - 1 + at :], buffers["keys"][:, at:], buffers["delta"][:, at:],
+                buffers["g"][:, at:])
 
     def finish(self, state: torch.Tensor, conv: torch.Tensor):
         """The state and conv state after a block whose record a native layer step wrote (write's other half)."""

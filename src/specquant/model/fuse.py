@@ -34,8 +34,13 @@ def _fuse(mods: list[nn.Module]) -> nn.Module | None:
 
 def fuse_projections(model: Transformer) -> int:
     """Fuse q/k/v and gate/up in every layer where possible, in place; returns the number of fused modules."""
+    return fuse_layers(model.model.layers)
+
+
+def fuse_layers(layers) -> int:
+    """fuse_projections on these DecoderLayers (a model's, or an MTP drafter's: model/mtp.py)."""
     n = 0
-    for layer in model.model.layers:
+    for layer in layers:
         attn, mlp = layer.mixer, layer.mlp
         if isinstance(attn, Attention) and attn.qkv_proj is None:  # other layer kinds keep their projections
             fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])

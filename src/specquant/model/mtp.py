@@ -35,6 +35,7 @@ from torch import nn
 from specquant.errors import SpecquantError
 from specquant.model.checkpoint import copy_tokenizer, load_dense_into, load_tensors, read_hf_config, resolve
 from specquant.model.config import DEFAULT_LAYER_TYPE, ModelConfig
+from specquant.model import native_layer
 from specquant.model.decoder import DecoderLayer
 from specquant.model.layers import GATED_KINDS
 from specquant.model.modules import Linear, make_norm
@@ -114,8 +115,12 @@ class MTPModel(nn.Module):
         else:
             assert mask is not None and all(m.mixer.cache is None for m in self.layers), "cache-free only"
             cos, sin, plan = self.rope_cos[positions], self.rope_sin[positions], (mask, False)
-        x = self.layers[layer % len(self.layers)](x, cos.to(x.dtype), sin.to(x.dtype), start_pos, None, plan)
-        return self.norm(x)
+        block = self.layers[layer % len(self.layers)]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        # the layer in one native call where it runs (model/native_layer.py: fused projections, a cached step), as
+        # the target's layers; else its modules
+        out = native_layer.step(block, x, cos, sin, start_pos) if positions is None else None
+        return self.norm(block(x, cos, sin, start_pos, None, plan) if out is None else out)
 
 
 def mtp_layers_in(tensors: dict[str, torch.Tensor]) -> int:

@@ -201,8 +201,8 @@ def _deltanet_step(layer, mods, mixer, mlp, x, cos, sin, start_pos: int) -> torc
     if (type(cache) is not DeltaNetCache or cache.static or not mixer.fast or t > cache.max_block
             or cache.batch != b or cache.dtype is not torch.float32):
         return None
-    state, conv = cache.state, cache.conv
-    if not state.is_contiguous() or not conv.is_contiguous():
+    buffers = cache._buffers
+    if not buffers["state"].is_contiguous() or not buffers["conv"].is_contiguous():
         return None
     projections = (xm["in_proj_qkv"], xm["in_proj_z"], xm["in_proj_a"], xm["in_proj_b"], xm["out_proj"],
                    mm.get("gate_up_proj"), mm.get("down_proj"))
@@ -221,7 +221,7 @@ def _deltanet_step(layer, mods, mixer, mlp, x, cos, sin, start_pos: int) -> torc
         return None
     work = _work(held.per_row * b * t + held.per_extra * b)
     cache.begin(start_pos, t)  # may roll back or re-anchor: state and conv are read after it
-    state, conv = cache.state, cache.conv
+    state, conv = buffers["state"], buffers["conv"]
     new_state, new_conv = torch.empty_like(state), torch.empty_like(conv)
     out = ops.deltanet_layer(held.plan, x, conv, state, new_conv, new_state, cache.record_at(), work,
                              address=held.address)
