@@ -329,7 +329,7 @@ def main():
                     "reference: SDPA with enable_gqa everywhere (Attention.fold_enabled = False); ab: auto, plus "
                     "the reference step timed interleaved with it (a second row, 'reference')")
     ap.add_argument("--layer", default="native", choices=["native", "modules", "ab"],
-                    help="native: a dense layer's step in one native call where it runs (model/native_layer.py, what "
+                    help="native: a layer's step in one native call where it runs (model/native_layer.py, what "
                     "the engines run); modules: every layer on its modules (native_layer.ENABLED = False); ab: "
                     "native, plus the modules' step timed interleaved with it (a second row, 'modules')")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp directory with llama-bench")

@@ -1,6 +1,7 @@
 // The decoder's small fp32 ops, fused: the RMSNorm family (with the residual add before it, or DeltaNet's SiLU gate
-// after it), SwiGLU, the per-head norm with RoPE, the gated delta rule's token step, attention for a few queries
-// over a K/V cache, and the few-row fp32 linear. kernels/ops.py has the torch reference of each and the conditions
+// after it), SwiGLU, the per-head norm with RoPE, the gated delta rule's token step and DeltaNet's conv, gated
+// attention's output gate, attention for a few queries over a K/V cache, the few-row fp32 linear, and whole decoder
+// layers made of these (decoder_layer, deltanet_layer). kernels/ops.py has the torch reference of each and the conditions
 // under which the model calls these; tests/test_native_ops.py compares the two.
 //
 // Why native: in an eager decode step each of these is 4-10 torch ops of 2-5 us apiece on one-row tensors (the
