@@ -7,9 +7,11 @@ All engines run in one vLLM process (export/vllm_engine.run_vllm), built once fo
 Dense Qwen3 pairs run in fp32 in both engines, so tokens and counters must be equal exactly (counters taken as vLLM
 takes them: export/vllm_engine.counters_as_vllm). vLLM's CPU Gated DeltaNet kernel is bf16-only and its W4A16 GEMM
 has no fp32 form, so the hybrid and W4 engines run in bf16 there while ours runs fp32: their tokens are checked on
-vLLM's own path (each vLLM token is our argmax, or within TIE logits of it where bf16 can flip a near-tie), and
-their acceptance within RATE of ours (a wrong capture layer or MTP weight drops it far more: the dense dflash
-check below is exact).
+vLLM's own path (each vLLM token is our argmax, or a near-tie that bf16 can flip: within what bf16 arithmetic moves
+our own logits on that path, and at least TIE), and their acceptance within RATE of ours, or within three standard
+errors of the difference of two acceptance rates over that many drafts where that is wider (which near-ties flip
+differs with the arithmetic: on a CPU with AVX-512 BF16 / AMX vLLM computes in bf16 and flips more of them; a wrong
+capture layer or MTP weight drops acceptance far more: the dense dflash check below is exact).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ pytestmark = pytest.mark.skipif(NO_VLLM is not None, reason=NO_VLLM or "")
 
 PROMPTS = [[5, 17, 301, 42, 99, 7], [100, 200, 300, 400], [11, 12, 13, 14, 15, 16, 17, 18]]
 N = 24  # greedy tokens per prompt
-TIE = 0.1  # logits: the near-ties where bf16 flipped a token here were under 0.01 apart; a real mismatch is ~1-10
-RATE = 0.12  # |acceptance rate vLLM - ours| where vLLM runs bf16 and ours fp32
+TIE = 0.1  # logits: the near-ties where bf16 flipped a token were 0.003-0.15 apart; a real mismatch is ~1-10
+MISMATCH = 1.0  # logits: our own bf16 noise past this and a near-tie could not be told from a real mismatch
+RATE = 0.12  # |acceptance rate vLLM - ours| where vLLM runs bf16 and ours fp32 (at least; see rate_bound)
 
 
 # a random Qwen3.5 hybrid unlike tiny-hybrid where vLLM's loader and kernels let it be: as many key as value heads,
@@ -113,13 +116,38 @@ def test_vllm_dense_pair_tokens_and_counters_equal_ours(runs, name):
     assert out["counters"] == _counters(target, draft, k)
 
 
-def assert_follows_our_argmax(model, tokens: list[list[int]]):
-    """vLLM's tokens per prompt against our fp32 model on vLLM's own path: each is our argmax or a near-tie within
-    TIE, and at least 90% are exact."""
+def bf16_noise(target, tokens: list[list[int]]) -> float:
+    """How far bf16 arithmetic moves our own logits on vLLM's path: the largest |logit| difference between the
+    target loaded in bf16 and in fp32 (measured: 0.06-0.08 on the bundled targets, 0.5-0.9 on the random hybrid,
+    whose weights are at trained-model scale)."""
+    fp32, bf16 = load_model(target, torch.float32), load_model(target, torch.bfloat16)
+    worst = 0.0
+    with torch.inference_mode():
+        for prompt, toks in zip(PROMPTS, tokens):
+            ids = torch.tensor([prompt + toks])
+            worst = max(worst, float((fp32(ids)[0].float() - bf16(ids)[0].float()).abs().max()))
+    return worst
+
+
+def assert_follows_our_argmax(target, tokens: list[list[int]]):
+    """vLLM's tokens per prompt against our fp32 model on vLLM's own path: each is our argmax or a near-tie (below
+    our own bf16 noise, or TIE), and at least 90% are exact."""
+    model = load_model(target, torch.float32)
     gaps = [g for p, t in zip(PROMPTS, tokens) for g in greedy_gaps(model, p, t)]
     assert len(gaps) == N * len(PROMPTS)
-    assert max(gaps) <= TIE, f"a vLLM token is {max(gaps):.3f} logits below our argmax"
+    if max(gaps) > TIE:  # only then is the noise needed
+        noise = bf16_noise(target, tokens)
+        assert noise < MISMATCH, f"bf16 moves our logits by {noise:.3f}: a near-tie cannot be told from a mismatch"
+        assert max(gaps) <= noise, f"a vLLM token is {max(gaps):.3f} logits below our argmax (bf16 noise {noise:.3f})"
     assert sum(g == 0 for g in gaps) >= 0.9 * len(gaps)
+
+
+def rate_bound(theirs: dict, ours: dict) -> float:
+    """RATE, or three standard errors of the difference between two acceptance rates with the pooled rate over
+    these counts of drafted tokens, where that is wider."""
+    n1, n2 = theirs["num_draft_tokens"], ours["num_draft_tokens"]
+    p = (theirs["num_accepted_tokens"] + ours["num_accepted_tokens"]) / (n1 + n2)
+    return max(RATE, 3 * (p * (1 - p) * (1 / n1 + 1 / n2)) ** 0.5)
 
 
 @pytest.mark.parametrize("name", ["hybrid_mtp", "hybrid_dflash", "w4_draft", "w4_hybrid_mtp"])
@@ -128,13 +156,12 @@ def test_vllm_bf16_engines_follow_our_target(runs, name):
     on vLLM's own path, or a near-tie within TIE; most are exact; acceptance within RATE of ours."""
     out = _vllm(runs, name)
     target, draft, k = runs[1][name]
-    model = load_model(target, torch.float32)
-    assert_follows_our_argmax(model, out["tokens"])
+    assert_follows_our_argmax(target, out["tokens"])
     ours = _counters(target, draft, k)
     theirs = out["counters"]
     assert theirs["num_draft_tokens"] == theirs["num_drafts"] * k
     rate = lambda c: c["num_accepted_tokens"] / c["num_draft_tokens"]  # noqa: E731
-    assert abs(rate(theirs) - rate(ours)) <= RATE, (theirs, ours)
+    assert abs(rate(theirs) - rate(ours)) <= rate_bound(theirs, ours), (theirs, ours)
 
 
 def test_vllm_runs_a_random_hybrid_as_ours(runs):
@@ -142,9 +169,9 @@ def test_vllm_runs_a_random_hybrid_as_ours(runs):
     tied head, target alone: every vLLM token (bf16) is our fp32 argmax on vLLM's path or a near-tie, most exact."""
     out = _vllm(runs, "random_hybrid")
     target, _, _ = runs[1]["random_hybrid"]
-    model = load_model(target, torch.float32)
-    assert model.config.tie_word_embeddings and model.config.layer_types[0] == "full_attention"
-    assert_follows_our_argmax(model, out["tokens"])
+    config = load_model(target, torch.float32).config
+    assert config.tie_word_embeddings and config.layer_types[0] == "full_attention"
+    assert_follows_our_argmax(target, out["tokens"])
 
 
 def test_latency_times_vllm_serve_of_our_export_beside_specquant_serve():
