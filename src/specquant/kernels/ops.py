@@ -453,20 +453,19 @@ def deltanet_work(plan: DeltaPlan, batch: int, t: int) -> int:
 
 
 def deltanet_layer(plan: DeltaPlan, x: torch.Tensor, conv_in: torch.Tensor, state_in: torch.Tensor,
-                   conv_out: torch.Tensor, state_out: torch.Tensor, record: tuple[torch.Tensor, ...],
-                   work: torch.Tensor, variant: Variant | None = None, address: int | None = None) -> torch.Tensor:
+                   conv_out: torch.Tensor, state_out: torch.Tensor, record: tuple[int, ...], work: torch.Tensor,
+                   variant: Variant | None = None, address: int | None = None) -> torch.Tensor:
     """A Gated DeltaNet decoder layer's step in one call (ops.cpp specquant_deltanet_layer): x [b, t, hidden]
     contiguous -> the layer's output; reads conv_in [b, kernel-1, C] and state_in [b, value_heads, K, V]
     (contiguous), writes the state and conv state after the block into state_out / conv_out (contiguous, new) and
-    the block's rollback record into record = (hist, keys, delta, g): views of a DeltaNetCache's record buffers at
-    the block's slot (their rows contiguous within each sequence). work: deltanet_work(plan, b, t) floats."""
+    the block's rollback record: record = (address, sequence stride in floats) of the pre-conv inputs, keys, deltas
+    and g at the block's slot, flattened (DeltaNetCache.record_at; rows contiguous within each sequence). work:
+    deltanet_work(plan, b, t) floats."""
     b, t, _ = x.shape
     out = torch.empty_like(x)
-    hist, keys, delta, g = record
     status = LIBRARY.lib_for(variant).specquant_deltanet_layer(
         ctypes.addressof(plan) if address is None else address, x.data_ptr(), b, t, conv_in.data_ptr(),
-        state_in.data_ptr(), conv_out.data_ptr(), state_out.data_ptr(), hist.data_ptr(), hist.stride(0),
-        keys.data_ptr(), keys.stride(0), delta.data_ptr(), delta.stride(0), g.data_ptr(), g.stride(0),
-        work.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        state_in.data_ptr(), conv_out.data_ptr(), state_out.data_ptr(), *record, work.data_ptr(), out.data_ptr(),
+        torch.get_num_threads())
     _check(status, "deltanet_layer", lambda: f"x {tuple(x.shape)}, state {tuple(state_in.shape)}")
     return out

@@ -195,12 +195,17 @@ class DeltaNetCache(Cache):
         self._set("state", state)
         self._set("conv", hist[:, t:] if self.static else hist[:, t:].clone())  # no view of a prefill's inputs
 
-    def record_at(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of the record at the slot begin() announced (pre-conv inputs, keys, deltas, g), for a native layer
-        step that writes the block's record in place (model/native_layer.py); it then calls `finish`."""
+    def record_at(self) -> tuple[int, ...]:
+        """Where the record's slot begin() announced starts, for a native layer step that writes the block's record
+        in place (model/native_layer.py; it then calls `finish`): (address, sequence stride in elements) of the
+        pre-conv inputs, keys, deltas and g, flattened. Addresses, not views: four slices cost more than the rest
+        of this bookkeeping."""
         at, buffers = self.at, self._buffers  # not self.hist etc.: nn.Module.__getattr__, each step
-        return (buffers["hist"][:, self.kernel - 1 + at :], buffers["keys"][:, at:], buffers["delta"][:, at:],
-                buffers["g"][:, at:])
+        out = []
+        for name, row in (("hist", self.kernel - 1 + at), ("keys", at), ("delta", at), ("g", at)):
+            t = buffers[name]
+            out += (t.data_ptr() + row * t.stride(1) * t.element_size(), t.stride(0))
+        return tuple(out)
 
     def finish(self, state: torch.Tensor, conv: torch.Tensor):
         """The state and conv state after a block whose record a native layer step wrote (write's other half)."""
