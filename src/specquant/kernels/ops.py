@@ -310,20 +310,26 @@ def delta_conv(hist: torch.Tensor, weight: torch.Tensor, key_heads: int, key_dim
 
 
 def delta_conv_reference(hist, weight, key_heads: int, key_dim: int, t: int, windows=None, eps: float = 1e-6):
-    """The torch ops delta_conv fuses (model/deltanet.py's fast path: the conv as kernel multiply-adds in fp32,
-    SiLU, gated_delta.l2_normalize on q's and k's heads)."""
-    b, _, c = hist.shape
+    """delta_conv in torch: model/deltanet.py's fast path wherever the native call does not run (the conv as kernel
+    multiply-adds in fp32, or float64 for a double model; SiLU; q's and k's heads L2-normalised in fp32, as
+    gated_delta.l2_normalize). Why not F.conv1d: oneDNN's depthwise conv costs several times its arithmetic at
+    decode sizes (one output per channel), and a bf16 one rounds its output; the reference form (fast=False) runs it.
+    Returns (q, k, v [b, t, C - 2 qk]) like delta_conv."""
+    b = hist.shape[0]
     kernel, qk = weight.shape[-1], key_heads * key_dim
-    if windows is None:
-        windows = torch.arange(t)[:, None] + torch.arange(kernel)[None, :]
-    w = weight.float()[:, 0]  # [C, kernel]
-    out = hist[:, windows[:, 0]].float() * w[:, 0]
+    taps = ([hist[:, j : j + t] for j in range(kernel)] if windows is None
+            else [hist.index_select(1, windows[:, j]) for j in range(kernel)])
+    dtype = torch.promote_types(hist.dtype, torch.float32)
+    # w [kernel, C], a transposed view: each tap is a strided vector (a kept contiguous copy measured ~2 us faster
+    # per multiply-add, 0.2 ms of a 4B step: not worth a cache that must follow the weight)
+    w = weight.to(dtype)[:, 0].t()
+    out = taps[0].to(dtype) * w[0]
     for j in range(1, kernel):
-        out = out + hist[:, windows[:, j]].float() * w[:, j]
-    y = F.silu(out)
-    heads = y[..., : 2 * qk].reshape(b, t, 2 * key_heads, key_dim)
+        out = out.addcmul_(taps[j].to(dtype), w[j])
+    y = F.silu(out)  # [b, t, C], contiguous: the norms' sums run over contiguous rows, alike for any t
+    heads = y[..., : 2 * qk].reshape(b, t, 2 * key_heads, key_dim).float()
     heads = heads * torch.rsqrt((heads * heads).sum(-1, keepdim=True) + eps)
-    return heads[:, :, :key_heads].contiguous(), heads[:, :, key_heads:].contiguous(), y[..., 2 * qk :].contiguous()
+    return heads[:, :, :key_heads], heads[:, :, key_heads:], y[..., 2 * qk :]
 
 
 def sigmoid_mul(a: torch.Tensor, gate: torch.Tensor, variant: Variant | None = None) -> torch.Tensor:

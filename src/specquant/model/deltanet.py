@@ -397,25 +397,20 @@ class GatedDeltaNet(nn.Module):
         b = hist.shape[0]
         kt = self.key_heads * self.key_dim
         w = self.conv1d.weight
-        if self.fast and ops.usable(hist, w) and ops.delta_conv_fits(self.kernel, self.conv_dim):
-            q, k, v = ops.delta_conv(hist, w, self.key_heads, self.key_dim, t, windows, L2_EPS)
-            return q, k, v.view(b, t, self.value_heads, self.value_dim)
-        if self.fast:
-            taps = ([hist[:, j : j + t] for j in range(self.kernel)] if windows is None
-                    else [hist.index_select(1, windows[:, j]) for j in range(self.kernel)])
-            # [b, t, conv_dim] fp32, contiguous: l2_normalize's sum then runs over contiguous rows, alike for any t
-            mixed = F.silu(self._conv_taps(taps))
-            qk = l2_normalize(mixed[..., : 2 * kt].reshape(b, t, 2 * self.key_heads, self.key_dim))
-            q, k = qk[:, :, : self.key_heads], qk[:, :, self.key_heads :]
-        else:  # the reference: transformers' casts (conv and SiLU in x's dtype), on its channel-major layout
-            if windows is None:
-                conv = F.conv1d(hist.transpose(1, 2).to(w.dtype), w, groups=self.conv_dim).transpose(1, 2)
-            else:  # each node's window as its own sequence of kernel inputs: one output each
-                cols = hist[:, windows].reshape(b * t, self.kernel, self.conv_dim).transpose(1, 2).to(w.dtype)
-                conv = F.conv1d(cols, w, groups=self.conv_dim).reshape(b, t, self.conv_dim)
-            mixed = F.silu(conv).to(hist.dtype)
-            q = l2_normalize(mixed[..., :kt].reshape(b, t, self.key_heads, self.key_dim))
-            k = l2_normalize(mixed[..., kt : 2 * kt].reshape(b, t, self.key_heads, self.key_dim))
+        if self.fast:  # natively where it runs, else the same arithmetic in torch
+            native = ops.usable(hist, w) and ops.delta_conv_fits(self.kernel, self.conv_dim)
+            q, k, v = (ops.delta_conv if native else ops.delta_conv_reference)(
+                hist, w, self.key_heads, self.key_dim, t, windows, L2_EPS)
+            return q, k, v.reshape(b, t, self.value_heads, self.value_dim)
+        # the reference: transformers' casts (conv and SiLU in x's dtype), on its channel-major layout
+        if windows is None:
+            conv = F.conv1d(hist.transpose(1, 2).to(w.dtype), w, groups=self.conv_dim).transpose(1, 2)
+        else:  # each node's window as its own sequence of kernel inputs: one output each
+            cols = hist[:, windows].reshape(b * t, self.kernel, self.conv_dim).transpose(1, 2).to(w.dtype)
+            conv = F.conv1d(cols, w, groups=self.conv_dim).reshape(b, t, self.conv_dim)
+        mixed = F.silu(conv).to(hist.dtype)
+        q = l2_normalize(mixed[..., :kt].reshape(b, t, self.key_heads, self.key_dim))
+        k = l2_normalize(mixed[..., kt : 2 * kt].reshape(b, t, self.key_heads, self.key_dim))
         return q, k, mixed[..., 2 * kt :].reshape(b, t, self.value_heads, self.value_dim)
 
     def _gates(self, x):
@@ -431,17 +426,3 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(b, t, self.value_heads, self.value_dim)
         y = self.norm.fp32(out, z, x.dtype) if self.fast else self.norm(out.to(x.dtype), z)
         return self.out_proj(y.reshape(b, t, self.value_heads * self.value_dim))
-
-    def _conv_taps(self, taps: list[torch.Tensor]) -> torch.Tensor:
-        """The causal depthwise conv in fp32 (at least) as kernel multiply-adds: taps, kernel tensors
-        [b, t, conv_dim] (tap j: the input j - kernel + 1 tokens before each token) -> [b, t, conv_dim].
-        Why not F.conv1d: oneDNN's depthwise conv costs several times its arithmetic at decode sizes (one output
-        per channel), and a bf16 one rounds its output; the reference path runs it (fast=False)."""
-        dtype = torch.promote_types(taps[0].dtype, torch.float32)  # fp32, or float64 for a double model (AWQ checks)
-        # w [kernel, conv_dim], a transposed view: each tap is a strided vector (a kept contiguous copy measured
-        # ~2 us faster per multiply-add, 0.2 ms of a 4B step: not worth a cache that must follow the weight)
-        w = self.conv1d.weight.to(dtype)[:, 0].t()
-        out = taps[0].to(dtype) * w[0]
-        for j in range(1, self.kernel):
-            out = out.addcmul_(taps[j].to(dtype), w[j])
-        return out
