@@ -335,3 +335,106 @@ def test_mtp_drafter_layer_runs_natively_and_equals_its_modules():
     assert not ref_planned and got_planned
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
+
+
+def _block_drafter(mode: str):
+    """A random block drafter on a random target, laid out as the block kind loads one (fused, bf16-stored), its
+    Linears fp32, bf16-valued, or W4 (RTN g32) on int8 or float activations."""
+    from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
+    from specquant.model.fuse import fuse_layers
+    from specquant.model.modules import Linear
+    from specquant.quant.config import QuantConfig
+    from specquant.quant.grid import quantize_weight
+    from specquant.quant.linear import QuantLinear, set_w4_activations
+
+    cfg = _cfg(num_hidden_layers=6)
+    target = random_model(cfg).eval()
+    torch.manual_seed(4)
+    draft = BlockDraftModel(BlockDraftConfig.for_target(cfg, num_hidden_layers=2, block_size=8,
+                                                        target_layer_ids=[1, 3, 4], mask_token_id=3))
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape))
+            elif mode != "fp32":
+                p.copy_(p.bfloat16().float())
+    if mode in ("w4a8", "w4"):
+        qcfg = QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True).validate()
+        for layer in draft.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, lin in list(parent.named_children()):
+                    if type(lin) is Linear:
+                        codes, scale, zero = quantize_weight(lin.weight.float(), qcfg, group_size=32,
+                                                             scale_dtype=torch.bfloat16)
+                        setattr(parent, name, QuantLinear.from_codes(codes, scale, zero, 4))
+        set_w4_activations(draft, "int8" if mode == "w4a8" else "float")
+    fuse_layers(draft.layers)
+    store_bf16(draft)
+    return draft.attach_target(target).eval()
+
+
+def _run_block(draft, enabled: bool, window: int | None) -> list[torch.Tensor]:
+    """A drafter's pattern: the prompt's context, proposals with none, a few and too many (appended first) pending
+    context rows, rollbacks between them; a ring wraps. Every proposal's logits, then the context K/V."""
+    width = len(draft.config.target_layer_ids) * draft.config.hidden_size
+    gen = torch.Generator().manual_seed(8)
+    feats = torch.randn(1, 240, width, generator=gen)
+    tokens = torch.randint(4, draft.config.vocab_size, (240,), generator=gen)
+    native_layer.ENABLED = enabled
+    for layer in draft.layers:
+        native_layer._PLANS.pop(layer, None)
+    outs = []
+    try:
+        with torch.inference_mode():
+            draft.setup_cache(256, window=window)
+            draft.append_context(feats[:, :30])
+            outs.append(draft.propose(tokens[30]))
+            outs.append(draft.propose(tokens[33], 3, feats[:, 30:33]))
+            draft.rollback(31)
+            outs.append(draft.propose(tokens[35], 5, feats[:, 31:35]))
+            outs.append(draft.propose(tokens[36], 7, feats[:, 35:36]))
+            outs.append(draft.propose(tokens[150], 2, feats[:, 36:150]))  # too many rows for one call
+            for n in range(150, 230, 9):
+                outs.append(draft.propose(tokens[n + 9], 4, feats[:, n : n + 9]))
+                draft.rollback(n + 7)
+                outs.append(draft.propose(tokens[n + 9], 4, feats[:, n + 7 : n + 9]))
+        n, first = draft.context_len, 0 if window is None else draft.context_len - window + 1
+        for layer in draft.layers:
+            outs += [t.clone() for t in layer.self_attn.context_cache.read(first, n)]
+        return outs
+    finally:
+        native_layer.ENABLED = True
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "w4a8", "w4"])
+@pytest.mark.parametrize("window", [None, 12])
+def test_block_drafter_layers_equal_modules(mode, window):
+    """A block drafter's layer as one call (native_layer.block_step: the pending context rows' K/V and the block in
+    the same call, block-wide attention) equals its modules bit for bit, on a full cache and a ring that wraps."""
+    if mode == "w4a8":
+        need_kernel(w4a8.FAMILY)
+    if mode == "w4":
+        need_kernel(w4_bf16.FAMILY)
+    draft = _block_drafter(mode)
+    ref = _run_block(draft, False, window)
+    assert not any(native_layer.planned(layer) for layer in draft.layers)
+    got = _run_block(draft, True, window)
+    assert all(native_layer.planned(layer) for layer in draft.layers)
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), (i, float((a - b).abs().max()))
+
+
+def test_bundled_block_drafter_runs_natively_with_the_same_drafts():
+    """tiny-hybrid-block-draft as its kind loads it (fused, bf16-stored): one call per layer, the same logits."""
+    from specquant.spec_decode.drafters import KINDS
+    from specquant.spec_decode.runtime import RuntimeConfig
+
+    target = load_model("tiny-hybrid", fuse=True)
+    draft = KINDS["block"].load("tiny-hybrid-block-draft", RuntimeConfig()).attach_target(target)
+    assert draft.layers[0].self_attn.qkv_proj is not None
+    assert draft.layers[0].self_attn.qkv_proj.weight.dtype is torch.bfloat16
+    ref, got = _run_block(draft, False, None), _run_block(draft, True, None)
+    assert all(native_layer.planned(layer) for layer in draft.layers)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)

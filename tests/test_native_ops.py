@@ -126,6 +126,23 @@ def test_attention_matches_reference(variant, heads, kv_heads, d, t, q_pos, wind
     close(got, ops.attention_reference(q, keys, values, q_pos, k_pos, window), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t,q_pos,window", [(16, 0, None), (16, 40, None), (5, 30, 8), (16, 30, 8), (16, 9, 12),
+                                            (3, 100, 2)])
+def test_block_attention_matches_reference(variant, t, q_pos, window):
+    """A block drafter's queries (block=True): each sees its window of earlier keys and the whole block, which the
+    window does not cut (windows shorter than the block included)."""
+    g = torch.Generator().manual_seed(t + q_pos)
+    k_pos = 0 if window is None else max(0, q_pos - window + 1)
+    keys, values = torch.randn(1, 2, q_pos + t - k_pos, 32, generator=g), torch.randn(1, 2, q_pos + t - k_pos, 32,
+                                                                                       generator=g)
+    q = torch.randn(1, 4, t, 32, generator=g) * 2
+    got = ops.attention(q, keys, values, q_pos, k_pos, window, variant=variant, block=True)
+    ref = ops.attention_reference(q, keys, values, q_pos, k_pos, window, block=True)
+    close(got, ref, rtol=1e-5, atol=1e-5)
+    if t > 1:  # not the causal result: later block keys are seen
+        assert not torch.allclose(got, ops.attention(q, keys, values, q_pos, k_pos, window, variant=variant))
+
+
 def test_attention_thread_count_does_not_change_results(variant):
     g = torch.Generator().manual_seed(11)
     keys, values = torch.randn(1, 8, 130, 128, generator=g), torch.randn(1, 8, 130, 128, generator=g)

@@ -12,10 +12,9 @@ import os
 
 import torch
 
-from specquant.model.bf16_store import store_bf16
 from specquant.model.checkpoint import load_dense, parse_dtype, read_hf_config, resolve
 from specquant.model.decoder import Transformer
-from specquant.model.fuse import fuse_projections
+from specquant.model.fuse import for_decoding
 from specquant.quant.checkpoint import load_quantized_model
 from specquant.quant.prune_vocab import ATTRIBUTE, read_vocab_map
 
@@ -43,6 +42,5 @@ def load_model(name_or_dir: str | os.PathLike, dtype: torch.dtype | str = torch.
     if token_ids is not None:  # a pruned vocabulary (quant/prune_vocab.py): the full-vocabulary id of each index
         setattr(model, ATTRIBUTE, token_ids.to(device))
     if fuse:  # decoding only: fused projections, and dense weights of bf16 values stored as bf16 (same outputs)
-        fuse_projections(model)
-        store_bf16(model)
+        for_decoding(model)
     return model.eval()

@@ -674,18 +674,29 @@ int specquant_swiglu(const float* gu, int64_t rows, int64_t f, float* y, int thr
 // values are [batch, kv_heads, >= k_len, d] with batch / head strides and position stride d (a cache's buffer);
 // out is [batch, t, heads, d] contiguous (what o_proj reads, so no transpose follows). Query i is at position
 // q_pos + i, key j at k_pos + j; a query sees the keys at positions <= its own and, with window > 0, > its own -
-// window. Every head of one KV head and every query position is done by one task (one thread), row by row, so the
-// KV head's keys and values come from DRAM once and from cache for the other rows. Returns 0, 1 for a bad shape, 2 when a query sees no key, 3 when out of memory.
+// window. block != 0 (a block drafter's queries, model/block_draft.py): every query also sees the whole block of
+// queries, keys q_pos .. q_pos + t - 1, which the window does not cut. Every head of one KV head and every query
+// position is done by one task (one thread), row by row, so the KV head's keys and values come from DRAM once and
+// from cache for the other rows. Returns 0, 1 for a bad shape, 2 when a query sees no key, 3 when out of memory.
 int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t, int64_t d, int64_t q_sb,
                         int64_t q_sh, int64_t q_st, const float* keys, const float* values, int64_t kv_heads,
                         int64_t k_len, int64_t kv_sb, int64_t kv_sh, int64_t q_pos, int64_t k_pos, int64_t window,
-                        float scale, float* out, int threads) {
+                        int64_t block, float scale, float* out, int threads) {
   if (batch <= 0 || heads <= 0 || t <= 0 || d <= 0 || kv_heads <= 0 || heads % kv_heads || k_len <= 0) return 1;
   const int64_t group = heads / kv_heads, rows = group * t, tasks = batch * kv_heads;
-  for (int64_t i = 0; i < t; ++i) {  // the first and last key each query sees must exist
-    const int64_t p = q_pos + i;
+  // the first and last key position query p sees (both must exist)
+  auto lowest = [&](int64_t p) {
     const int64_t lo = window > 0 && p - window + 1 > k_pos ? p - window + 1 : k_pos;
-    if (p < k_pos || lo > k_pos + k_len - 1) return 2;
+    return block && lo > q_pos ? q_pos : lo;
+  };
+  auto highest = [&](int64_t p) {
+    const int64_t hi = block ? q_pos + t - 1 : p;
+    return hi < k_pos + k_len - 1 ? hi : k_pos + k_len - 1;
+  };
+  if (block && q_pos + t > k_pos + k_len) return 2;  // the block's own keys must all be there
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t p = q_pos + i;
+    if (p < k_pos || lowest(p) > k_pos + k_len - 1) return 2;
   }
   int status = 0;
   // one thread below ~64K multiply-adds (scores and values over every key; a tiny model's decode step), as
@@ -711,8 +722,8 @@ int specquant_attention(const float* q, int64_t batch, int64_t heads, int64_t t,
       for (int rr = 0; rr < nr; ++rr) {
         const int64_t r = r0 + rr;
         const int64_t h = kvh * group + r / t, i = r % t, p = q_pos + i;
-        first[rr] = (window > 0 && p - window + 1 > k_pos ? p - window + 1 : k_pos) - k_pos;
-        last[rr] = (p < k_pos + k_len - 1 ? p : k_pos + k_len - 1) - k_pos;  // row r sees keys [first, last]
+        first[rr] = lowest(p) - k_pos;  // row r sees keys [first, last]
+        last[rr] = highest(p) - k_pos;
         qr[rr] = q + b * q_sb + h * q_sh + i * q_st;
         o[rr] = out + ((b * t + i) * heads + h) * d;
         s[rr] = sbuf + rr * k_len;
@@ -759,73 +770,94 @@ extern "C" {
 // each by the same function on the same values, so every output is the modules' bit for bit (tested). The cache's
 // buffers are [batch, kv_heads, capacity, head_dim] (batch / head strides kv_sb / kv_sh): a full cache (window 0:
 // position p in slot p) or a ring (window W > 0: slot p % capacity, a query sees (p - W, p], and the window's keys
-// are gathered in position order before attention, as model/cache.py does). cos / sin [t, rot]: the positions'
-// rows of the tables. work: rows x (3·hidden + qkv + 2·heads·head_dim + 3·inter + max(hidden, heads·head_dim,
-// inter)) floats, plus 2·batch·kv_heads·capacity·head_dim for a ring (kernels/ops.py layer_work). Returns 0, 1
-// for a bad shape (or a projection's status), 2 from attention.
+// are gathered in position order before attention, as model/cache.py does). cos / sin [pre_t + t, rot]: the
+// positions' rows of the tables, from q_pos - pre_t.
+// A block drafter's layer (model/block_draft.py BlockLayer) adds two things: block != 0, its queries see their whole
+// block (specquant_attention's block); and pre [batch, pre_t, hidden], context rows at q_pos - pre_t .. q_pos - 1
+// whose k and v only are written to the cache, projected by the same qkv call as the block's rows (no input norm:
+// the drafter's hidden_norm made them), so the layer's weights stream once for both.
+// work: layer_work(plan, batch·(pre_t + t)) floats (kernels/ops.py), the layout below, plus
+// 2·batch·kv_heads·capacity·head_dim for a ring. Returns 0, 1 for a bad shape (or a projection's status), 2 from
+// attention.
 int specquant_decoder_layer(const LayerPlan* plan, const float* x, int64_t batch, int64_t t, int64_t q_pos,
-                            const float* cos, const float* sin, float* cache_k, float* cache_v, int64_t kv_sb,
-                            int64_t kv_sh, int64_t capacity, int64_t window, float* work, float* out, int threads) {
+                            const float* pre, int64_t pre_t, int64_t block, const float* cos, const float* sin,
+                            float* cache_k, float* cache_v, int64_t kv_sb, int64_t kv_sh, int64_t capacity,
+                            int64_t window, float* work, float* out, int threads) {
   const LayerPlan& L = *plan;
   const int64_t H = L.hidden, d = L.head_dim, nq = L.heads, nkv = L.kv_heads, F = L.inter, rows = batch * t;
+  const int64_t all = rows + batch * pre_t;  // the block's rows, then the context rows (h, y)
   const int64_t qw = L.gated ? 2 * d : d;  // one q head's columns in a row of the fused projection (and its gate)
   const int64_t width = nq * qw + 2 * nkv * d;  // one row of the fused q / k / v projection
   const bool ring = window > 0;
-  if (batch <= 0 || t <= 0 || q_pos < 0 || (ring ? t > capacity - window + 1 : q_pos + t > capacity) || nq % nkv ||
-      L.rot < 0 || L.rot > d || L.rot > 1024 || L.rot % 2 || L.qkv.n != width || L.qkv.k != H || L.o.k != nq * d ||
-      L.o.n != H || (L.k_norm && !L.qk_norm) || L.gate_up.k != H || L.gate_up.n != 2 * F || L.down.k != F ||
-      L.down.n != H)
+  if (batch <= 0 || t <= 0 || pre_t < 0 || (pre_t && !pre) || q_pos - pre_t < 0 ||
+      (ring ? window + t - 1 > capacity || pre_t + t > capacity : q_pos + t > capacity) || nq % nkv || L.rot < 0 ||
+      L.rot > d || L.rot > 1024 || L.rot % 2 || L.qkv.n != width || L.qkv.k != H || L.o.k != nq * d || L.o.n != H ||
+      (L.k_norm && !L.qk_norm) || L.gate_up.k != H || L.gate_up.n != 2 * F || L.down.k != F || L.down.n != H)
     return 1;
   float* h = work;
-  float* y = h + rows * H;
-  float* q = y + rows * width;
-  float* a = q + rows * nq * d;
-  float* ob = a + rows * nq * d;
-  float* x2 = ob + rows * H;
-  float* gu = x2 + rows * H;
-  float* s = gu + rows * 2 * F;
-  uint16_t* bf = reinterpret_cast<uint16_t*>(s + rows * F);  // kind 3's bf16 activations: rows·widest floats' room
+  float* y = h + all * H;
+  float* q = y + all * width;
+  float* a = q + all * nq * d;
+  float* ob = a + all * nq * d;
+  float* x2 = ob + all * H;
+  float* gu = x2 + all * H;
+  float* s = gu + all * 2 * F;
+  uint16_t* bf = reinterpret_cast<uint16_t*>(s + all * F);  // kind 3's bf16 activations: all·widest floats' room
   const int64_t widest = H > nq * d ? (H > F ? H : F) : (nq * d > F ? nq * d : F);
   int status = specquant_rms_norm(x, nullptr, nullptr, rows, H, H, L.input_norm, L.norm_offset, nullptr, L.norm_eps,
                                   h, threads);
-  if (status || (status = project(L.min_parallel_macs, L.qkv, h, rows, y, threads, bf))) return status;
-  const int64_t vectors = rows * (nq + nkv);
-#pragma omp parallel for num_threads(threads) schedule(static) if (vectors * d >= (1 << 17) && threads > 1)
-  for (int64_t n = 0; n < vectors; ++n) {  // q heads into q [batch, heads, t, d], k heads into the cache
-    const int64_t b = n / (t * (nq + nkv)), p = (n / (nq + nkv)) % t, hh = n % (nq + nkv);
-    const int64_t slot = ring ? (q_pos + p) % capacity : q_pos + p;
-    float* o = hh < nq ? q + ((b * nq + hh) * t + p) * d : cache_k + b * kv_sb + (hh - nq) * kv_sh + slot * d;
+  if (status) return status;
+  if (pre_t) memcpy(h + rows * H, pre, sizeof(float) * batch * pre_t * H);
+  if ((status = project(L.min_parallel_macs, L.qkv, h, all, y, threads, bf))) return status;
+  // head hh of row r (its y row, position i from q_pos - pre_t): q heads into q [batch, heads, t, d], k heads into
+  // the cache; the norm weights are q's and k's own (gated attention), or rows of one [q heads; k heads] table
+  auto head = [&](const float* yr, int64_t hh, int64_t i, float* o) {
     const float* w = nullptr;
-    if (L.k_norm)  // q's and k's own norms (gated attention's q_norm, k_norm)
+    if (L.k_norm)
       w = (hh < nq ? L.qk_norm : L.k_norm) + ((hh < nq ? hh : hh - nq) % L.qk_norm_rows) * d;
     else if (L.qk_norm_rows)
       w = L.qk_norm + (hh % L.qk_norm_rows) * d;
-    const float* xv = y + (b * t + p) * width + (hh < nq ? hh * qw : nq * qw + (hh - nq) * d);
-    norm_rope_vector(xv, o, d, w, L.qk_offset, L.qk_eps, cos + p * L.rot, sin + p * L.rot, L.rot);
+    const float* xv = yr + (hh < nq ? hh * qw : nq * qw + (hh - nq) * d);
+    norm_rope_vector(xv, o, d, w, L.qk_offset, L.qk_eps, cos + i * L.rot, sin + i * L.rot, L.rot);
+  };
+  auto slot = [&](int64_t position) { return ring ? position % capacity : position; };
+  const int64_t vectors = rows * (nq + nkv);
+#pragma omp parallel for num_threads(threads) schedule(static) if (vectors * d >= (1 << 17) && threads > 1)
+  for (int64_t n = 0; n < vectors; ++n) {
+    const int64_t b = n / (t * (nq + nkv)), p = (n / (nq + nkv)) % t, hh = n % (nq + nkv);
+    float* o = hh < nq ? q + ((b * nq + hh) * t + p) * d
+                       : cache_k + b * kv_sb + (hh - nq) * kv_sh + slot(q_pos + p) * d;
+    head(y + (b * t + p) * width, hh, pre_t + p, o);
   }
-  for (int64_t r = 0; r < rows; ++r) {  // v as it is
-    const int64_t slot = ring ? (q_pos + r % t) % capacity : q_pos + r % t;
+  for (int64_t n = 0; n < batch * pre_t * nkv; ++n) {  // the context rows' k heads
+    const int64_t b = n / (pre_t * nkv), i = (n / nkv) % pre_t, j = n % nkv;
+    head(y + (rows + b * pre_t + i) * width, nq + j, i, cache_k + b * kv_sb + j * kv_sh + slot(q_pos - pre_t + i) * d);
+  }
+  for (int64_t r = 0; r < all; ++r) {  // v as it is
+    const bool own = r < rows;
+    const int64_t b = own ? r / t : (r - rows) / pre_t;
+    const int64_t position = own ? q_pos + r % t : q_pos - pre_t + (r - rows) % pre_t;
     for (int64_t j = 0; j < nkv; ++j)
-      memcpy(cache_v + (r / t) * kv_sb + j * kv_sh + slot * d, y + r * width + nq * qw + (nkv + j) * d,
+      memcpy(cache_v + b * kv_sb + j * kv_sh + slot(position) * d, y + r * width + nq * qw + (nkv + j) * d,
              sizeof(float) * d);
   }
   if (ring) {  // the window's keys and values in position order (model/cache.py's ring update, index_select)
     const int64_t first = q_pos - window + 1 > 0 ? q_pos - window + 1 : 0, k_len = q_pos + t - first;
-    float* ks = s + rows * F + rows * widest;  // past the bf16 activations' floats
+    float* ks = s + all * F + all * widest;  // past the bf16 activations' floats
     float* vs = ks + batch * nkv * k_len * d;
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t j = 0; j < nkv; ++j)
         for (int64_t i = 0; i < k_len; ++i) {
-          const int64_t from = b * kv_sb + j * kv_sh + ((first + i) % capacity) * d;
+          const int64_t from = b * kv_sb + j * kv_sh + slot(first + i) * d;
           const int64_t to = ((b * nkv + j) * k_len + i) * d;
           memcpy(ks + to, cache_k + from, sizeof(float) * d);
           memcpy(vs + to, cache_v + from, sizeof(float) * d);
         }
     status = specquant_attention(q, batch, nq, t, d, nq * t * d, t * d, d, ks, vs, nkv, k_len, nkv * k_len * d,
-                                 k_len * d, q_pos, first, window, L.scale, a, threads);
+                                 k_len * d, q_pos, first, window, block, L.scale, a, threads);
   } else {
     status = specquant_attention(q, batch, nq, t, d, nq * t * d, t * d, d, cache_k, cache_v, nkv, q_pos + t, kv_sb,
-                                 kv_sh, q_pos, 0, 0, L.scale, a, threads);
+                                 kv_sh, q_pos, 0, 0, block, L.scale, a, threads);
   }
   if (!status && L.gated) status = specquant_sigmoid_mul(a, rows, nq, d, y + d, width, qw);
   if (status || (status = project(L.min_parallel_macs, L.o, a, rows, ob, threads, bf))) return status;

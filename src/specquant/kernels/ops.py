@@ -64,9 +64,9 @@ FUNCTIONS = {
     "specquant_delta_replay": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _INT],
     "specquant_delta_gates": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
     "specquant_attention": [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                            _I64, _I64, _I64, _F32, _PTR, _INT],
-    "specquant_decoder_layer": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
-                                _PTR, _INT],
+                            _I64, _I64, _I64, _I64, _F32, _PTR, _INT],
+    "specquant_decoder_layer": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64,
+                                _I64, _I64, _PTR, _PTR, _INT],
     "specquant_sigmoid_mul": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64],
     "specquant_delta_conv": [_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _PTR, _INT],
     "specquant_deltanet_work": [_PTR, _I64, _I64, _PTR],
@@ -353,10 +353,12 @@ def sigmoid_mul_reference(a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: int, k_pos: int,
-              window: int | None, scale: float | None = None, variant: Variant | None = None) -> torch.Tensor:
+              window: int | None, scale: float | None = None, variant: Variant | None = None,
+              block: bool = False) -> torch.Tensor:
     """attention_reference, natively. q [b, heads, t, d] (any strides with d contiguous); keys, values [b, kv_heads,
     S, d] with S >= the keys used and position stride d (a K/V cache buffer or a slice of its positions): key j is at
-    position k_pos + j, for j < k_len = q_pos + t - k_pos. Returns [b, t, heads, d] contiguous."""
+    position k_pos + j, for j < k_len = q_pos + t - k_pos. block: every query also sees all t queries' own keys (a
+    block drafter's block). Returns [b, t, heads, d] contiguous."""
     b, heads, t, d = q.shape
     kv_heads = keys.shape[1]
     k_len = q_pos + t - k_pos
@@ -367,20 +369,23 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: 
     out = torch.empty(b, t, heads, d, dtype=torch.float32)
     status = LIBRARY.lib_for(variant).specquant_attention(
         q.data_ptr(), b, heads, t, d, q.stride(0), q.stride(1), q.stride(2), keys.data_ptr(), values.data_ptr(),
-        kv_heads, k_len, keys.stride(0), keys.stride(1), q_pos, k_pos, window or 0,
+        kv_heads, k_len, keys.stride(0), keys.stride(1), q_pos, k_pos, window or 0, int(block),
         d ** -0.5 if scale is None else scale, out.data_ptr(), torch.get_num_threads())
     _check(status, "attention", lambda: f"q {tuple(q.shape)} at {q_pos}, {k_len} keys from {k_pos}, window {window}")
     return out
 
 
 def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: int, k_pos: int,
-                        window: int | None, scale: float | None = None) -> torch.Tensor:
-    """SDPA with enable_gqa under the position mask (causal, windowed): [b, t, heads, d]."""
+                        window: int | None, scale: float | None = None, block: bool = False) -> torch.Tensor:
+    """SDPA with enable_gqa under the position mask (causal, windowed; block: the queries' own keys all visible):
+    [b, t, heads, d]."""
     t = q.shape[2]
     k_len = q_pos + t - k_pos
     qp = torch.arange(q_pos, q_pos + t)[:, None]
     kp = torch.arange(k_pos, k_pos + k_len)[None, :]
     mask = (kp <= qp) & ((kp > qp - window) if window else True)
+    if block:
+        mask = mask | (kp >= q_pos)
     out = F.scaled_dot_product_attention(q, keys[:, :, :k_len], values[:, :, :k_len], attn_mask=mask,
                                          enable_gqa=keys.shape[1] != q.shape[1], scale=scale)
     return out.transpose(1, 2).contiguous()
@@ -434,19 +439,25 @@ def layer_work(plan: LayerPlan, rows: int, ring_keys: int = 0) -> int:
 
 def decoder_layer(plan: LayerPlan, x: torch.Tensor, q_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, work: torch.Tensor, window: int | None = None,
-                  variant: Variant | None = None, address: int | None = None) -> torch.Tensor:
+                  variant: Variant | None = None, address: int | None = None, pre: torch.Tensor | None = None,
+                  block: bool = False) -> torch.Tensor:
     """A dense decoder layer's step in one call (ops.cpp specquant_decoder_layer): x [b, t, hidden] contiguous at
     positions q_pos.. -> the layer's output, writing its k, v into keys / values [b, kv_heads, capacity, d] (a full
-    cache's buffers, or a ring's with its window) at q_pos..; cos / sin [t, rot] contiguous; work at least
-    layer_work(plan, b * t) floats (a ring: layer_work(plan, b * t, b * capacity)). The caller holds every tensor the
-    plan points at. address: ctypes.addressof(plan), when the caller keeps it."""
+    cache's buffers, or a ring's with its window) at q_pos..; cos / sin [p + t, rot] contiguous, from position
+    q_pos - p; work at least layer_work(plan, b * (p + t)) floats (a ring: layer_work(plan, b * (p + t),
+    b * capacity)). A block drafter's layer: pre [b, p, hidden] contiguous, context rows whose k, v only go to the
+    cache at q_pos - p.., and block, its queries see their whole block. The caller holds every tensor the plan
+    points at. address: ctypes.addressof(plan), when the caller keeps it."""
     b, t, _ = x.shape
+    p = 0 if pre is None else pre.shape[1]
     out = torch.empty_like(x)
     status = LIBRARY.lib_for(variant).specquant_decoder_layer(
-        ctypes.addressof(plan) if address is None else address, x.data_ptr(), b, t, q_pos, cos.data_ptr(),
-        sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.shape[2], window or 0,
-        work.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    _check(status, "decoder_layer", lambda: f"x {tuple(x.shape)} at {q_pos}, cache {tuple(keys.shape)}")
+        ctypes.addressof(plan) if address is None else address, x.data_ptr(), b, t, q_pos,
+        None if pre is None else pre.data_ptr(), p, int(block), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+        values.data_ptr(), keys.stride(0), keys.stride(1), keys.shape[2], window or 0, work.data_ptr(),
+        out.data_ptr(), torch.get_num_threads())
+    _check(status, "decoder_layer", lambda: f"x {tuple(x.shape)} at {q_pos} after {p} context rows, cache "
+           f"{tuple(keys.shape)}")
     return out
 
 

@@ -109,6 +109,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, start_pos: int, input_pos: torch.Tensor | None = None,
                 plan: tuple[torch.Tensor | None, bool] | None = None, tree: TreeLayout | None = None):
+        q, k, v = self.project(x, cos, sin)
+        if tree is not None:
+            return self.o_proj(self.attend_tree(q, k, v, start_pos, tree))
+        return self.o_proj(self.attend_cached(q, k, v, start_pos, input_pos, plan))
+
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, t, hidden] -> q [b, heads, t, d], k, v [b, kv_heads, t, d]: projected, q and k normalized (where
+        the layer has q/k norms) and rotated."""
         b, t, _ = x.shape
         if self.qkv_proj is not None:  # fused: q and k are normalized and rotated together, as one tensor
             y, d, nqk = self.qkv_proj(x), self.head_dim, self.n_heads + self.n_kv
@@ -130,9 +138,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, heads, t, head_dim]
             k = apply_rope(k.transpose(1, 2), cos, sin)
-        if tree is not None:
-            return self.o_proj(self.attend_tree(q, k, v, start_pos, tree))
-        return self.o_proj(self.attend_cached(q, k, v, start_pos, input_pos, plan))
+        return q, k, v
 
     def attend_tree(self, q, k, v, start_pos: int, tree: TreeLayout) -> torch.Tensor:
         """A tree forward's attention (model/tree.py): q [b, heads, N, d], k, v [b, kv_heads, N, d] of the nodes,

@@ -19,7 +19,11 @@ sliding window W the cache is a ring of W + chunk slots and a block query at pos
 full attention, as in the reference).
 
 A drafter layer is a Qwen3 decoder layer: its projections, q/k norms, MLP and SDPA are the decoder's own modules
-(model/decoder.py); only the masking differs (block queries over context K/V + the block). This file is the model:
+(model/decoder.py); only the masking differs (block queries over context K/V + the block). Laid out for decoding
+(fused, as the block kind loads it), a layer's serving step is one native call (model/native_layer.py block_step)
+that also writes the K/V of the context rows given to `propose`, so those rows cost no second pass over the weights;
+the block's own K/V go to the cache's slots past the context (never read as context: the next append overwrites
+them), which is why the cache has block_size slots more than the context needs. This file is the model:
 its training loss is train/block_draft.py's, its checkpoint I/O model/checkpoint.py's.
 """
 
@@ -31,8 +35,12 @@ import torch
 from torch import nn
 
 from specquant.errors import SpecquantError
+from specquant.kernels import ops
+from specquant.model import native_layer
+from specquant.model.attention import NATIVE_MAX_ROWS
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import MLP, Attention, Linear, RMSNorm
+from specquant.model.modules import add_norm
 from specquant.model.rope import apply_rope, rope_tables
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -233,23 +241,33 @@ class BlockAttention(Attention):
 
     def kv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, T, hidden] -> k, v [b, kv_heads, T, head_dim] (k normalized and rotated)."""
+        if self.qkv_proj is not None:  # fused (model/fuse.py, for decoding): q comes along and is dropped
+            return self.project(x, cos, sin)[1:]
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim))
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(k.transpose(1, 2), cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x [b, Q, hidden] block queries; ctx_k/ctx_v [b, kv, C, d]; mask [b|1, 1, Q, C+Q] bool or None."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, at: tuple[int, int, int | None] | None = None):
+        """x [b, Q, hidden] block queries; ctx_k/ctx_v [b, kv, C, d]; mask [b|1, 1, Q, C+Q] bool or None. at: a
+        serving step's (block position n, first context position, window): the same visibility as `mask`, by
+        position, which the native kernel takes (fp32 CPU eager) instead of SDPA under the mask, as the decoder's
+        cached steps do (model/attention.py attend_cached), so this equals the one-call layer (native_layer.py)."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim))
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k, v = self.kv(x, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         keys, values = torch.cat((ctx_k, k), 2), torch.cat((ctx_v, v), 2)
-        out = self.attend(q, keys, values, mask, folded=False)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        if at is not None and t <= NATIVE_MAX_ROWS and ops.usable(q, keys, values):
+            out = ops.attention(q, keys, values, at[0], at[1], at[2], block=True).view(b, t, -1)
+        else:
+            out = self.attend(q, keys, values, mask, folded=False).transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out)
 
 
 class BlockLayer(nn.Module):
+    """A Qwen3 decoder layer over BlockAttention; `mixer` as DecoderLayer's, so model/fuse.py fuses it too."""
+
+    mixer_attr = "self_attn"
+
     def __init__(self, cfg: BlockDraftConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -257,10 +275,15 @@ class BlockLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.layer_config())
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+    @property
+    def mixer(self) -> BlockAttention:
+        return self._modules["self_attn"]
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, at: tuple[int, int, int | None] | None = None):
         # the context is not normalized by input_layernorm: hidden_norm already did (as in the reference)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mixed = self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask, at)
+        x, h = add_norm(self.post_attention_layernorm, x, mixed)  # as DecoderLayer.forward (one native call)
+        return x + self.mlp(h)
 
 
 class BlockDraftModel(nn.Module):
@@ -357,7 +380,10 @@ class BlockDraftModel(nn.Module):
         if window is not None and window < 2:
             raise SpecquantError(f"drafter window {window} must be at least 2 (or None for full attention)")
         self.window = window if window is not None and window < max_seq_len else None
-        capacity = max_seq_len if self.window is None else min(max_seq_len, self.window + APPEND_CHUNK)
+        # + block_size: the one-call layers write the block's own K/V past the context (native_layer.block_step);
+        # in a ring the block's slots then lie below every position a rollback of up to APPEND_CHUNK still shows
+        ring = max_seq_len if self.window is None else min(max_seq_len, self.window + APPEND_CHUNK)
+        capacity = ring + cfg.block_size
         for layer in self.layers:
             layer.self_attn.context_cache = ContextCache(cfg.num_key_value_heads, capacity, cfg.head_dim, dtype, device)
         self.context_len = 0
@@ -399,30 +425,51 @@ class BlockDraftModel(nn.Module):
                 attn.context_cache.write(start, *attn.kv(ctx, cos, sin))
             self.context_len = start + t
 
-    def propose(self, anchor: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
-        """anchor: the last emitted token id (0-dim), at position context_len. Returns logits [num_tokens, vocab]
-        for positions context_len+1 .. context_len+num_tokens (default: block_size - 1).
+    def propose(self, anchor: torch.Tensor, num_tokens: int | None = None,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        """anchor: the last emitted token id (0-dim), at position n = context_len once `context` is in. Returns logits
+        [num_tokens, vocab] for positions n+1 .. n+num_tokens (default: block_size - 1). context: target features
+        [1, T, taps*hidden] of the next T positions, not yet appended (the drafter's pending ones): appended by this
+        forward, each layer writing their K/V in the same call as the block's where it runs as one native call
+        (model/native_layer.py block_step: the layer's weights stream once for both), else as append_context does.
 
         The whole trained block (anchor + B-1 masks) always runs, because attention inside it is bidirectional:
         a shorter block would not be the computation the drafter was trained on. Only the lm_head is cut to k.
+        A query at p sees context positions (p - W, n) under a window W, and the whole block.
         """
         B = self.config.block_size
         k = B - 1 if num_tokens is None else num_tokens
         if not 1 <= k <= B - 1:
             raise SpecquantError(f"block drafter proposes 1..{B - 1} tokens per forward; asked for {k}")
-        n = self.context_len
+        ctx = None
+        if context is not None and context.shape[1]:
+            if context.shape[1] + B > NATIVE_MAX_ROWS or context.shape[1] > APPEND_CHUNK:
+                self.append_context(context)  # too many rows for one call with the block
+            else:
+                ctx = self.project_context(context)
+        c = 0 if ctx is None else ctx.shape[1]
+        n = self.context_len + c
         x = self.block_embeddings(anchor.reshape(1))  # [1, B, hidden]
-        pos = torch.arange(n, n + B, device=x.device)
+        pos = torch.arange(n - c, n + B, device=x.device)  # the new context rows', then the block's
         cos, sin = self._rope(pos, x.dtype, x.device)
-        first = 0 if self.window is None else max(0, n - self.window + 1)
+        block_cos, block_sin, pos = cos[c:], sin[c:], pos[c:]
+        window = self.window
+        first = 0 if window is None else max(0, n - window + 1)
         mask = None
-        if self.window is not None and first > 0:  # query at p sees context (p - W, n); the block sees itself
+        if window is not None and n + B > window:  # some query's window starts after position 0
             kpos = torch.arange(first, n, device=x.device)
-            ctx_vis = kpos[None, :] > pos[:, None] - self.window  # [B, n-first]
+            ctx_vis = kpos[None, :] > pos[:, None] - window  # [B, n-first]
             mask = torch.cat((ctx_vis, torch.ones(B, B, dtype=torch.bool, device=x.device)), 1)
         for layer in self.layers:
-            ctx_k, ctx_v = layer.self_attn.context_cache.read(first, n)
-            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+            out = native_layer.block_step(layer, x, cos, sin, ctx, n, window)
+            if out is None:
+                attn = layer.self_attn
+                if ctx is not None:
+                    attn.context_cache.write(n - c, *attn.kv(ctx, cos[:c], sin[:c]))
+                ctx_k, ctx_v = attn.context_cache.read(first, n)
+                out = layer(x, block_cos, block_sin, ctx_k, ctx_v, mask, (n, first, window))
+            x = out
+        self.context_len = n
         return self.lm_head(self.norm(x[0, 1 : k + 1]))
 
     def num_parameters(self) -> int:

@@ -20,6 +20,7 @@ from torch import nn
 
 from specquant.errors import SpecquantError
 from specquant.model.attention import Attention
+from specquant.model.bf16_store import store_bf16
 from specquant.model.decoder import Transformer
 from specquant.model.modules import RMSNorm
 
@@ -58,6 +59,16 @@ def fuse_layers(layers) -> int:
                 mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = fused, None, None
                 n += 1
     return n
+
+
+def for_decoding(model: nn.Module, layers=None) -> nn.Module:
+    """model laid out for decoding, in place: its layers' (default: a Transformer's) projections fused, and dense
+    weights of bf16 values stored bf16 (model/bf16_store.py: the same outputs, half the bytes), so their steps run as
+    one native call each (model/native_layer.py). What loader.load_model(fuse=True) does to a target and a drafter
+    kind's load to the model its engine runs."""
+    fuse_layers(model.model.layers if layers is None else layers)
+    store_bf16(model)
+    return model
 
 
 def is_fused(model: nn.Module) -> bool:

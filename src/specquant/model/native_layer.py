@@ -11,7 +11,10 @@ one-row step. The speed is in docs/BENCH.md ("One native call per layer").
 Layer kinds (KINDS, by mixer type): attention (model/attention.py's Attention, and Qwen3.5's GatedAttention with its
 output gate and own q / k norms) over a sliced K/V cache (full or a ring; not the static layout), and Gated DeltaNet
 (model/deltanet.py, its fast form) over its cache's eager layout, for blocks it keeps a rollback record of (up to
-the cache's max_block). For every kind: a DecoderLayer with gate/up fused (and q/k/v, for attention), an fp32 CPU
+the cache's max_block). A block drafter's layer (model/block_draft.py BlockLayer, `block_step`, which its propose
+calls) is the attention kind with block-wide attention, whose call also writes the K/V of the context rows that came
+since the last block: their projection rides on the block's, so the layer's weights stream once per proposal. For
+every kind: a DecoderLayer with gate/up fused (and q/k/v, for attention), an fp32 CPU
 input of up to NATIVE_ROWS rows, gradients off (no_grad / inference_mode), not compiling, no module hooks
 (Transformer.forward calls `step` in place of the layer's module call, so the layer's own hooks count too), and
 projections that describe themselves (`native_projection`: a dense fp32 / bf16 Linear, a W4 QuantLinear on a native
@@ -164,16 +167,12 @@ def _held(layer, key: tuple, build) -> _Plan:
     return held
 
 
-def _attention_step(layer, mods, attn, mlp, x, cos, sin, start_pos: int) -> torch.Tensor | None:
-    b, t, _ = x.shape
+def _attention_plan(layer, mods, attn, mlp, keys, cos, sin) -> _Plan | None:
+    """The plan of an attention layer whose step can run natively on these cache buffers, or None."""
     am, mm = attn._modules, mlp._modules
-    cache = am.get("cache")
     projections = (am.get("qkv_proj"), am.get("o_proj"), mm.get("gate_up_proj"), mm.get("down_proj"))
-    if type(cache) is not KVCache or cache.static or projections[0] is None or projections[2] is None:
-        return None
-    keys, values = cache._buffers["k"], cache._buffers["v"]
-    if (keys.dtype is not torch.float32 or not keys.is_contiguous() or not cos.is_contiguous()
-            or not sin.is_contiguous()):
+    if (projections[0] is None or projections[2] is None or keys.dtype is not torch.float32
+            or not keys.is_contiguous() or not cos.is_contiguous() or not sin.is_contiguous()):
         return None
     norms = (mods["input_layernorm"], mods["post_attention_layernorm"])
     if _hooked((layer, attn, mlp, *projections, *norms)):  # the layer's own too: Transformer.forward calls this
@@ -186,12 +185,48 @@ def _attention_step(layer, mods, attn, mlp, x, cos, sin, start_pos: int) -> torc
     if key is None:
         return None
     held = _held(layer, key, lambda: _build_attention(attn, projections, norms, key, cos))
-    if held.plan is None:
+    return None if held.plan is None else held
+
+
+def _attention_step(layer, mods, attn, mlp, x, cos, sin, start_pos: int) -> torch.Tensor | None:
+    b, t, _ = x.shape
+    cache = attn._modules.get("cache")
+    if type(cache) is not KVCache or cache.static:
+        return None
+    keys, values = cache._buffers["k"], cache._buffers["v"]
+    held = _attention_plan(layer, mods, attn, mlp, keys, cos, sin)
+    if held is None:
         return None
     window = cache.window
     work = _work(held.per_row * b * t + (0 if window is None else held.per_extra * b * keys.shape[2]))
     cache.claim(start_pos, t)
     return ops.decoder_layer(held.plan, x, start_pos, cos, sin, keys, values, work, window, address=held.address)
+
+
+def block_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: torch.Tensor | None,
+               start_pos: int, window: int | None) -> torch.Tensor | None:
+    """A block drafter's layer (model/block_draft.py BlockLayer) in one native call: the block x [1, B, hidden] at
+    start_pos.. over its context cache, after writing the K/V of `context` [1, c, hidden] (projected features of
+    positions start_pos - c ..; None: c = 0) there; cos / sin [c + B, rot] from position start_pos - c. Its queries see
+    context (p - window, start_pos) and the whole block, which is written to the cache past the context (the
+    drafter's context_len stays start_pos: the next append overwrites it). None where the module docstring's
+    conditions do not hold (nothing written: the caller runs the modules)."""
+    if not ENABLED or torch.is_grad_enabled() or x.dtype is not torch.float32 or not x.is_contiguous():
+        return None
+    c = 0 if context is None else context.shape[1]
+    mods = layer._modules
+    attn, mlp = mods["self_attn"], mods["mlp"]
+    cache = attn._modules.get("context_cache")
+    if (cache is None or x.shape[0] != 1 or c + x.shape[1] > NATIVE_ROWS or not ops.usable(x, cos, sin)
+            or (context is not None and (not context.is_contiguous() or not ops.usable(context)))):
+        return None
+    keys, values = cache._buffers["k"], cache._buffers["v"]
+    held = _attention_plan(layer, mods, attn, mlp, keys, cos, sin)
+    if held is None:
+        return None
+    work = _work(held.per_row * (c + x.shape[1]) + (0 if window is None else held.per_extra * keys.shape[2]))
+    return ops.decoder_layer(held.plan, x, start_pos, cos, sin, keys, values, work, window, address=held.address,
+                             pre=context, block=True)
 
 
 def _deltanet_step(layer, mods, mixer, mlp, x, cos, sin, start_pos: int) -> torch.Tensor | None:

@@ -25,6 +25,7 @@ import torch
 from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from specquant.errors import SpecquantError
 from specquant.model.block_draft import ARCHITECTURE, BlockDraftModel
+from specquant.model.fuse import for_decoding
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft, DrafterKind
 from specquant.spec_decode.drafters.pruned_head import PrunedHead, load_token_map, token_map_of
@@ -55,11 +56,18 @@ class BlockDrafter:
         """Verified positions the drafter holds: projected into its cache, or pending."""
         return self.model.context_len + self._pending_len
 
+    def _take_pending(self) -> torch.Tensor | None:
+        """The pending features as one tensor (None: none), no longer pending."""
+        if not self._pending:
+            return None
+        features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, 1)
+        self._pending, self._pending_len = [], 0
+        return features
+
     def flush(self) -> None:
-        """Project the pending features into the context cache (propose does this first)."""
-        if self._pending:
-            features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, 1)
-            self._pending, self._pending_len = [], 0
+        """Project the pending features into the context cache (propose does this in its own forward)."""
+        features = self._take_pending()
+        if features is not None:
             self.model.append_context(features)
 
     def _truncate(self, length: int) -> None:
@@ -107,10 +115,10 @@ class BlockDrafter:
     def propose(self, tokens: torch.Tensor, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         n = tokens.shape[1]
-        self.flush()
-        assert self.model.context_len == n - 1, (self.model.context_len, n)  # context = verified prefix
+        assert self.context_len == n - 1, (self.context_len, n)  # context = verified prefix
         k = min(k, self.max_draft_len)
-        logits = self.model.propose(tokens[0, n - 1], k)  # [k, vocab], or [k, N] through a pruned head
+        # [k, vocab], or [k, N] through a pruned head; the pending features are appended by the same forward
+        logits = self.model.propose(tokens[0, n - 1], k, self._take_pending())
         if self.head is not None:
             drafted, probs = self.head.draft(logits, sampling, generator)  # [k] full ids, [k, vocab] | None
             return Draft(drafted[None], None if probs is None else probs[None])
@@ -125,9 +133,9 @@ class BlockDrafter:
         distributions (tree.best_first_tree, DDTree's construction). Its tokens are chosen, not drawn, so they are
         point masses (probs None) in sampling mode too."""
         n = tokens.shape[1]
-        self.flush()
-        assert self.model.context_len == n - 1, (self.model.context_len, n)
-        logits = self.model.propose(tokens[0, n - 1], min(depth, self.max_draft_len))  # [depth, vocab or N]
+        assert self.context_len == n - 1, (self.context_len, n)
+        logits = self.model.propose(tokens[0, n - 1], min(depth, self.max_draft_len),
+                                    self._take_pending())  # [depth, vocab or N]
         drafted, parents = best_first_tree(torch.log_softmax(logits.float(), -1), nodes)
         ids = torch.tensor(drafted, dtype=torch.long, device=tokens.device)
         if self.head is not None:
@@ -169,6 +177,7 @@ def _load(name_or_dir, runtime) -> BlockDraftModel:
     from specquant.drafter_loader import load_block_draft
 
     model = load_block_draft(name_or_dir, runtime.dtype, runtime.device, runtime.draft_w4_activations)
+    for_decoding(model, model.layers)  # its layers as one native call each (model/native_layer.py block_step)
     return load_token_map(model, name_or_dir, model.config.vocab_size)
 
 

@@ -25,9 +25,8 @@ from torch import nn
 
 from specquant.decode.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from specquant.errors import SpecquantError
-from specquant.model.bf16_store import store_bf16
 from specquant.model.decoder import Transformer
-from specquant.model.fuse import fuse_layers
+from specquant.model.fuse import for_decoding
 from specquant.model.mtp import HEAD_KEY, HEADS, MTPModel, is_mtp_config, mtp_from_tensors
 from specquant.spec_decode.config import SpecConfig
 from specquant.spec_decode.drafter import Draft, DrafterKind
@@ -132,18 +131,11 @@ class MTPDrafter:
         self.model.rollback(self.ctx)  # chained entries past ctx are never kept
 
 
-def _for_decoding(model: MTPModel) -> MTPModel:
-    """A model this kind made for an engine, laid out for decoding as load_model(fuse=True) lays out a target (q/k/v
-    and gate/up fused, dense weights of bf16 values stored bf16), so its layer steps run as one native call."""
-    fuse_layers(model.layers)
-    store_bf16(model)
-    return model
-
-
 def _load(name_or_dir, runtime) -> MTPModel:
     from specquant.drafter_loader import load_mtp_drafter
 
-    return _for_decoding(load_mtp_drafter(name_or_dir, runtime.dtype, runtime.device, runtime.draft_w4_activations))
+    model = load_mtp_drafter(name_or_dir, runtime.dtype, runtime.device, runtime.draft_w4_activations)
+    return for_decoding(model, model.layers)  # its layer steps as one native call each
 
 
 def _build(model: MTPModel | None, target: Transformer, spec: SpecConfig, **engine_options) -> MTPDrafter:
@@ -153,7 +145,8 @@ def _build(model: MTPModel | None, target: Transformer, spec: SpecConfig, **engi
                                  "layer), and this target has none; pass an MTP drafter directory (`specquant "
                                  "distill draft --kind mtp`) or another --draft")
         w = target.model.embed_tokens.weight
-        model = _for_decoding(mtp_from_tensors(target.config, target.extra_tensors, w.dtype, w.device))
+        model = mtp_from_tensors(target.config, target.extra_tensors, w.dtype, w.device)
+        for_decoding(model, model.layers)
     return MTPDrafter(model, target, getattr(model, "head_precision", "shared"))
 
 
