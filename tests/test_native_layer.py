@@ -338,39 +338,12 @@ def test_mtp_drafter_layer_runs_natively_and_equals_its_modules():
 
 
 def _block_drafter(mode: str):
-    """A random block drafter on a random target, laid out as the block kind loads one (fused, bf16-stored), its
-    Linears fp32, bf16-valued, or W4 (RTN g32) on int8 or float activations."""
-    from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel
-    from specquant.model.fuse import fuse_layers
-    from specquant.model.modules import Linear
-    from specquant.quant.config import QuantConfig
-    from specquant.quant.grid import quantize_weight
-    from specquant.quant.linear import QuantLinear, set_w4_activations
+    """A random block drafter (bench.shapes.block_drafter: laid out as the block kind loads one) on a random target."""
+    from specquant.bench.shapes import block_drafter
 
     cfg = _cfg(num_hidden_layers=6)
-    target = random_model(cfg).eval()
-    torch.manual_seed(4)
-    draft = BlockDraftModel(BlockDraftConfig.for_target(cfg, num_hidden_layers=2, block_size=8,
-                                                        target_layer_ids=[1, 3, 4], mask_token_id=3))
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn(p.shape))
-            elif mode != "fp32":
-                p.copy_(p.bfloat16().float())
-    if mode in ("w4a8", "w4"):
-        qcfg = QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True).validate()
-        for layer in draft.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, lin in list(parent.named_children()):
-                    if type(lin) is Linear:
-                        codes, scale, zero = quantize_weight(lin.weight.float(), qcfg, group_size=32,
-                                                             scale_dtype=torch.bfloat16)
-                        setattr(parent, name, QuantLinear.from_codes(codes, scale, zero, 4))
-        set_w4_activations(draft, "int8" if mode == "w4a8" else "float")
-    fuse_layers(draft.layers)
-    store_bf16(draft)
-    return draft.attach_target(target).eval()
+    draft = block_drafter(cfg, mode, layers=2, block_size=8, seed=4)
+    return draft.attach_target(random_model(cfg).eval())
 
 
 def _run_block(draft, enabled: bool, window: int | None) -> list[torch.Tensor]:

@@ -77,7 +77,7 @@ def test_linear_matches_f_linear(variant, rows, k, n, with_bias):
 
 # rows x k: both of ops.cpp's layouts (weight row by weight row while x is small: 4 rows, 7 x 1000; 4-row weight
 # tiles beyond: 9 x 1040), each row against the one-row call, which is always the first layout
-@pytest.mark.parametrize("rows,k", [(9, 1040), (4, 3000), (7, 1000)])
+@pytest.mark.parametrize("rows,k", [(9, 1040), (4, 3000), (7, 1000), (6, 1500), (24, 520)])
 def test_linear_rows_are_batch_and_thread_invariant(variant, rows, k):
     """A verify step's row equals the one-row step's bit for bit, at any thread count."""
     g = torch.Generator().manual_seed(11)

@@ -146,3 +146,42 @@ def gguf_weights(path: Path) -> dict:
             other[re.sub(r"^blk\.\d+\.", "blk.*.", t.name)] = t.tensor_type.name
     return {"file": path.name, "bytes": path.stat().st_size, "weight_bytes": step, "main_type": main, "types": types,
             "other_types": dict(sorted(other.items())), "vector_types": sorted(vectors)}
+
+
+def block_drafter(cfg: ModelConfig, mode: str, layers: int, block_size: int = 16, seed: int = 0):
+    """A random-init block drafter (model/block_draft.py) for a target of shape cfg, laid out as the block kind loads
+    one for an engine (fused, dense bf16 values stored bf16): its Linears dense fp32 ("fp32"), bf16-valued ("bf16"),
+    or W4 RTN g32 with bf16 scales on float ("w4") or int8 ("w4a8") activations. Norm weights are away from one
+    (seeded), so a wrong weight row shows where tests compare paths. Not attached to a target."""
+    from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, default_target_layer_ids
+    from specquant.model.fuse import for_decoding
+    from specquant.model.modules import Linear
+    from specquant.quant.config import QuantConfig
+    from specquant.quant.grid import quantize_weight
+    from specquant.quant.linear import set_w4_activations
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        draft = BlockDraftModel(BlockDraftConfig.for_target(cfg, num_hidden_layers=layers, block_size=block_size,
+                                                            target_layer_ids=default_target_layer_ids(cfg)))
+    draft = draft.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+                if mode != "fp32":
+                    p.copy_(p.bfloat16().float())
+    draft._set_rope(cfg.max_position_embeddings)
+    if mode in ("w4", "w4a8"):
+        qcfg = QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True).validate()
+        for layer in draft.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, lin in list(parent.named_children()):
+                    if type(lin) is Linear:
+                        codes, scale, zero = quantize_weight(lin.weight.float(), qcfg, group_size=32,
+                                                             scale_dtype=torch.bfloat16)
+                        setattr(parent, name, QuantLinear.from_codes(codes, scale, zero, 4))
+        set_w4_activations(draft, "int8" if mode == "w4a8" else "float")
+    return for_decoding(draft, draft.layers).eval()

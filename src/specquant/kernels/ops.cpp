@@ -523,6 +523,41 @@ int specquant_delta_conv(const float* hist, int64_t batch, int64_t rows_in, int6
 
 namespace {
 
+// dot(x[r], w[j], n) for an MR x NR tile of x rows and weight rows, bit for bit as dot_rows (the same lane-wise
+// products and sums per pair; x·w and w·x round alike): each weight vector is loaded (and a bf16 one widened) once
+// for MR rows of x, and the MR·NR independent sums keep the adds' latency hidden (-ffp-contract=off: a multiply
+// and an add per lane, no FMA). MR·NR accumulators stay in registers: 16 zmm with AVX-512, 4 x 2 ymm with AVX2.
+#if defined(__AVX512F__)
+constexpr int TILE_M = 4, TILE_N = 4;
+#else
+constexpr int TILE_M = 2, TILE_N = 2;
+#endif
+template <int MR, int NR, typename TW>
+SQ_INLINE void dot_tile(const float* const* x, const TW* const* w, int64_t n, float (*out)[TILE_N],
+                        int64_t ahead = 0) {  // ahead > 0: prefetch that many elements beyond each weight row
+  v16 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = zero16();
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    v16 wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      if (ahead) __builtin_prefetch(w[j] + i + ahead, 0, 3);
+      wv[j] = load16(w[j] + i);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const v16 xv = load16(x[r] + i);
+      for (int j = 0; j < NR; ++j) acc[r][j] += xv * wv[j];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float tail = 0.0f;
+      for (int64_t c = i; c < n; ++c) tail += widen(x[r][c]) * widen(w[j][c]);
+      out[r][j] = sum_lanes(acc[r][j]) + tail;
+    }
+}
+
 // y[m, n] = x[m, ·] · w[n, ·] (+ bias[n]) for the few fp32 rows of a decode or verify step: x [M, K], w [N, K]
 // row-major (nn.Linear's weight), y [M, N]. Each output is dot()'s sum (16 lanes in k order, pairwise at the end;
 // x·w and w·x round alike), so a row's result does not depend on M, on the layout below or on the thread count (a
@@ -531,8 +566,9 @@ namespace {
 // - while x is small (M <= 4, or all of x fits in L1), weight row by weight row, up to 4 rows of x against each
 //   one: w is read as one sequential stream, prefetched LINEAR_AHEAD floats ahead (at 1 thread this streamed 1.4x
 //   the bytes per second of the 4-row tiles below; docs/BENCH.md, git history);
-// - else in tiles of 4 weight rows, every row of x against a tile while it is in L1/L2 (x is read from cache once
-//   per tile rather than once per weight row), the next tile prefetched.
+// - else in tiles of TILE_N weight rows, every row of x against a tile while it is in L1/L2 (x is read from cache
+//   once per tile rather than once per weight row), TILE_M rows of x at a time (dot_tile: a tile's weights are
+//   loaded once per TILE_M rows; a block drafter's 16-row block and a wide verify are compute-bound here).
 // Why not F.linear: for one row it streams the weight at about half the bandwidth, and barely faster on two threads
 // than on one (docs/BENCH.md).
 constexpr int64_t LINEAR_AHEAD = 1024;  // floats: 4 KB, one 1024-wide weight row
@@ -562,17 +598,29 @@ int linear(const float* x, int64_t M, int64_t K, const TW* w, int64_t N, const f
     }
     return 0;
   }
-  constexpr int NT = 4;
+  constexpr int NT = TILE_N;
   const int64_t tiles = (N + NT - 1) / NT;
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t n0 = tile * NT, nt = N - n0 < NT ? N - n0 : NT;
     const TW* wr[NT];
     for (int j = 0; j < NT; ++j) wr[j] = w + (n0 + (j < nt ? j : nt - 1)) * K;  // a short tile repeats its last row
-    for (int64_t m = 0; m < M; ++m) {
-      float dots[NT];
-      dot_rows<NT>(wr, x + m * K, K, dots, 0, m == 0 ? NT * K : 0);  // the tile's rows against row m of x
-      for (int j = 0; j < nt; ++j) y[m * N + n0 + j] = bias ? dots[j] + bias[n0 + j] : dots[j];
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
+      const int mr = M - m0 < TILE_M ? static_cast<int>(M - m0) : TILE_M;
+      const float* xr[TILE_M];
+      for (int r = 0; r < mr; ++r) xr[r] = x + (m0 + r) * K;
+      float dots[TILE_M][TILE_N];
+      const int64_t ahead = m0 == 0 ? NT * K : 0;  // while on the first rows of x, the next tile comes in
+      switch (mr) {  // the tile's rows against rows m0.. of x
+        case TILE_M: dot_tile<TILE_M, NT>(xr, wr, K, dots, ahead); break;
+#if defined(__AVX512F__)
+        case 3: dot_tile<3, NT>(xr, wr, K, dots, ahead); break;
+        case 2: dot_tile<2, NT>(xr, wr, K, dots, ahead); break;
+#endif
+        default: dot_tile<1, NT>(xr, wr, K, dots, ahead); break;
+      }
+      for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < nt; ++j) y[(m0 + r) * N + n0 + j] = bias ? dots[r][j] + bias[n0 + j] : dots[r][j];
     }
   }
   return 0;
