@@ -12,7 +12,7 @@ written to the context cache by the same forward), over --context rows of contex
 Figures are medians over --reps (ms per proposal). The drafter's head is left out: it is the target's lm_head on k
 rows, which both paths run alike (a 248K-row head would dwarf the layers being compared), so the model is built
 with a 1024-token vocabulary and an identity head. `floor` = the bytes of the drafter's fc and layer weights over the
-streamed read bandwidth measured at the start of the run (benchmarks/shapes.py streamed_bandwidth).
+streamed read bandwidth measured at the start of the run (bench.shapes.streamed_bandwidth).
 
 Usage: python benchmarks/block_drafter.py [--shapes qwen3-0.6b,qwen3.5-0.8b] [--modes w4a8,bf16] [--layers 1]
        [--block 16] [--pending 3] [--context 256] [--reps 5] [--threads N]
@@ -29,9 +29,8 @@ import statistics
 import time
 
 import torch
-from shapes import module_bytes, streamed_bandwidth
 
-from specquant.bench.shapes import SHAPES, block_drafter
+from specquant.bench.shapes import SHAPES, block_drafter, module_bytes, streamed_bandwidth
 from specquant.model import native_layer
 
 

@@ -69,7 +69,8 @@ from pathlib import Path
 
 import torch
 
-from specquant.bench.shapes import BESIDE, MODES, PRESETS, SHAPES, build, gguf_path, gguf_weights
+from specquant.bench.shapes import (BESIDE, MODES, PRESETS, SHAPES, build, gguf_path, gguf_weights,
+                                    module_bytes, streamed_bandwidth)
 from specquant.kernels import LIBRARIES, ops
 from specquant.model.attention import NATIVE_MAX_ROWS, Attention
 from specquant.model import native_layer
@@ -78,20 +79,8 @@ from specquant.model.deltanet import GatedDeltaNet
 from specquant.model.gated_delta import gated_delta_rule, l2_normalize
 from specquant.model.modules import Linear
 from specquant.quant.head import HEAD_PRECISIONS
-from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
+from specquant.quant.linear import QuantLinear
 from specquant.runtime import child_env, openmp_wait
-
-
-def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
-    """Read bandwidth in GB/s: median of torch.sum over `mb` MB (past any LLC), all threads."""
-    buf = torch.ones(mb * (1 << 20) // 4)
-    buf.sum()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        buf.sum()
-        samples.append(time.perf_counter() - t0)
-    return buf.numel() * 4 / statistics.median(samples) / 1e9
 
 
 def dense_layer_linears(model: Transformer) -> list[str]:
@@ -111,15 +100,6 @@ def attention_mixers(model: Transformer) -> list[Attention]:
 
 def deltanet_mixers(model: Transformer) -> list[GatedDeltaNet]:
     return [layer.mixer for layer in model.model.layers if isinstance(layer.mixer, GatedDeltaNet)]
-
-
-def module_bytes(mod: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, without the tensors a QuantLinear backend derives from them
-    (linear.DERIVED_BUFFERS, e.g. the native kernels' packed scales: a step reads one instead of weight_scale,
-    which has as many or more bytes)."""
-    seen = {id(t): t for t in list(mod.parameters()) + [b for n, b in mod.named_buffers() if
-                                                         n.rsplit(".", 1)[-1] not in DERIVED_BUFFERS]}
-    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def timed(fn) -> float:

@@ -38,7 +38,7 @@ class Figure:
 
 FIGURES = (
     Figure("demo", ("(s)",), "avg", "demo speedup over the fp32 target, best row: (s) W4 + QAD target, suffix drafter"),
-    Figure("demo", ("(d)",), "avg", "demo speedup: (d) W4 + QAD target, W4 LM draft (best model drafter)"),
+    Figure("demo", ("(d)",), "avg", "demo speedup: (d) W4 + QAD target, W4 LM draft"),
     Figure("demo", ("(b)",), "avg", "demo speedup: (b) W4 target alone"),
     Figure("demo", ("(hf)",), "avg", "demo speedup: transformers' assisted generation, fp32 pair"),
     Figure("demo-hybrid", ("(q)",), "avg", "hybrid demo speedup: (q) W4 + QAD tiny-hybrid alone"),

@@ -4,12 +4,16 @@ The Qwen3 (0.6B, 1.7B, 4B) and Qwen3.5 hybrid (0.8B, 2B, 4B) configs, the bundle
 benchmarks/shapes.py builds its model (random_model: N(0, 0.02) matrices, seed 0; build: the mode's dtype, W4 = RTN
 g32 of the bf16 weights, fused projections). benchmarks/shapes.py, shapes_gguf.py, qad_lean.py and tree.py import
 them from here, so the same shape means the same weights in each (speed does not depend on the values). Also the
-reading of a GGUF's tensor table (gguf_weights) that shapes.py prints beside our own weight bytes.
+reading of a GGUF's tensor table (gguf_weights) that shapes.py prints beside our own weight bytes, a random block
+drafter for a shape (block_drafter: benchmarks/block_drafter.py, tests/test_native_layer.py), and what the speed
+benchmarks divide by: the streamed read bandwidth and a module's weight bytes.
 """
 
 from __future__ import annotations
 
 import re
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -21,7 +25,7 @@ from specquant.model.decoder import Transformer
 from specquant.model.fuse import fuse_projections
 from specquant.model.norms import ZeroCentredRMSNorm
 from specquant.quant.head import set_lm_head
-from specquant.quant.linear import QuantLinear
+from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
 
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -185,3 +189,24 @@ def block_drafter(cfg: ModelConfig, mode: str, layers: int, block_size: int = 16
                         setattr(parent, name, QuantLinear.from_codes(codes, scale, zero, 4))
         set_w4_activations(draft, "int8" if mode == "w4a8" else "float")
     return for_decoding(draft, draft.layers).eval()
+
+
+def streamed_bandwidth(reps: int = 5, mb: int = 1024) -> float:
+    """Read bandwidth in GB/s: median of torch.sum over `mb` MB (past any LLC), all threads."""
+    buf = torch.ones(mb * (1 << 20) // 4)
+    buf.sum()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        samples.append(time.perf_counter() - t0)
+    return buf.numel() * 4 / statistics.median(samples) / 1e9
+
+
+def module_bytes(mod: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, without the tensors a QuantLinear backend derives from them
+    (linear.DERIVED_BUFFERS, e.g. the native kernels' packed scales: a step reads one instead of weight_scale,
+    which has as many or more bytes)."""
+    seen = {id(t): t for t in list(mod.parameters()) + [b for n, b in mod.named_buffers() if
+                                                         n.rsplit(".", 1)[-1] not in DERIVED_BUFFERS]}
+    return sum(t.numel() * t.element_size() for t in seen.values())
