@@ -137,3 +137,14 @@ def test_block_loss_weights_positions_and_skips_outside():
     ref = sum(a * b for a, b in terms) / sum(a for a, _ in terms)
     torch.testing.assert_close(loss, ref)
     assert len(stats["acc_per_pos"]) == 3
+
+
+@torch.no_grad()
+def test_propose_past_a_full_cache_is_refused():
+    """Pending rows beyond a full (unwindowed) cache fail loudly rather than wrapping over earlier positions."""
+    _, draft = make_pair()
+    feats = torch.randn(1, 20, 3 * TARGET.hidden_size)
+    draft.setup_cache(16, window=None)
+    draft.append_context(feats[:, :14])
+    with pytest.raises(ValueError, match="holds 16 positions"):
+        draft.propose(torch.tensor(5), 2, feats[:, 14:18])

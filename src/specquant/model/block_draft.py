@@ -449,6 +449,9 @@ class BlockDraftModel(nn.Module):
                 ctx = self.project_context(context)
         c = 0 if ctx is None else ctx.shape[1]
         n = self.context_len + c
+        capacity = self.layers[0].self_attn.context_cache.capacity if self.layers else n + B
+        if self.window is None and n + B > capacity:  # a full cache does not wrap (append_context's check)
+            raise ValueError(f"drafter context cache holds {capacity - B} positions; asked for {n}")
         x = self.block_embeddings(anchor.reshape(1))  # [1, B, hidden]
         pos = torch.arange(n - c, n + B, device=x.device)  # the new context rows', then the block's
         cos, sin = self._rope(pos, x.dtype, x.device)
