@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-from specquant.model.bf16_store import store_bf16
 from specquant.model.checkpoint import read_config
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
-from specquant.model.fuse import fuse_projections
+from specquant.model.fuse import for_decoding
 from specquant.model.norms import ZeroCentredRMSNorm
 from specquant.quant.head import set_lm_head
 from specquant.quant.linear import DERIVED_BUFFERS, QuantLinear
@@ -114,9 +113,7 @@ def build(cfg: ModelConfig, mode: str, lm_head: str) -> Transformer:
         widen_dense(model, MODES[mode])
         set_lm_head(model, lm_head, torch.bfloat16)
         set_w4_activations(model, "int8" if mode == "w4a8" else "float")
-    fuse_projections(model)
-    store_bf16(model)
-    return model
+    return for_decoding(model)
 
 
 def gguf_path(root: Path, shape: str, mode: str) -> Path:
@@ -158,11 +155,11 @@ def block_drafter(cfg: ModelConfig, mode: str, layers: int, block_size: int = 16
     or W4 RTN g32 with bf16 scales on float ("w4") or int8 ("w4a8") activations. Norm weights are away from one
     (seeded), so a wrong weight row shows where tests compare paths. Not attached to a target."""
     from specquant.model.block_draft import BlockDraftConfig, BlockDraftModel, default_target_layer_ids
-    from specquant.model.fuse import for_decoding
     from specquant.model.modules import Linear
     from specquant.quant.config import QuantConfig
-    from specquant.quant.grid import quantize_weight
     from specquant.quant.linear import set_w4_activations
+    from specquant.quant.pipeline import _swap
+    from specquant.quant.rtn import quantize_linear
 
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
@@ -178,15 +175,10 @@ def block_drafter(cfg: ModelConfig, mode: str, layers: int, block_size: int = 16
                 if mode != "fp32":
                     p.copy_(p.bfloat16().float())
     draft._set_rope(cfg.max_position_embeddings)
-    if mode in ("w4", "w4a8"):
+    if mode in ("w4", "w4a8"):  # every layer Linear, as quant.pipeline quantizes a model's (its RTN and swap)
         qcfg = QuantConfig(method="rtn", bits=4, group_size=32, symmetric=True).validate()
-        for layer in draft.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, lin in list(parent.named_children()):
-                    if type(lin) is Linear:
-                        codes, scale, zero = quantize_weight(lin.weight.float(), qcfg, group_size=32,
-                                                             scale_dtype=torch.bfloat16)
-                        setattr(parent, name, QuantLinear.from_codes(codes, scale, zero, 4))
+        for name, lin in [(n, m) for n, m in draft.layers.named_modules() if type(m) is Linear]:
+            _swap(draft.layers, name, quantize_linear(name, lin, qcfg, torch.bfloat16), lin, qcfg.bits)
         set_w4_activations(draft, "int8" if mode == "w4a8" else "float")
     return for_decoding(draft, draft.layers).eval()
 
