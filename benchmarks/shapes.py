@@ -42,7 +42,8 @@ Linears), every norm, and the embedding (and the head, per --lm-head). The JSON 
 
 With --llama-cpp DIR, llama-bench (DIR/build/bin/llama-bench or DIR/bin/llama-bench) is run on the GGUF files
 DIR/shapes/<shape>-<f32|bf16|q4_0>.gguf (GGUF_KINDS: the fp32, bf16 and both W4 rows) for tg (decode) and
-pp2..pp16 (verify-sized prompt batches); the column says "not built" when the binary is absent and "no gguf" when
+pp2..pp16 (verify-sized prompt batches), and pp<P> for each --prefill length P (beside our prefill of a P-token
+prompt from an empty cache: the engines' TTFT without the sampling); the column says "not built" when the binary is absent and "no gguf" when
 a file is (benchmarks/shapes_gguf.py DIR makes them). For a file that is there, the row also gets the weight bytes
 one llama.cpp step reads (read from the GGUF's tensor table with the gguf package; the embedding only when it is
 also the output) beside ours (`weight_bytes`: every decoder-layer tensor, the final norm and the head), and the
@@ -52,7 +53,7 @@ the DeltaNet in_proj_a / in_proj_b, which ours keeps dense).
 
 Usage: python benchmarks/shapes.py [--shapes tiny-target,qwen3-0.6b,qwen3-1.7b | hybrid] [--modes fp32,bf16,w4,w4a8]
        [--rows 1,2,4,8,16] [--context 128] [--reps 5] [--threads N] [--lm-head dense] [--llama-cpp DIR]
-       [--attention auto|reference|ab] [--layer native|modules|ab] [--aot]
+       [--attention auto|reference|ab] [--layer native|modules|ab] [--aot] [--prefill 512,2048]
 A table, then one JSON line.
 """
 
@@ -234,6 +235,27 @@ def packaged_decode(model: Transformer, context: int, reps: int) -> dict:
     return {"ms": ms, "decode_tok_s": 1e3 / ms, "build_s": build_s, "built": built}
 
 
+def prefill(model: Transformer, lengths: list[int], reps: int) -> dict:
+    """The engine's prefill of a prompt of each length from an empty cache (model(ids, 0, last_only=True): the
+    head on the last row only, as loop.prefill runs it), timed after one untimed run of the length; median ms, its
+    tok/s and spread over reps."""
+    gen = torch.Generator().manual_seed(2)
+    out = {}
+    for n in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen)
+        times = []
+        for rep in range(reps + 1):
+            model.setup_cache(1, n + 1)
+            t0 = time.perf_counter()
+            model(ids, 0, last_only=True)
+            if rep:
+                times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        out[n] = {"ms": med * 1e3, "tok_s": n / med, "spread": (max(times) - min(times)) / med}
+    model.clear_cache()
+    return out
+
+
 def weight_bytes(model: Transformer) -> int:
     """Bytes of the weights one step reads: every decoder layer's tensors (linears, norms, a DeltaNet's conv, A_log
     and dt_bias), the final norm and the head; the embedding only as the tied head (a step reads one row of it)."""
@@ -312,6 +334,9 @@ def main():
                     help="native: a layer's step in one native call where it runs (model/native_layer.py, what "
                     "the engines run); modules: every layer on its modules (native_layer.ENABLED = False); ab: "
                     "native, plus the modules' step timed interleaved with it (a second row, 'modules')")
+    ap.add_argument("--prefill", default="",
+                    help="comma-separated prompt lengths: also time the prefill of each from an empty cache (the "
+                    "head on the last row only, as the engines run it), beside llama-bench's pp of that length")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp directory with llama-bench")
     ap.add_argument("--aot", action="store_true",
                     help="also time the AOTInductor-packaged one-token step (decode.aot; built once per shape, mode "
@@ -330,6 +355,10 @@ def main():
                                  "drop it from --modes")
     torch.set_num_threads(args.threads)
     rows = sorted({1, *(int(r) for r in args.rows.split(","))})
+    prompts = sorted({int(n) for n in args.prefill.split(",") if n})
+    if any(n < 2 for n in prompts):
+        raise SystemExit(f"--prefill {args.prefill!r}: prompt lengths must be at least 2 (a one-token prompt is a "
+                         "decode step: --rows 1)")
     bw = streamed_bandwidth()
     kernels = {name: f.why() for name, f in LIBRARIES.items()}  # SPECQUANT_NATIVE=avx2,portable: an AVX2 CPU's choice
     print(f"streamed read bandwidth: {bw:.1f} GB/s, {args.threads} threads, context {args.context}, "
@@ -355,7 +384,8 @@ def main():
             res = measure(model, rows, args.context, args.reps, ab=args.attention == "ab", layer_ab=args.layer == "ab")
             floor = {t: step_bytes(model, args.context, t) / (bw * 1e9) * 1e3 for t in rows}
             one = res[1]
-            lc = llama_bench(args.llama_cpp, shape, mode, rows)
+            pre = prefill(model, prompts, args.reps)
+            lc = llama_bench(args.llama_cpp, shape, mode, sorted({*rows, *prompts}))
             lc_file = None
             if args.llama_cpp is not None and gguf_path(args.llama_cpp, shape, mode).is_file():
                 lc_file = gguf_weights(gguf_path(args.llama_cpp, shape, mode))
@@ -365,7 +395,7 @@ def main():
                    "verify_steps": {t: res[t]["ms"] / one["ms"] for t in rows if t > 1},
                    "floor_verify_steps": {t: floor[t] / floor[1] for t in rows if t > 1},
                    "step_bytes": step_bytes(model, args.context, 1), "weight_bytes": weight_bytes(model),
-                   "build_s": build_s, "per_rows": res, "llama_cpp": lc, "llama_cpp_gguf": lc_file}
+                   "build_s": build_s, "per_rows": res, "prefill": pre, "llama_cpp": lc, "llama_cpp_gguf": lc_file}
             if mode.startswith("w4"):
                 row["dense_layer_linears"] = dense_layer_linears(model)
             results.append(row)
@@ -383,6 +413,12 @@ def main():
                       f"llama.cpp {lc_file['weight_bytes'] / 1e9:.3f} GB ({lc_file['file']}; matrices not "
                       f"{lc_file['main_type']}: {other or 'none'}; 1-D: {'/'.join(lc_file['vector_types'])})",
                       flush=True)
+            if pre:
+                vs = {n: lc.get(f"pp{n}") if isinstance(lc, dict) else None for n in pre}
+                print(f"{'  prefill':<12} {mode:<5} "
+                      + ", ".join(f"{n} tokens {p['ms']:.0f} ms, {p['tok_s']:.1f} tok/s (spread {p['spread']:.2f})"
+                                  + (f" / llama.cpp pp{n} {vs[n]:.1f} = {p['tok_s'] / vs[n]:.2f}x" if vs[n] else "")
+                                  for n, p in pre.items()), flush=True)
             if args.aot:
                 row["aot"] = packaged_decode(model, args.context, args.reps)
                 a = row["aot"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import VOCAB, random_model
 
+from specquant.model.attention import Attention
 from specquant.model.decoder import FOLD_MAX_ROWS, FOLD_MIN_ROWS, Transformer, attention_mask
 
 STEPS = [(1, 1), (2, 1), (4, 3), (8, 2), (16, 16), (5, 0), (3, 3), (1, 1)]  # (queries, of which accepted)
@@ -101,3 +102,43 @@ def test_no_fold_outside_its_measured_range():
     mha = random_model("qwen3", seed=3, num_key_value_heads=4)  # no GQA group to fold
     mha.setup_cache(1, 64)
     assert not mha.model.layers[0].self_attn.plan(0, 4, f32, cpu)[1]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 40, 12], ids=["full", "ring-above-block", "ring-below-block"])
+def test_a_first_block_runs_is_causal_with_the_boolean_masks_outputs(monkeypatch, window, dtype):
+    """Attention.plan hands SDPA is_causal (mask None) when the keys are exactly the step's own positions: a
+    prompt's first block on a cache (window at least the block), or a cache-free forward. Its outputs must equal
+    the boolean mask's, which the plan built before and still builds for every other step."""
+    from specquant.model import attention
+
+    monkeypatch.setattr(attention, "NATIVE_MAX_ROWS", 0)  # SDPA for every block, the path under test
+    model = random_model("qwen3", seed=6, num_attention_heads=4, num_hidden_layers=2, sliding_window=window)
+    model = model.to(dtype)
+    ids = torch.randint(0, VOCAB, (2, 60), generator=torch.Generator().manual_seed(7))
+    attn, cpu = model.model.layers[0].self_attn, torch.device("cpu")
+    causal_first = window is None or window >= 30
+    original = Attention.plan
+
+    def run(masked: bool) -> list[torch.Tensor]:
+        calls = []
+
+        def plan(self, start_pos, t, dt, device):
+            mask, folded = original(self, start_pos, t, dt, device)
+            calls.append(mask is None and t > 1)
+            if masked and mask is None and t > 1:
+                mask = attention_mask(start_pos, t, start_pos, t, self.window, device)
+            return mask, folded
+
+        monkeypatch.setattr(Attention, "plan", plan)
+        model.setup_cache(2, 60, window=window)
+        outs = [model(ids[:, :30], 0), model(ids[:, 30:50], 30), model(ids[:, 50:55], 50)]
+        model.clear_cache()
+        outs.append(model(ids))  # cache-free: the whole sequence in one call
+        assert calls == [causal_first, False, False, window is None or window >= 60]
+        return outs
+
+    for masked, causal in zip(run(True), run(False)):
+        assert torch.equal(masked, causal)
+    assert (attn.plan(0, 30, dtype, cpu)[0] is None) == causal_first  # no cache: causal where the window allows

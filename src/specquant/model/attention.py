@@ -98,12 +98,21 @@ class Attention(nn.Module):
     def plan(self, start_pos: int, t: int, dtype: torch.dtype, device: torch.device
              ) -> tuple[torch.Tensor | None, bool]:
         """(mask, folded) for a sliced-cache or cache-free step; the same for every attention layer of a model
-        (one cache layout and window), so Transformer.forward builds it once per step and hands it to each."""
+        (one cache layout and window), so Transformer.forward builds it once per step and hands it to each.
+
+        mask None: every query sees every key handed to it (one query), or, for t > 1, the keys are exactly the
+        step's own t positions under a plain causal mask (a prompt's first block, a cache-free forward), which
+        attend_cached runs as SDPA's is_causal: the same outputs as the boolean mask, bit for bit
+        (test_few_query_attention compares the two), in less time, since torch's CPU flash kernel then skips the
+        blocks above the diagonal instead of masking them (docs/BENCH.md, "Prefill")."""
         if self.cache is None:
-            return attention_mask(start_pos, t, start_pos, t, self.window, device), False
-        k_start = self.cache.key_start(start_pos)
+            k_start = start_pos
+        else:
+            k_start = self.cache.key_start(start_pos)
         k_len = start_pos + t - k_start
-        folded = self.fold(t, dtype, device)
+        folded = self.fold(t, dtype, device) if self.cache is not None else False
+        if k_start == start_pos and k_len == t and not folded and (self.window is None or t <= self.window):
+            return None, False
         groups = self.n_heads // self.n_kv if folded else 1
         return attention_mask(start_pos, t, k_start, k_len, self.window, device, groups), folded
 
@@ -195,7 +204,7 @@ class Attention(nn.Module):
             if plan is None or (plan[1] and not self.fold_enabled):  # the step's plan is the first layer's choice
                 plan = self.plan(start_pos, t, q.dtype, q.device)
             mask, folded = plan
-        out = self.attend(q, keys, values, mask, folded, causal=mask is None and self.cache is None and t > 1)
+        out = self.attend(q, keys, values, mask, folded, causal=mask is None and t > 1)
         return out.transpose(1, 2).reshape(b, t, self.n_heads * d)
 
     def attend(self, q, keys, values, mask, folded: bool, causal: bool = False) -> torch.Tensor:
