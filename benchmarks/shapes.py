@@ -41,13 +41,13 @@ and write strength, whose errors persist in the recurrent state), the causal con
 Linears), every norm, and the embedding (and the head, per --lm-head). The JSON row lists the dense layer Linears.
 
 With --llama-cpp DIR, llama-bench (DIR/build/bin/llama-bench or DIR/bin/llama-bench) is run on the GGUF files
-DIR/shapes/<shape>-<f32|bf16|q4_0>.gguf (GGUF_KINDS: the fp32, bf16 and both W4 rows) for tg (decode) and
-pp2..pp16 (verify-sized prompt batches), and pp<P> for each --prefill length P (beside our prefill of a P-token
-prompt from an empty cache: the engines' TTFT without the sampling); the column says "not built" when the binary is absent and "no gguf" when
-a file is (benchmarks/shapes_gguf.py DIR makes them). For a file that is there, the row also gets the weight bytes
-one llama.cpp step reads (read from the GGUF's tensor table with the gguf package; the embedding only when it is
-also the output) beside ours (`weight_bytes`: every decoder-layer tensor, the final norm and the head), and the
-matrices llama.cpp keeps in a type other than the file's main one (llama-quantize's Q4_0 keeps the tied
+DIR/shapes/<shape>-<f32|bf16|q4_0>.gguf (GGUF_KINDS: the fp32, bf16 and both W4 rows) for tg (decode) and pp2..pp16
+(verify-sized prompt batches), and pp<P> for each --prefill length P (beside our prefill of a P-token prompt from an
+empty cache: the engines' TTFT without the sampling); the column says "not built" when the binary is absent and "no
+gguf" when a file is (benchmarks/shapes_gguf.py DIR makes them). For a file that is there, the row also gets the
+weight bytes one llama.cpp step reads (read from the GGUF's tensor table with the gguf package; the embedding only
+when it is also the output) beside ours (`weight_bytes`: every decoder-layer tensor, the final norm and the head),
+and the matrices llama.cpp keeps in a type other than the file's main one (llama-quantize's Q4_0 keeps the tied
 embedding/output in its output type, Q6_K, and qwen35's conv kernel F32; every 1-D tensor is F32; it does quantize
 the DeltaNet in_proj_a / in_proj_b, which ours keeps dense).
 

@@ -105,6 +105,36 @@ def test_a_verify_is_one_rule_call_per_layer(target, monkeypatch, native):
     model.clear_cache()
 
 
+def test_a_prefill_runs_the_native_rule_and_matches_a_token_by_token_decode(monkeypatch):
+    """A prefill longer than the cache's max_block (no deltas kept) runs the rule natively too (ops.delta_step,
+    never chunk_rule), so its recurrent state and logits follow a token-by-token decode of the same prompt."""
+    from specquant.kernels import ops
+    from specquant.model import gated_delta
+
+    if ops.LIBRARY.library() is None:
+        pytest.skip("the native ops library is not loaded here (SPECQUANT_NATIVE)")
+    model = ours(hf_model("gva", 4, seed=11, scale=0.35, linear_value_head_dim=32))
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    chunked = []
+    real_chunk = gated_delta.chunk_rule
+    monkeypatch.setattr(gated_delta, "chunk_rule",
+                        lambda *a, **kw: chunked.append(a[0].shape[1]) or real_chunk(*a, **kw))
+    deltanets = [layer.mixer for layer in model.model.layers if layer.layer_type == "linear_attention"]
+    with torch.no_grad():
+        model.setup_cache(1, 48, max_block=8)
+        prefill = model(ids, 0)
+        states = [m.cache.state.clone() for m in deltanets]
+        model.setup_cache(1, 48, max_block=8)
+        decode = torch.cat([model(ids[:, i : i + 1], i) for i in range(ids.shape[1])], 1)
+        stepped = [m.cache.state.clone() for m in deltanets]
+    model.clear_cache()
+    assert not chunked
+    for a, b in zip(states, stepped):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(prefill, decode, atol=2e-5, rtol=1e-5)
+    assert torch.equal(prefill.argmax(-1), decode.argmax(-1))
+
+
 @pytest.mark.parametrize("kind", ["lm-hybrid", "block"])
 def test_speculative_sampling_on_a_hybrid_follows_the_target_law(target, drafters, kind):
     """As tests/test_spec.py's law test: the first token (target prefill) and the second (the first verified

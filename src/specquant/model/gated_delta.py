@@ -215,15 +215,15 @@ def native_rule(value_dim: int, *tensors: torch.Tensor) -> bool:
 def gated_delta_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DEFAULT_CHUNK,
                      need_delta: bool = True, allow_fla: bool = True, fast: bool = True):
     """The rule with the form that fits: fla's kernels when usable and no delta is needed; on an fp32 CPU eager
-    step (V a multiple of 16, fast) one token or a block that keeps its deltas (a verify, up to a cache's
-    max_block) -> kernels.ops.delta_step, the step rule over the block in one native call: each token's
-    arithmetic is the one-token step's, so a verify row and its rolled-back state (ops.delta_replay) equal a
-    token-by-token decode bit for bit, and it beat chunk_rule at every width measured, 4-64 (docs/BENCH.md).
-    Otherwise one token -> step_rule (fast=False: recurrent_rule, the reference) and a block -> chunk_rule (a
-    verify is a few matmuls, not a token loop; equal to the step rule up to rounding)."""
+    forward (V a multiple of 16, fast) of any length -> kernels.ops.delta_step, the step rule over the tokens in
+    one native call: each token's arithmetic is the one-token step's, so a verify row and its rolled-back state
+    (ops.delta_replay) equal a token-by-token decode bit for bit, and a prefill runs the decode's arithmetic; it beat
+    chunk_rule at every verify width measured, 4-64, and at prefill lengths it is as fast or faster (docs/BENCH.md,
+    "Prefill"). Otherwise one token -> step_rule (fast=False: recurrent_rule, the reference) and a block ->
+    chunk_rule (a few matmuls per chunk, not a token loop; equal to the step rule up to rounding)."""
     if allow_fla and not need_delta and fla_available(q.device):
         return _fla_rule(q, k, v, g, beta, state, scale)
-    if fast and (q.shape[1] == 1 or need_delta) and native_rule(v.shape[-1], q, k, v, g, beta, state):
+    if fast and native_rule(v.shape[-1], q, k, v, g, beta, state):
         return ops.delta_step(q, k, v, g, beta, state, scale)
     if q.shape[1] == 1:
         return (step_rule if fast else recurrent_rule)(q, k, v, g, beta, state, scale)
