@@ -234,9 +234,9 @@ def test_model_steps_with_native_ops_match_the_reference_ops(kind, monkeypatch):
         expected |= {"delta_step", "delta_replay", "delta_gates", "delta_conv", "sigmoid_mul"}
     if kind in ("qwen3", "qwen3_window"):
         expected = {"decoder_layer", "rms_norm", "linear"}  # the layers, then the final norm and the head
-    if kind == "hybrid":  # the layers; DeltaNet's prefill on its modules (its rule chunked); rollbacks; norm, head
+    if kind == "hybrid":  # the layers; DeltaNet's prefill on its modules (its rule native too); rollbacks; norm, head
         expected = {"decoder_layer", "deltanet_layer", "rms_norm", "linear", "swiglu", "delta_gates", "delta_conv",
-                    "delta_replay"}
+                    "delta_step", "delta_replay"}
     assert not none and set(calls) == expected, calls  # the native paths did run
     for a, b in zip(got, ref):
         close(a, b, rtol=1e-4, atol=1e-4)

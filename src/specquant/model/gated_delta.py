@@ -1,7 +1,7 @@
 """The gated delta rule (Gated DeltaNet's recurrence), in plain PyTorch: one token at a time and chunked.
 
 Forms: recurrent_rule (the plain reference, one token at a time), step_rule (the same recurrence with fewer passes
-over the state: what a decode step runs), chunk_rule (prefill, and verify off the native path: gated_delta_rule).
+over the state: what a decode step runs), chunk_rule (a block of tokens off the native path: gated_delta_rule).
 Tests compare each with the reference and with transformers' own torch forms.
 
 Per value head h and token t, with the state S [K, V] in fp32 (Yang et al., "Gated Delta Networks", 2024):
