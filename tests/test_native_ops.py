@@ -291,6 +291,8 @@ def test_delta_steps_over_a_block_equal_one_token_steps_and_replay_rebuilds_thei
     gate, beta = -torch.rand(2, t, h, generator=g) * 3, torch.rand(2, t, h, generator=g)
     state0 = torch.randn(2, h, kd, vd, generator=g)
     out, final, delta = ops.delta_step(q, k, v, gate, beta, state0, kd ** -0.5, variant=variant)
+    lean = ops.delta_step(q, k, v, gate, beta, state0, kd ** -0.5, variant=variant, keep_delta=False)  # a prefill's
+    assert torch.equal(lean[0], out) and torch.equal(lean[1], final) and lean[2] is None
     states, state = [state0], state0
     for i in range(t):
         o, state, d = ops.delta_step(*(x[:, i : i + 1] for x in (q, k, v, gate, beta)), state, kd ** -0.5,

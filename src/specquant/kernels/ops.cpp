@@ -464,7 +464,7 @@ int specquant_delta_step(const float* q, const float* k, const float* v, const f
     const v16 delta = bt * (vv - dec * rk);
     const v16 o = dec * rq + qk * delta;
     store16(out + gi * vd + c0, o);
-    store16(deltas + gi * vd + c0, delta);
+    if (deltas) store16(deltas + gi * vd + c0, delta);  // null: a prefill keeps no record
     decay_write(s, kd, vd, kv, dec, delta);
   });
 }

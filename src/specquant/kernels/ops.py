@@ -219,18 +219,20 @@ def norm_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w
     return (head if rot == d else torch.cat([head, x[..., rot:]], -1)).contiguous()
 
 
-def delta_step(q, k, v, g, beta, state, scale: float, variant: Variant | None = None):
+def delta_step(q, k, v, g, beta, state, scale: float, variant: Variant | None = None, keep_delta: bool = True):
     """model/gated_delta.py's step_rule natively, for T >= 1 tokens: q, k [b, T, key_heads, K], v [b, T, heads, V],
     g, beta [b, T, heads], state [b, heads, K, V] (not modified) -> (out [b, T, heads, V], new state, delta [b, T,
-    heads, V]), all fp32. V must be a multiple of 16."""
+    heads, V], or None with keep_delta=False: a prefill's, which no rollback reads), all fp32. V must be a multiple
+    of 16."""
     b, t, hk, kd = q.shape
     h, vd = v.shape[2], v.shape[3]
     args = [a.contiguous() for a in (q, k, v, g, beta, state)]
     new_state = torch.empty_like(args[5])
-    out, delta = torch.empty(b, t, h, vd), torch.empty(b, t, h, vd)
+    out = torch.empty(b, t, h, vd)
+    delta = torch.empty(b, t, h, vd) if keep_delta else None
     status = LIBRARY.lib_for(variant).specquant_delta_step(*(a.data_ptr() for a in args), b, t, hk, h, kd, vd, scale,
-                                                new_state.data_ptr(), out.data_ptr(), delta.data_ptr(),
-                                                torch.get_num_threads())
+                                                new_state.data_ptr(), out.data_ptr(),
+                                                None if delta is None else delta.data_ptr(), torch.get_num_threads())
     _check(status, "delta_step", lambda: f"q {tuple(q.shape)}, v {tuple(v.shape)}")
     return out, new_state, delta
 

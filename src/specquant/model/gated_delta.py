@@ -218,13 +218,14 @@ def gated_delta_rule(q, k, v, g, beta, state, scale: float, chunk_size: int = DE
     forward (V a multiple of 16, fast) of any length -> kernels.ops.delta_step, the step rule over the tokens in
     one native call: each token's arithmetic is the one-token step's, so a verify row and its rolled-back state
     (ops.delta_replay) equal a token-by-token decode bit for bit, and a prefill runs the decode's arithmetic; it beat
-    chunk_rule at every verify width measured, 4-64, and at prefill lengths it is as fast or faster (docs/BENCH.md,
-    "Prefill"). Otherwise one token -> step_rule (fast=False: recurrent_rule, the reference) and a block ->
-    chunk_rule (a few matmuls per chunk, not a token loop; equal to the step rule up to rounding)."""
+    chunk_rule at every verify width measured, 4-64, and shortened the hybrid's prefill (docs/BENCH.md, "Prefill").
+    Otherwise one token -> step_rule (fast=False: recurrent_rule, the reference) and a block ->
+    chunk_rule (a few matmuls per chunk, not a token loop; equal to the step rule up to rounding). Returns (out,
+    state, delta); delta is None where need_delta is False and the form need not make it (fla's, the native one)."""
     if allow_fla and not need_delta and fla_available(q.device):
         return _fla_rule(q, k, v, g, beta, state, scale)
     if fast and native_rule(v.shape[-1], q, k, v, g, beta, state):
-        return ops.delta_step(q, k, v, g, beta, state, scale)
+        return ops.delta_step(q, k, v, g, beta, state, scale, keep_delta=need_delta)
     if q.shape[1] == 1:
         return (step_rule if fast else recurrent_rule)(q, k, v, g, beta, state, scale)
     return chunk_rule(q, k, v, g, beta, state, scale, chunk_size)
