@@ -246,10 +246,9 @@ def prefill(model: Transformer, lengths: list[int], reps: int) -> dict:
         times = []
         for rep in range(reps + 1):
             model.setup_cache(1, n + 1)
-            t0 = time.perf_counter()
-            model(ids, 0, last_only=True)
+            elapsed = timed(lambda: model(ids, 0, last_only=True))
             if rep:
-                times.append(time.perf_counter() - t0)
+                times.append(elapsed)
         med = statistics.median(times)
         out[n] = {"ms": med * 1e3, "tok_s": n / med, "spread": (max(times) - min(times)) / med}
     model.clear_cache()
