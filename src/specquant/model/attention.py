@@ -105,14 +105,12 @@ class Attention(nn.Module):
         attend_cached runs as SDPA's is_causal: the same outputs as the boolean mask, bit for bit
         (test_few_query_attention compares the two), in less time, since torch's CPU flash kernel then skips the
         blocks above the diagonal instead of masking them (docs/BENCH.md, "Prefill")."""
-        if self.cache is None:
-            k_start = start_pos
-        else:
-            k_start = self.cache.key_start(start_pos)
+        cache = self.cache
+        k_start = start_pos if cache is None else cache.key_start(start_pos)
+        folded = cache is not None and self.fold(t, dtype, device)
+        if k_start == start_pos and not folded and (self.window is None or t <= self.window):
+            return None, False  # the keys are the step's own t positions (k_len == t)
         k_len = start_pos + t - k_start
-        folded = self.fold(t, dtype, device) if self.cache is not None else False
-        if k_start == start_pos and k_len == t and not folded and (self.window is None or t <= self.window):
-            return None, False
         groups = self.n_heads // self.n_kv if folded else 1
         return attention_mask(start_pos, t, k_start, k_len, self.window, device, groups), folded
 
