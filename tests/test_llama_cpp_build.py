@@ -146,8 +146,11 @@ project(llama.cpp CXX)
 set(CMAKE_BUILD_TYPE Release)
 add_subdirectory(common)
 add_library(mtmd STATIC clip.cpp mtmd.cpp mtmd-helper.cpp)
-add_library(llama STATIC model.cpp)
+add_library(llama STATIC llama-context.cpp llama-kv-cache.cpp llama-model.cpp llama-model-loader.cpp
+            llama-kv-cache-dsv4.cpp)
 add_library(server-context STATIC server-context.cpp server-task.cpp)
+add_library(llama-server-impl STATIC server.cpp server-models.cpp)
+add_library(llama-bench-impl STATIC llama-bench.cpp)
 """
 
 
@@ -155,8 +158,9 @@ add_library(server-context STATIC server-context.cpp server-task.cpp)
 def test_lean_build_batches_and_lowers_only_code_no_request_runs_per_token(tmp_path):
     """llama_cpp_lean.cmake, included as the real build includes it, on a project with llama.cpp's target and file
     names: mtmd and common's parsers compile at -O1 after Release's -O3 (the last -O wins), batched 8 to a unity
-    file; common's per-token files (common, sampling, speculative, log, the n-gram caches) and libllama keep -O3,
-    each alone; server-context's files keep -O3, batched; the files that do not compile batched (common/json.cpp,
+    file; common's per-token files (common, sampling, speculative, log, the n-gram caches) and libllama's keep -O3,
+    each alone, while its load-time and unused files, the server's model router and llama-bench's own file go to
+    -O1; server-context's files keep -O3, batched; the files that do not compile batched (common/json.cpp,
     mtmd-helper.cpp) stay alone."""
     import json
     import re
@@ -168,7 +172,10 @@ def test_lean_build_batches_and_lowers_only_code_no_request_runs_per_token(tmp_p
     lean = ["arg.cpp", "chat.cpp", "jinja/value.cpp", "json-schema-to-grammar.cpp"]
     common = per_token + lean + ["json.cpp"]
     (src / "common" / "CMakeLists.txt").write_text(f"add_library(llama-common STATIC {' '.join(common)})\n")
-    others = ["clip.cpp", "mtmd.cpp", "mtmd-helper.cpp", "model.cpp", "server-context.cpp", "server-task.cpp"]
+    hot = ["llama-context.cpp", "llama-kv-cache.cpp", "server.cpp"]
+    cold = ["llama-model.cpp", "llama-model-loader.cpp", "llama-kv-cache-dsv4.cpp", "server-models.cpp",
+            "llama-bench.cpp"]
+    others = ["clip.cpp", "mtmd.cpp", "mtmd-helper.cpp", "server-context.cpp", "server-task.cpp", *hot, *cold]
     for i, name in enumerate([f"common/{n}" for n in common] + others):
         (src / name).write_text(f"int f{i}() {{ return {i}; }}\n")  # distinct names: batched files must link
     include = next(o for o in lb.CMAKE_OPTIONS if o.startswith("-DCMAKE_PROJECT_INCLUDE="))
@@ -187,8 +194,9 @@ def test_lean_build_batches_and_lowers_only_code_no_request_runs_per_token(tmp_p
             if len(members) > 1:
                 batched.add(name)
     assert {f: o for f, o in flags.items() if o == "-O1"} == {
-        f: "-O1" for f in ["clip.cpp", "mtmd.cpp", "mtmd-helper.cpp", "common/json.cpp"] + [f"common/{n}" for n in lean]}
-    assert all(flags[f"common/{n}"] == "-O3" for n in per_token) and flags["model.cpp"] == "-O3"
+        f: "-O1" for f in ["clip.cpp", "mtmd.cpp", "mtmd-helper.cpp", "common/json.cpp", *cold]
+        + [f"common/{n}" for n in lean]}
+    assert all(flags[f"common/{n}"] == "-O3" for n in per_token) and all(flags[f] == "-O3" for f in hot)
     assert batched == {"clip.cpp", "mtmd.cpp", "server-context.cpp", "server-task.cpp"} | {f"common/{n}" for n in lean}
 
 

@@ -4,12 +4,13 @@
 # Why: the build is the largest single step of a fresh CI run on a 2-core machine (about 30 minutes on a Zen 1).
 # Two levers, both measured in docs/BENCH.md ("CI time"):
 #  1. -O1 for the code a text-only request never runs per token: common's argument, chat-template (jinja), tool-call
-#     and JSON-schema parsers and model downloads, mtmd (the multimodal encoders, never run for a text model) and the
-#     HTTP library. At -O1 those files compile in 40-60% less time. What the bench and the tests time stays -O3:
-#     ggml, libllama (graph building, the KV cache, sampling in the library), the server (its slot loop in
-#     server-context), and common's per-token parts (common.cpp, sampling.cpp, speculative.cpp, the n-gram caches,
-#     log.cpp). Optimization level never changes results here: no -ffast-math either way, and ggml's kernels are
-#     untouched.
+#     and JSON-schema parsers and model downloads, mtmd (the multimodal encoders, never run for a text model), the
+#     HTTP library, and single load-time or unused files of libllama, the server and llama-bench (listed below). At
+#     -O1 those files compile in 35-60% less time. What the bench and the tests time stays -O3: ggml, libllama's
+#     per-token files (the context, batches, graph building and every model's graph, the KV and recurrent caches,
+#     sampling, the vocabulary), the server (its slot loop in server-context), and common's per-token parts
+#     (common.cpp, sampling.cpp, speculative.cpp, the n-gram caches, log.cpp). Optimization level never changes
+#     results here: no -ffast-math either way, and ggml's kernels are untouched.
 #  2. Unity builds (CMake's UNITY_BUILD) for llama-common, mtmd (8 sources per translation unit) and server-context
 #     (3: it is built last, after everything it links, so larger batches would leave a core idle at the end). Their
 #     files are many, and most of each one's compile time goes to the same heavy headers (nlohmann's json.hpp, the
@@ -42,6 +43,23 @@ function(_specquant_lean)
   foreach(target mtmd cpp-httplib llama-common)
     if(TARGET ${target})
       target_compile_options(${target} PRIVATE -O1)  # after Release's -O3: the last -O wins
+    endif()
+  endforeach()
+  # single files of the -O3 targets that a token's work does not spend time in (a step enters llama-model.cpp only
+  # for build_graph's switch to its architecture's builder): libllama's model loading and saving, chat
+  # templates, grammars, LoRA adapters, the quantizer (llama-quantize only) and the caches of architectures we never
+  # export (DeepSeek's sparse attention, GLM5's indexer); the server's multi-model router; llama-bench's own code
+  # (its timed loop is libllama's llama_decode). libllama's core files are already out of its unity batches.
+  foreach(target_files
+      "llama:llama-(model|model-loader|model-saver|arch|chat|grammar|adapter|quant)"
+      "llama:llama-(kv-cache-(dsa|dsa-iswa|msa|dsv4)|memory-hybrid-idx)"
+      "llama-server-impl:server-models" "llama-bench-impl:llama-bench")
+    string(REPLACE ":" ";" target_files "${target_files}")
+    list(GET target_files 0 target)
+    list(GET target_files 1 names)
+    if(TARGET ${target})
+      _specquant_sources(${target} "(^|/)(${names})\\.cpp$" cold)
+      set_source_files_properties(${cold} TARGET_DIRECTORY ${target} PROPERTIES COMPILE_OPTIONS -O1)
     endif()
   endforeach()
   foreach(target_batch llama-common:8 mtmd:8 server-context:3)
