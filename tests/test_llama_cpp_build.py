@@ -146,11 +146,15 @@ project(llama.cpp CXX)
 set(CMAKE_BUILD_TYPE Release)
 add_subdirectory(common)
 add_library(mtmd STATIC clip.cpp mtmd.cpp mtmd-helper.cpp)
+add_library(ggml-base STATIC ggml-backend.cpp gguf.cpp ggml-opt.cpp)
 add_library(llama STATIC llama-context.cpp llama-kv-cache.cpp llama-memory-hybrid.cpp llama-model.cpp
             llama-model-loader.cpp llama-kv-cache-dsv4.cpp llama-memory-hybrid-idx.cpp)
 add_library(server-context STATIC server-context.cpp server-task.cpp)
 add_library(llama-server-impl STATIC server.cpp server-models.cpp)
 add_library(llama-bench-impl STATIC llama-bench.cpp)
+add_library(llama-imatrix STATIC imatrix.cpp)
+add_library(llama-perplexity-impl STATIC perplexity.cpp)
+add_library(llama-quantize-impl STATIC quantize.cpp)
 """
 
 
@@ -159,8 +163,8 @@ def test_lean_build_batches_and_lowers_only_code_no_request_runs_per_token(tmp_p
     """llama_cpp_lean.cmake, included as the real build includes it, on a project with llama.cpp's target and file
     names: mtmd and common's parsers compile at -O1 after Release's -O3 (the last -O wins), batched 8 to a unity
     file; common's per-token files (common, sampling, speculative, log, the n-gram caches) and libllama's keep -O3,
-    each alone, while its load-time and unused files, the server's model router and llama-bench's own file go to
-    -O1; server-context's files keep -O3, batched; the files that do not compile batched (common/json.cpp,
+    each alone, while its load-time and unused files, ggml's GGUF parser and optimizer, the server's model router
+    and the tools' own untimed files (llama-bench, imatrix, perplexity, quantize) go to -O1; server-context's files keep -O3, batched; the files that do not compile batched (common/json.cpp,
     mtmd-helper.cpp) stay alone."""
     import json
     import re
@@ -173,9 +177,10 @@ def test_lean_build_batches_and_lowers_only_code_no_request_runs_per_token(tmp_p
     common = per_token + lean + ["json.cpp"]
     (src / "common" / "CMakeLists.txt").write_text(f"add_library(llama-common STATIC {' '.join(common)})\n")
     # hot llama-kv-cache and llama-memory-hybrid begin as cold names do: the patterns must tell them apart
-    hot = ["llama-context.cpp", "llama-kv-cache.cpp", "llama-memory-hybrid.cpp", "server.cpp"]
+    hot = ["llama-context.cpp", "llama-kv-cache.cpp", "llama-memory-hybrid.cpp", "server.cpp", "ggml-backend.cpp"]
     cold = ["llama-model.cpp", "llama-model-loader.cpp", "llama-kv-cache-dsv4.cpp", "llama-memory-hybrid-idx.cpp",
-            "server-models.cpp", "llama-bench.cpp"]
+            "server-models.cpp", "llama-bench.cpp", "gguf.cpp", "ggml-opt.cpp", "imatrix.cpp", "perplexity.cpp",
+            "quantize.cpp"]
     others = ["clip.cpp", "mtmd.cpp", "mtmd-helper.cpp", "server-context.cpp", "server-task.cpp", *hot, *cold]
     for i, name in enumerate([f"common/{n}" for n in common] + others):
         (src / name).write_text(f"int f{i}() {{ return {i}; }}\n")  # distinct names: batched files must link

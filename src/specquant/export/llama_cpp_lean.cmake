@@ -54,15 +54,20 @@ function(_specquant_lean)
       target_compile_options(${target} PRIVATE -O1)  # after Release's -O3: the last -O wins
     endif()
   endforeach()
-  # single files of the -O3 targets that a token's work does not spend time in (a step enters llama-model.cpp only
-  # for build_graph's switch to its architecture's builder): libllama's model loading and saving, chat
-  # templates, grammars, LoRA adapters, the quantizer (llama-quantize only) and the caches of architectures we never
-  # export (DeepSeek's sparse attention, GLM5's indexer); the server's multi-model router; llama-bench's own code
-  # (its timed loop is libllama's llama_decode). libllama's core files are already out of its unity batches.
+  # single files of the -O3 targets that no token's work runs through (a step enters llama-model.cpp only for
+  # build_graph's switch to its architecture's builder): libllama's model loading and saving, chat templates,
+  # grammars, LoRA adapters, the quantizer (llama-quantize only) and the caches of architectures we never export
+  # (DeepSeek's sparse attention, GLM5's indexer); ggml's GGUF parser (load time), its multi-device meta backend and
+  # its optimizer (training); the server's multi-model router; the tools' own code where it is not timed: llama-bench's
+  # (its timed loop is libllama's llama_decode), the imatrix collector's and perplexity's statistics, the quantize
+  # tool's arguments. libllama's core files are already out of its unity batches. Its graph builders (models/*.cpp,
+  # batched 16 to a file) stay -O3: -O1 for the architectures we never export saved next to nothing once ours had
+  # to compile alone (docs/BENCH.md, "CI time").
   foreach(target_files
       "llama:llama-(model|model-loader|model-saver|arch|chat|grammar|adapter|quant)"
-      "llama:llama-(kv-cache-(dsa|dsa-iswa|msa|dsv4)|memory-hybrid-idx)"
-      "llama-server-impl:server-models" "llama-bench-impl:llama-bench")
+      "llama:llama-(kv-cache-(dsa|dsa-iswa|msa|dsv4)|memory-hybrid-idx)" "ggml-base:gguf|ggml-backend-meta|ggml-opt"
+      "llama-server-impl:server-models" "llama-bench-impl:llama-bench" "llama-imatrix:imatrix"
+      "llama-perplexity-impl:perplexity" "llama-quantize-impl:quantize")
     _specquant_pair("${target_files}" target names)
     if(TARGET ${target})
       _specquant_sources(${target} "(^|/)(${names})\\.cpp$" cold)
