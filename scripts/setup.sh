@@ -35,11 +35,8 @@ if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_VLLM:-0}" != 1 ]; then
   setsid bash scripts/setup_vllm.sh >.venv/setup_vllm.log 2>&1 &
   bg_jobs+=("$!|.venv/setup_vllm.log|scripts/setup_vllm.sh failed (its last lines above; all of it in .venv/setup_vllm.log)")
 fi
-# --no-compile: pip would byte-compile every installed module (torch, transformers, lm-eval: ~19k files, about a
-# quarter of this setup's CPU time, taken from the llama.cpp build beside it on two cores); Python compiles a module
-# when it is first imported instead, and most are never imported (docs/BENCH.md, "CI time")
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/pip install -q --no-compile "torch==2.13.0"
+  .venv/bin/pip install -q "torch==2.13.0"
 fi
 # editable install; a marker per extras set skips the (slow) resolver when pyproject.toml has not changed. The main
 # job's set leaves out lm-eval (and what it pulls in) and Triton: they were most of a fresh setup's time, and only
@@ -47,7 +44,7 @@ fi
 if [ "${1:-}" = --test ]; then extras=test; else extras=quant,bench,export,serve; fi
 marker=".venv/.specquant-installed-${extras//,/-}"
 if [ ! -f "$marker" ] || [ pyproject.toml -nt "$marker" ]; then
-  .venv/bin/pip install -q --no-compile -e ".[$extras]"
+  .venv/bin/pip install -q -e ".[$extras]"
   if [ "$extras" = test ]; then
     # quality gates offline: IFEval's punkt_tab from the installed package, and `lm_eval --model specquant`
     .venv/bin/python -m specquant.gate.punkt

