@@ -71,6 +71,14 @@ def _torchrun(args, nproc):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
 
+def _why(proc) -> str:
+    """A failed torchrun's stderr: the ranks' own error lines (a C++ abort prints them long before torchrun's
+    summary, which alone says only "SIGABRT"), then the summary's end."""
+    words = ("Error", "error", "terminate", "what()", "Abort", "abort", "Traceback")
+    said = [ln for ln in proc.stderr.splitlines() if any(w in ln for w in words)]
+    return "\n".join(said[:40]) + "\n...\n" + proc.stderr[-1500:]
+
+
 def test_two_process_ddp_matches_one_process(pair, tmp_path):
     """2 ranks × batch 2 vs 1 rank × batch 4: the same global batch of the same rows every step; DDP and FSDP2
     (gloo on CPU). Both DDP ranks end
@@ -78,7 +86,7 @@ def test_two_process_ddp_matches_one_process(pair, tmp_path):
     matches the single process to float-summation error. Tolerance: 1e-4 relative; observed ~1e-7."""
     steps = ["--steps", "3", "--save-every", "3"]
     two = _torchrun(_args(pair, tmp_path / "two", *steps), 2)
-    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.returncode == 0, _why(two)
     run_in_process(_args(pair, tmp_path / "one", *steps, "--batch", "4"))
     log2 = [json.loads(ln) for ln in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]
     log1 = [json.loads(ln) for ln in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
@@ -94,7 +102,7 @@ def test_two_process_ddp_matches_one_process(pair, tmp_path):
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-5)
     # FSDP2 (sharded parameters, gradients and optimizer state) takes the same steps as DDP
     fsdp = _torchrun(_args(pair, tmp_path / "fsdp", *steps, "--strategy", "fsdp"), 2)
-    assert fsdp.returncode == 0, fsdp.stderr[-2000:]
+    assert fsdp.returncode == 0, _why(fsdp)
     w3 = _final(tmp_path / "fsdp")
     for name in w2:
         torch.testing.assert_close(w3[name], w2[name], rtol=0, atol=1e-6)
