@@ -5,12 +5,13 @@
 # Two levers, both measured in docs/BENCH.md ("CI time"):
 #  1. -O1 for the code a text-only request never runs per token: common's argument, chat-template (jinja), tool-call
 #     and JSON-schema parsers and model downloads, mtmd (the multimodal encoders, never run for a text model), the
-#     HTTP library, and single load-time or unused files of libllama, the server and llama-bench (listed below). At
-#     -O1 those files compile in 35-60% less time. What the bench and the tests time stays -O3: ggml, libllama's
-#     per-token files (the context, batches, graph building and every model's graph, the KV and recurrent caches,
-#     sampling, the vocabulary), the server (its slot loop in server-context), and common's per-token parts
-#     (common.cpp, sampling.cpp, speculative.cpp, the n-gram caches, log.cpp). Optimization level never changes
-#     results here: no -ffast-math either way, and ggml's kernels are untouched.
+#     HTTP library, and single load-time, unused or untimed files of ggml, libllama, the server and the tools (listed
+#     below). At -O1 those files compile in 35-60% less time. What the bench and the tests time stays -O3: ggml's
+#     graph, backends and kernels, libllama's per-token files (the context, batches, graph building and every
+#     model's graph, the KV and recurrent caches, sampling, the vocabulary), the server (its slot loop in
+#     server-context), and common's per-token parts (common.cpp, sampling.cpp, speculative.cpp, the n-gram caches,
+#     log.cpp). Optimization level never changes results here: no -ffast-math either way, and ggml's kernels are
+#     untouched.
 #  2. Unity builds (CMake's UNITY_BUILD) for llama-common, mtmd (8 sources per translation unit) and server-context
 #     (3: it is built last, after everything it links, so larger batches would leave a core idle at the end). Their
 #     files are many, and most of each one's compile time goes to the same heavy headers (nlohmann's json.hpp, the
