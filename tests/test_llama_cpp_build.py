@@ -164,8 +164,8 @@ def test_lean_build_batches_and_lowers_only_code_no_request_runs_per_token(tmp_p
     names: mtmd and common's parsers compile at -O1 after Release's -O3 (the last -O wins), batched 8 to a unity
     file; common's per-token files (common, sampling, speculative, log, the n-gram caches) and libllama's keep -O3,
     each alone, while its load-time and unused files, ggml's GGUF parser and optimizer, the server's model router
-    and the tools' own untimed files (llama-bench, imatrix, perplexity, quantize) go to -O1; server-context's files keep -O3, batched; the files that do not compile batched (common/json.cpp,
-    mtmd-helper.cpp) stay alone."""
+    and the tools' own untimed files (llama-bench, imatrix, perplexity, quantize) go to -O1; server-context's files
+    keep -O3, batched; the files that do not compile batched (common/json.cpp, mtmd-helper.cpp) stay alone."""
     import json
     import re
 

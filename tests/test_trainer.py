@@ -74,8 +74,8 @@ def _torchrun(args, nproc):
 def _why(proc) -> str:
     """A failed torchrun's stderr: the ranks' own error lines (a C++ abort prints them long before torchrun's
     summary, which alone says only "SIGABRT"), then the summary's end."""
-    words = ("Error", "error", "terminate", "what()", "Abort", "abort", "Traceback")
-    said = [ln for ln in proc.stderr.splitlines() if any(w in ln for w in words)]
+    words = ("error", "terminate", "what()", "abort", "traceback")
+    said = [ln for ln in proc.stderr.splitlines() if any(w in ln.lower() for w in words)]
     return "\n".join(said[:40]) + "\n...\n" + proc.stderr[-1500:]
 
 
