@@ -119,3 +119,25 @@ def test_gradient_accumulation_matches_one_large_batch(pair, tmp_path):
     a, b = _final(tmp_path / "acc"), _final(tmp_path / "big")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
+
+
+def test_a_joined_process_group_is_left_at_exit(monkeypatch, tmp_path):
+    """setup_distributed leaves the group it joined at exit (atexit, while the interpreter is whole): without it,
+    gloo's threads could abort a finished torchrun run at finalization. One process stands in for a torchrun rank
+    (a world of 1 through a file store), so this costs no subprocess; the group is left by the registered hook."""
+    from specquant.train import trainer
+
+    hooks = []
+    monkeypatch.setattr(trainer.atexit, "register", hooks.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what makes setup_distributed join a group
+    store, init = torch.distributed.FileStore(str(tmp_path / "store"), 1), torch.distributed.init_process_group
+    monkeypatch.setattr(trainer.dist, "init_process_group",
+                        lambda backend: init(backend, store=store, rank=0, world_size=1))
+    try:
+        assert trainer.setup_distributed("cpu")[0] == 0 and torch.distributed.is_initialized()
+        assert len(hooks) == 1
+        hooks[0]()
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

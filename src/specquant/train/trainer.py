@@ -26,6 +26,7 @@ batch = batch × grad_accum × N; log.jsonl and a tqdm bar on rank 0; the best h
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -98,7 +99,17 @@ def setup_distributed(device: str) -> tuple[int, int, torch.device]:
         dev = torch.device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        # The group we joined is left at exit, while the interpreter is whole: without destroy_process_group, gloo's
+        # worker threads can still hold finished collectives' tensors when Python finalizes, and freeing them then
+        # aborts the process ("terminate called without an active exception", SIGABRT) after a run that succeeded:
+        # seen twice in test_trainer's FSDP run (PyTorch issue 190489 has a plain all_gather repro).
+        atexit.register(_leave_group)
     return dist.get_rank(), world, dev
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def peak_memory_mb(device: torch.device) -> float:
