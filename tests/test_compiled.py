@@ -40,8 +40,17 @@ def test_compiled_generate_and_spec_match_eager():
     target, draft = _model(0, layers=2), _model(1, layers=1)
     prompt = torch.randint(0, 80, (1, 17), generator=torch.Generator().manual_seed(2))
     eager = generate(target, prompt, 24, stop_on_eos=False).token_ids
-    compiled = generate(Stepper(target, compile=True), prompt, 24, stop_on_eos=False).token_ids
+    # requests of other lengths that fit the cache (other token-buffer strides) reuse the one decode graph; their
+    # eager runs first, since an eager run gives the model eager caches, a compiled one static caches
+    others = [(prompt[:, :n], new) for n, new in ((17, 10), (9, 20))]
+    others_eager = [generate(target, p, new, stop_on_eos=False).token_ids for p, new in others]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    stepper = Stepper(target, compile=True)
+    compiled = generate(stepper, prompt, 24, stop_on_eos=False).token_ids
     assert compiled == eager
+    assert [generate(stepper, p, new, stop_on_eos=False).token_ids for p, new in others] == others_eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     cfg = SpecConfig(draft_len=3, draft_window=8)
     spec_eager = SpecEngine(target, draft, cfg).generate(prompt, 24, stop_on_eos=False)
     spec_compiled = SpecEngine(target, draft, cfg, compile=True).generate(prompt, 24, stop_on_eos=False)

@@ -51,22 +51,27 @@ def _spec_matches(eager, fast):
 
 def test_compiled_steps_on_a_hybrid_match_eager():
     """torch.compile of the decode step and of the 4-token verify step: greedy tokens identical to eager, target
-    only and speculative; a request at other positions reuses the graphs (the DeltaNet record's offset is a
-    device tensor and its counters stay outside the graph: nothing recompiles per position)."""
+    only and speculative, two graphs in all; a request of another length at other positions reuses them (the
+    DeltaNet record's offset is a device tensor and its counters stay outside the graph: nothing recompiles per
+    position; the steps get a contiguous copy of the tokens: nor per request length, which sets the token buffer's
+    stride)."""
     target, draft = _pair()
     eager = generate(target, PROMPT, 24, stop_on_eos=False).token_ids
     spec_eager = SpecEngine(target, draft, CFG).generate(PROMPT, 24, stop_on_eos=False)
     assert spec_eager.token_ids == eager
+    # another prompt and request length (9 + 24 above, 12 + 15 here: another token-buffer stride), within the
+    # caches' size; eager first, as the eager runs give the model eager caches, and the compiled ones static
+    other = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    other_eager = SpecEngine(target, draft, CFG).generate(other, 15, stop_on_eos=False)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     stepper = Stepper(target, compile=True, compile_shapes=(1, 4))
-    assert generate(stepper, PROMPT, 24, stop_on_eos=False).token_ids == eager
+    # speculative first: its caches hold the draft's room too, so the target-only request then fits them
     _spec_matches(spec_eager, SpecEngine(stepper, draft, CFG).generate(PROMPT, 24, stop_on_eos=False))
+    assert generate(stepper, PROMPT, 24, stop_on_eos=False).token_ids == eager
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    # another prompt length, the same request length (so the same token-buffer strides): every step at new positions
-    other = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
-    _spec_matches(SpecEngine(target, draft, CFG).generate(other, 21, stop_on_eos=False),
-                  SpecEngine(stepper, draft, CFG).generate(other, 21, stop_on_eos=False))
+    assert graphs == 2
+    _spec_matches(other_eager, SpecEngine(stepper, draft, CFG).generate(other, 15, stop_on_eos=False))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 

@@ -30,6 +30,14 @@ def _raise_recompile_limit(n: int = 64):
             setattr(cfg, name, n)
 
 
+def _dense(tokens: torch.Tensor) -> torch.Tensor:
+    """A compiled step's tokens: a contiguous copy. The caller's are a slice of the request's token buffer, their row
+    stride that buffer's length; a graph compiled with dynamic=False guards on strides, so as they were every new
+    request length recompiled the step, and an AOT package was compiled for a [batch, T] tensor's own strides.
+    (clone, not .contiguous(): a one-row slice counts as contiguous whatever its row stride.)"""
+    return tokens.clone(memory_format=torch.contiguous_format)
+
+
 class Stepper:
     """`stepper(tokens [batch, T], start, last_only) -> logits`; compiled for T in compile_shapes when enabled.
 
@@ -78,13 +86,13 @@ class Stepper:
         packaged = self.aot_steps.get((t, last_only)) if not hidden_layers else None
         if packaged is not None:
             self.model.begin_step(start, t)  # the caches' Python half of the step, which the package cannot run
-            return packaged(tokens, torch.arange(start, start + t, device=tokens.device))
+            return packaged(_dense(tokens), torch.arange(start, start + t, device=tokens.device))
         if self.compiled is None or t > COMPILED_MAX_T or (self.compile_shapes is not None
                                                           and t not in self.compile_shapes):
             return self.model(tokens, start, last_only, hidden_layers=hidden_layers)
         self.model.begin_step(start, t)  # eager, outside the graph: dynamo never sees the caches' counters
         pos = torch.arange(start, start + t, device=tokens.device)
-        return self.compiled(tokens, 0, last_only, pos, hidden_layers=hidden_layers)
+        return self.compiled(_dense(tokens), 0, last_only, pos, hidden_layers=hidden_layers)
 
     def step(self, tokens: torch.Tensor, start: int, last_only: bool,
              hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
