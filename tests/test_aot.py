@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import native_switch, randomize_
+from conftest import native_switch, own_cache, randomize_
 
 from specquant.decode import aot
 from specquant.decode.compiled import Stepper
@@ -59,7 +59,7 @@ def cache_dir(tmp_path_factory):
     """A compile cache holding the one-token package for _model's layout (built once: ~15 s of C++ compile)."""
     root = tmp_path_factory.mktemp("aot-cache")
     old = os.environ.get("SPECQUANT_CACHE")
-    os.environ["SPECQUANT_CACHE"] = str(root)
+    os.environ["SPECQUANT_CACHE"] = str(own_cache(root))
     stepper = Stepper(_model(0), aot="build")
     stepper.setup(1, PROMPT.shape[1] + 24)
     assert stepper.aot_steps and len(list((root / "compile" / "aot").glob("*.pt2"))) == 1
@@ -100,7 +100,7 @@ def test_package_reads_the_models_own_weights_and_cache(cache_dir):
 
 
 def test_cached_mode_without_a_package_runs_the_eager_reference(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECQUANT_CACHE", str(own_cache(tmp_path)))
     model = _model(0, rms_norm_eps=1e-5)  # another config: another key, not in the fixture's cache either
     stepper = Stepper(model, aot="cached")
     out = generate(stepper, PROMPT, 8, stop_on_eos=False).token_ids
@@ -113,7 +113,7 @@ def test_later_requests_reuse_the_package_lookup(tmp_path, monkeypatch):
     """A Stepper settles and keys its model once per cache layout and thread count, not on every request (a
     server's requests repeat the layout): the paths are the uncached reference's, a new capacity bucket or thread
     count works them out again, and the tokens stay the eager ones."""
-    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECQUANT_CACHE", str(own_cache(tmp_path)))
     model = _model(0, rms_norm_eps=1e-5)  # no package of its layout anywhere: "cached" decodes eagerly
     calls = {"settle": 0, "key": 0}
     settle, key = aot.settle, aot.package_key
@@ -167,7 +167,7 @@ def test_speculative_engine_with_packaged_steps_matches_eager(cache_dir):
 def test_cached_mode_with_an_unloadable_package_warns_and_runs_eagerly(tmp_path, monkeypatch, caplog):
     """The default mode must never make decoding fail: a package this machine cannot load (here: not a package
     at all) is reported once in the log and the request runs on the eager reference; "build" says what to do."""
-    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECQUANT_CACHE", str(own_cache(tmp_path)))
     model = _model(0)
     need = PROMPT.shape[1] + 8
     layout = model.cache_layout(1, aot.capacity_for(need, CFG["max_position_embeddings"]), static=True)
@@ -252,7 +252,7 @@ def test_w4_model_packages_with_its_native_kernel(tmp_path, monkeypatch, activat
 
     if activations == "int8" and w4a8.FAMILY.library() is None:
         pytest.skip(f"W4A8 kernel unavailable: {w4a8.FAMILY.why()}")
-    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECQUANT_CACHE", str(own_cache(tmp_path)))
 
     def w4_model():
         model = randomize_(Transformer(ModelConfig(**CFG)), 0).eval()

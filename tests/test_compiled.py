@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import own_cache
 
 from specquant.decode.compiled import Stepper
 from specquant.spec_decode.engine import generate
@@ -121,7 +122,7 @@ def _cache_child(tmp_path, *variants: str) -> list[dict]:
     import subprocess
     import sys
 
-    env = dict(os.environ, SPECQUANT_CACHE=str(tmp_path), OMP_NUM_THREADS="1")
+    env = dict(os.environ, SPECQUANT_CACHE=str(own_cache(tmp_path)), OMP_NUM_THREADS="1")
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     res = subprocess.run([sys.executable, "-c", CACHE_CHILD, *variants], env=env, capture_output=True, text=True,
                          timeout=600)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _qwen35_models import VOCAB, hf_model
+from conftest import own_cache
 
 from specquant.decode.compiled import Stepper
 from specquant.decode.graphs import GraphStepper, warm_up
@@ -81,7 +82,7 @@ def test_aot_packages_on_a_hybrid_bind_and_match_eager(tmp_path, monkeypatch):
     the eager engine; a second engine in "cached" mode loads the packages instead of building them."""
     from specquant.decode import aot
 
-    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECQUANT_CACHE", str(own_cache(tmp_path)))
     target, draft = _pair()
     spec_eager = SpecEngine(target, draft, CFG).generate(PROMPT, 24, stop_on_eos=False)
     engine = SpecEngine(target, draft, CFG, aot="build")
@@ -164,7 +165,7 @@ def test_generate_cli_runs_a_random_hybrid_with_its_defaults(tmp_path, monkeypat
     from specquant.loader import load_model
     from specquant.model.checkpoint import BUNDLED_DIR, load_tokenizer, save_model
 
-    monkeypatch.setenv("SPECQUANT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECQUANT_CACHE", str(own_cache(tmp_path / "cache")))
     model = ours(hf_model("gva", 4, seed=3, vocab_size=8192))  # the bundled tokenizer's vocabulary
     path = save_model(model, tmp_path / "hybrid", tokenizer_from=BUNDLED_DIR / "tiny-target")
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5_text"
