@@ -41,9 +41,10 @@ def test_compiled_generate_and_spec_match_eager():
     target, draft = _model(0, layers=2), _model(1, layers=1)
     prompt = torch.randint(0, 80, (1, 17), generator=torch.Generator().manual_seed(2))
     eager = generate(target, prompt, 24, stop_on_eos=False).token_ids
-    # requests of other lengths that fit the cache (other token-buffer strides) reuse the one decode graph; their
-    # eager runs first, since an eager run gives the model eager caches, a compiled one static caches
-    others = [(prompt[:, :n], new) for n, new in ((17, 10), (9, 20))]
+    # requests of other lengths (other token-buffer strides; the last one longer than the first request) reuse the
+    # one decode graph: the cache's size is a bucket (decode/aot.capacity_for). Their eager runs first, since an
+    # eager run gives the model eager caches, a compiled one static caches
+    others = [(prompt[:, :n], new) for n, new in ((17, 10), (9, 20), (17, 60))]
     others_eager = [generate(target, p, new, stop_on_eos=False).token_ids for p, new in others]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

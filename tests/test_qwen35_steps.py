@@ -54,8 +54,7 @@ def test_compiled_steps_on_a_hybrid_match_eager():
     """torch.compile of the decode step and of the 4-token verify step: greedy tokens identical to eager, target
     only and speculative, two graphs in all; a request of another length at other positions reuses them (the
     DeltaNet record's offset is a device tensor and its counters stay outside the graph: nothing recompiles per
-    position; the steps get a contiguous copy of the tokens: nor per request length, which sets the token buffer's
-    stride)."""
+    position; the steps get a contiguous copy of the tokens and the cache a size bucket: nor per request length)."""
     target, draft = _pair()
     eager = generate(target, PROMPT, 24, stop_on_eos=False).token_ids
     spec_eager = SpecEngine(target, draft, CFG).generate(PROMPT, 24, stop_on_eos=False)
@@ -67,9 +66,9 @@ def test_compiled_steps_on_a_hybrid_match_eager():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     stepper = Stepper(target, compile=True, compile_shapes=(1, 4))
-    # speculative first: its caches hold the draft's room too, so the target-only request then fits them
-    _spec_matches(spec_eager, SpecEngine(stepper, draft, CFG).generate(PROMPT, 24, stop_on_eos=False))
+    # target-only first, then speculative, which needs more positions (the draft's room): the same size bucket
     assert generate(stepper, PROMPT, 24, stop_on_eos=False).token_ids == eager
+    _spec_matches(spec_eager, SpecEngine(stepper, draft, CFG).generate(PROMPT, 24, stop_on_eos=False))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs == 2
     _spec_matches(other_eager, SpecEngine(stepper, draft, CFG).generate(other, 15, stop_on_eos=False))

@@ -79,7 +79,14 @@ class Stepper:
                                          build=self.aot == "build", loaded=self.aot_loaded,
                                          keys=self.aot_keys)
         if not self.aot_steps:  # no packages: the eager reference (or torch.compile's static cache)
-            self.model.setup_cache(batch, max_seq_len, static=self.compile, **kw)
+            capacity = max_seq_len
+            if self.compile:
+                # the graphs are specialized to the cache's size: the AOT packages' buckets (powers of two from 256),
+                # so a longer request recompiles only when it outgrows its bucket, not whenever it is the longest yet
+                from specquant.decode.aot import capacity_for
+
+                capacity = capacity_for(max_seq_len, self.model.config.max_position_embeddings)
+            self.model.setup_cache(batch, capacity, static=self.compile, **kw)
 
     def __call__(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
         t = tokens.shape[1]
