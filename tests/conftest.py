@@ -34,7 +34,7 @@ from specquant.util.files import cache_root
 # One inductor cache for the whole run, both workers and their subprocesses: the one a compiling process of ours
 # picks (decode/compile_cache.py), fixed here before any test moves SPECQUANT_CACHE. Without it each process kept
 # the directory of the first test in it that compiled (a test's own SPECQUANT_CACHE, often), and every fresh one
-# redid inductor's CPU-feature probes (about ten C++ builds) and the kernels other tests had compiled. The tests of
+# redid inductor's CPU-feature probes (C++ builds of their own) and the kernels other tests had compiled. The tests of
 # where compiled code lands unset it in their own scope; a user's own TORCHINDUCTOR_CACHE_DIR is kept.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
 KERNELS = cache_root() / "kernels"  # the native kernels `scripts/setup.sh` built (kernels/build.py)
@@ -42,13 +42,14 @@ KERNELS = cache_root() / "kernels"  # the native kernels `scripts/setup.sh` buil
 
 def own_cache(path: Path) -> Path:
     """A SPECQUANT_CACHE of a test's own, for what it checks about compiled graphs and AOT packages, holding the
-    run's native kernels (a link): otherwise each such test compiled them again (seconds of C++ each). Those are
+    run's native kernels (a link): otherwise each such test compiled them again (a C++ build each). Those are
     keyed by source, flags and CPU (kernels/build.py), so sharing them is what a second process of a user does."""
     path.mkdir(parents=True, exist_ok=True)
     KERNELS.mkdir(parents=True, exist_ok=True)
     if not (path / "kernels").is_symlink():
         (path / "kernels").symlink_to(KERNELS, target_is_directory=True)
     return path
+
 
 VOCAB = 101
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

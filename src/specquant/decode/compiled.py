@@ -32,8 +32,8 @@ def _raise_recompile_limit(n: int = 64):
 
 def _dense(tokens: torch.Tensor) -> torch.Tensor:
     """A compiled step's tokens: a contiguous copy. The caller's are a slice of the request's token buffer, their row
-    stride that buffer's length; a graph compiled with dynamic=False guards on strides, so as they were every new
-    request length recompiled the step, and an AOT package was compiled for a [batch, T] tensor's own strides.
+    stride that buffer's length; a graph compiled with dynamic=False guards on strides, so passed as they were, every
+    new request length recompiled the step; and an AOT package was compiled for a [batch, T] tensor's own strides.
     (clone, not .contiguous(): a one-row slice counts as contiguous whatever its row stride.)"""
     return tokens.clone(memory_format=torch.contiguous_format)
 
