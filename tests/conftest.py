@@ -26,10 +26,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specquant.decode.compile_cache import compile_cache_dir
+from specquant.kernels.build import cache_dir as kernels_dir
 from specquant.model.checkpoint import BUNDLED_DIR, load_dense_into, save_model
 from specquant.model.config import ModelConfig
 from specquant.model.decoder import Transformer
-from specquant.util.files import cache_root
 
 # One inductor cache for the whole run, both workers and their subprocesses: the one a compiling process of ours
 # picks (decode/compile_cache.py), fixed here before any test moves SPECQUANT_CACHE. Without it each process kept
@@ -37,7 +37,7 @@ from specquant.util.files import cache_root
 # redid inductor's CPU-feature probes (C++ builds of their own) and the kernels other tests had compiled. The tests of
 # where compiled code lands unset it in their own scope; a user's own TORCHINDUCTOR_CACHE_DIR is kept.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
-KERNELS = cache_root() / "kernels"  # the native kernels `scripts/setup.sh` built (kernels/build.py)
+KERNELS = kernels_dir()  # where `scripts/setup.sh` built the native kernels, fixed before any test moves it
 
 
 def own_cache(path: Path) -> Path:
