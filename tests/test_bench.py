@@ -479,7 +479,8 @@ def test_demo_quick_quantizes_benches_and_reuses_its_cache(pair, hybrid_pair, tm
             if r["status"] != "ok":
                 continue
             timed = sum(s["latency_s"] for e in r["categories"].values() for ss in e["samples"].values() for s in ss)
-            assert r["seconds"] >= timed > 0  # its timed runs, plus its warm-up and acceptance passes
+            # its timed runs, plus its warm-up and acceptance passes; results.json rounds seconds to 0.01 s
+            assert r["seconds"] + 0.005 >= timed > 0
 
 
 def test_rows_keep_what_they_need_and_carry_their_interval(pair, tmp_path):
