@@ -26,6 +26,9 @@ trap stop_background EXIT
 # use by `specquant bench --engine llama.cpp`. SPECQUANT_SKIP_LLAMA_CPP=1 skips the build deliberately (the tests
 # that need the binaries then skip instead of failing).
 if [ "${1:-}" = --test ] && [ "${SPECQUANT_SKIP_LLAMA_CPP:-0}" != 1 ]; then
+  # ninja first (a small wheel, also in the export and test extras): the build runs on it when it finds it
+  [ -x .venv/bin/ninja ] || .venv/bin/pip install -q "ninja>=1.11" \
+    || echo "scripts/setup.sh: the ninja wheel did not install; llama.cpp builds with make (slower)" >&2
   PYTHONPATH=src setsid .venv/bin/python -m specquant.export.llama_cpp_build >/dev/null &
   bg_jobs+=("$!|-|building llama.cpp's tools failed (its error above)")
 fi

@@ -122,13 +122,7 @@ add_executable(other other.c)
 def test_count_steps_equals_the_step_lines_of_a_real_makefiles_build(tmp_path, targets):
     """The count from the generated Makefiles is the number of step lines the build then prints, for targets that
     share a library (built once, then only "Built target") and leaving out one not asked for."""
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "CMakeLists.txt").write_text(TINY_PROJECT)
-    for name in ("a", "b", "c"):
-        (src / f"{name}.c").write_text(f"int {name}(void) {{ return 1; }}\n")
-    for name in ("one", "two", "other"):
-        (src / f"{name}.c").write_text("int main(void) { return 0; }\n")
+    src = _tiny_project(tmp_path)
     env = {**os.environ, "CMAKE_GENERATOR": "Unix Makefiles"}
     subprocess.run(["cmake", "-S", src, "-B", tmp_path / "b"], check=True, capture_output=True, env=env)
     total = lb.count_steps(tmp_path / "b", targets)
@@ -139,6 +133,63 @@ def test_count_steps_equals_the_step_lines_of_a_real_makefiles_build(tmp_path, t
         progress.feed(line)
     # one: base (a.o, b.o, link), mid (c.o, link), one.o + link; two: two.o + link; `other` is never built
     assert total == progress.done == {("one", "two"): 9, ("two",): 5}[targets]
+
+
+def _tiny_project(tmp_path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "CMakeLists.txt").write_text(TINY_PROJECT)
+    for name in ("a", "b", "c"):
+        (src / f"{name}.c").write_text(f"int {name}(void) {{ return 1; }}\n")
+    for name in ("one", "two", "other"):
+        (src / f"{name}.c").write_text("int main(void) { return 0; }\n")
+    return src
+
+
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("cc")), reason="needs cmake and cc")
+def test_a_real_ninja_build_reaches_its_own_step_count(tmp_path, monkeypatch):
+    """Where a ninja is found (the test extras install the wheel), the build configures with Ninja and the
+    progress line follows ninja's own "[N/M]" counts to the end; without one it is cmake's default."""
+    monkeypatch.delenv("CMAKE_GENERATOR", raising=False)
+    generator = lb.generator_options()
+    if not generator:
+        pytest.skip("no ninja beside this Python or on PATH (pip install ninja)")
+    src = _tiny_project(tmp_path)
+    subprocess.run(["cmake", "-S", src, "-B", tmp_path / "b", *generator], check=True, capture_output=True)
+    assert (tmp_path / "b" / "build.ninja").is_file() and lb.count_steps(tmp_path / "b", ["one"]) is None
+    out = subprocess.run(["cmake", "--build", tmp_path / "b", "-j", "2", "--target", "one", "two"], check=True,
+                         capture_output=True, text=True).stdout
+    progress = lb.Progress(None, io.StringIO())
+    for line in out.splitlines():
+        progress.feed(line)
+    # a.o, b.o, c.o, one.o, two.o, the two libraries and the two executables; `other` is never built
+    assert progress.done == progress.total == 9 and progress.fraction() == 1.0
+
+
+def test_generator_is_ninja_where_one_is_found_and_make_is_needed_only_without(tmp_path, monkeypatch):
+    """Ninja beside this Python (a venv's, from the wheel) or on PATH; a CMAKE_GENERATOR the user set wins; with no
+    ninja, cmake's default (Makefiles) and then make is a required build tool, named in one line."""
+    venv_bin, other = tmp_path / "venv" / "bin", tmp_path / "other"
+    venv_bin.mkdir(parents=True)
+    other.mkdir()
+    for name in ("cmake", "c++"):
+        (other / name).symlink_to("/bin/true")
+    monkeypatch.setenv("PATH", str(other))
+    monkeypatch.delenv("CMAKE_GENERATOR", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(sys, "executable", str(venv_bin / "python"))
+    assert lb.generator_options() == ()
+    with pytest.raises(SpecquantError, match=r"needs make \(make not found on PATH\)"):
+        lb.check_build_tools()
+    (venv_bin / "ninja").symlink_to("/bin/true")
+    assert lb.generator_options() == ("-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={venv_bin / 'ninja'}")
+    lb.check_build_tools()  # no make needed
+    monkeypatch.setenv("CMAKE_GENERATOR", "Unix Makefiles")
+    assert lb.generator_options() == ()
+    (venv_bin / "ninja").unlink()
+    monkeypatch.delenv("CMAKE_GENERATOR")
+    (other / "ninja").symlink_to("/bin/true")
+    assert lb.generator_options() == ("-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={other / 'ninja'}")
 
 
 LEAN_PROJECT = """cmake_minimum_required(VERSION 3.14)

@@ -113,10 +113,24 @@ def ensure_built(root: Path | None = None, jobs: int | None = None, stream=None)
     return bin_dir
 
 
+def generator_options() -> tuple[str, ...]:
+    """cmake's generator: Ninja when a `ninja` is found (beside this Python, e.g. the venv's from the `ninja` wheel
+    that setup.sh installs, or on PATH), else cmake's default, Makefiles; a CMAKE_GENERATOR the user set is kept.
+    Why Ninja: the same compile commands (same flags, same objects) finish sooner on few cores, because Ninja starts a
+    target's objects while the libraries it links are still building, where Makefiles wait for them, so cores sit
+    idle less often (docs/BENCH.md, "CI time")."""
+    if os.environ.get("CMAKE_GENERATOR"):
+        return ()
+    ninja = shutil.which("ninja", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    return ("-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}") if ninja else ()
+
+
 def check_build_tools() -> None:
-    """One error naming the first missing build tool (a C++ compiler: $CXX, c++, g++ or clang++)."""
+    """One error naming the first missing build tool (a C++ compiler: $CXX, c++, g++ or clang++; make where no
+    ninja is found)."""
     compilers = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
-    for need, names in (("cmake", ["cmake"]), ("make", ["make"]), ("a C++ compiler", compilers)):
+    runner = [] if generator_options() else [("make", ["make"])]
+    for need, names in (("cmake", ["cmake"]), *runner, ("a C++ compiler", compilers)):
         if not any(shutil.which(n) for n in names):
             raise SpecquantError(f"building llama.cpp's tools needs {need} ({' or '.join(names)} not found on "
                                  "PATH); install it (e.g. apt-get install cmake make g++), or pass --llama-cpp DIR "
@@ -143,9 +157,11 @@ def build(root: Path, jobs: int | None = None, stream=None) -> Path:
             if flavour:
                 print("llama.cpp: this CPU has AMX; building without ggml's AMX matmul, which crashes here "
                       "(export/llama_cpp_build.py, AMX_FLAGS)", file=stream, flush=True)
-            _run(["cmake", "-S", src, "-B", work / "build", *options], log, log_path, stream)
+            generator = generator_options()
+            _run(["cmake", "-S", src, "-B", work / "build", *generator, *options], log, log_path, stream)
             progress = Progress(count_steps(work / "build", TOOLS), stream)
-            print(f"llama.cpp: building {len(TOOLS)} tools with {jobs} jobs", file=stream, flush=True)
+            runner = "ninja" if generator else os.environ.get("CMAKE_GENERATOR", "make")
+            print(f"llama.cpp: building {len(TOOLS)} tools with {jobs} jobs ({runner})", file=stream, flush=True)
             _run(["cmake", "--build", work / "build", "--config", "Release", "-j", str(jobs), "--target", *TOOLS],
                  log, log_path, stream, progress.feed)
         progress.finish()
