@@ -12,13 +12,15 @@
 #     server-context), and common's per-token parts (common.cpp, sampling.cpp, speculative.cpp, the n-gram caches,
 #     log.cpp). Optimization level never changes results here: no -ffast-math either way, and ggml's kernels are
 #     untouched.
-#  2. Unity builds (CMake's UNITY_BUILD) for llama-common, mtmd (8 sources per translation unit) and server-context
-#     (3: it is built last, after everything it links, so larger batches would leave a core idle at the end). Their
+#  2. Unity builds (CMake's UNITY_BUILD) for llama-common (16 sources per translation unit: all in one, jinja's
+#     value.cpp meets a specialization after its instantiation), mtmd and server-context (each one unit). Their
 #     files are many, and most of each one's compile time goes to the same heavy headers (nlohmann's json.hpp, the
-#     server's and common's own); batched, those are parsed once per batch. llama.cpp itself builds libllama's
-#     model files this way (src/CMakeLists.txt) and keeps its core files out; so do we.
-#     Files that do not compile batched stay alone: common/json.cpp (explicit specializations after a batched
-#     file's instantiation) and mtmd-helper*.cpp (they refuse mtmd's internal headers, which a batch brings in).
+#     server's and common's own); batched, those are parsed once per batch. Ninja (llama_cpp_build.generator_options)
+#     starts these units while the libraries they link still build, so one large unit leaves no core idle at the
+#     end. llama.cpp itself builds libllama's model files this way (src/CMakeLists.txt) and keeps its core files
+#     out; so do we. Files that do not compile batched stay alone: common/json.cpp (explicit specializations after a
+#     batched file's instantiation) and mtmd-helper*.cpp (they refuse mtmd's internal headers, which a batch brings
+#     in).
 include_guard(GLOBAL)
 if(CMAKE_VERSION VERSION_LESS 3.19)
   return()  # no deferred calls: everything builds as llama.cpp's own CMake files say
@@ -75,7 +77,7 @@ function(_specquant_lean)
       set_source_files_properties(${cold} TARGET_DIRECTORY ${target} PROPERTIES COMPILE_OPTIONS -O1)
     endif()
   endforeach()
-  foreach(target_batch llama-common:8 mtmd:8 server-context:3)
+  foreach(target_batch llama-common:16 mtmd:64 server-context:64)
     _specquant_pair("${target_batch}" target batch)
     if(TARGET ${target})
       set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE ${batch})
