@@ -149,7 +149,7 @@ def _tiny_project(tmp_path) -> Path:
 @pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("cc")), reason="needs cmake and cc")
 def test_a_real_ninja_build_reaches_its_own_step_count(tmp_path, monkeypatch):
     """Where a ninja is found (the test extras install the wheel), the build configures with Ninja and the
-    progress line follows ninja's own "[N/M]" counts to the end; without one it is cmake's default."""
+    progress line follows ninja's own "[N/M]" counts to the end."""
     monkeypatch.delenv("CMAKE_GENERATOR", raising=False)
     generator = lb.generator_options()
     if not generator:
