@@ -133,8 +133,8 @@ def check_build_tools() -> None:
     for need, names in (("cmake", ["cmake"]), *runner, ("a C++ compiler", compilers)):
         if not any(shutil.which(n) for n in names):
             raise SpecquantError(f"building llama.cpp's tools needs {need} ({' or '.join(names)} not found on "
-                                 "PATH); install it (e.g. apt-get install cmake g++, and make or `pip install ninja`), or pass --llama-cpp DIR "
-                                 "holding prebuilt binaries")
+                                 "PATH); install it (e.g. apt-get install cmake g++, and make or `pip install "
+                                 "ninja`), or pass --llama-cpp DIR holding prebuilt binaries")
 
 
 def build(root: Path, jobs: int | None = None, stream=None) -> Path:
