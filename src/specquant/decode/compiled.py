@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from specquant.decode import aot as aot_packages  # (`aot` is the mode's name here)
 from specquant.decode.compile_cache import use_compile_cache
 from specquant.errors import SpecquantError
 from specquant.model.decoder import Transformer
@@ -51,10 +52,8 @@ class Stepper:
 
     def __init__(self, model: Transformer, compile: bool = False, compile_shapes: tuple[int, ...] | None = (1,),
                  aot: str = "off", aot_shapes: tuple[tuple[int, bool], ...] = ((1, True),)):
-        from specquant.decode.aot import AOT_MODES  # decode.aot imports this module (its cache directory)
-
-        if aot not in AOT_MODES:
-            raise SpecquantError(f"aot mode {aot!r} is not one of {', '.join(AOT_MODES)}")
+        if aot not in aot_packages.AOT_MODES:
+            raise SpecquantError(f"aot mode {aot!r} is not one of {', '.join(aot_packages.AOT_MODES)}")
         if aot != "off" and compile:
             raise SpecquantError("torch.compile and AOT packages are two ways to compile the same steps; pick one")
         self.model = model
@@ -73,19 +72,15 @@ class Stepper:
     def setup(self, batch: int, max_seq_len: int, **kw):
         self.aot_steps = {}
         if self.aot != "off":
-            from specquant.decode import aot
-
-            self.aot_steps = aot.prepare(self.model, self.aot_shapes, batch, max_seq_len, kw,
-                                         build=self.aot == "build", loaded=self.aot_loaded,
-                                         keys=self.aot_keys)
+            self.aot_steps = aot_packages.prepare(self.model, self.aot_shapes, batch, max_seq_len, kw,
+                                                  build=self.aot == "build", loaded=self.aot_loaded,
+                                                  keys=self.aot_keys)
         if not self.aot_steps:  # no packages: the eager reference (or torch.compile's static cache)
             capacity = max_seq_len
             if self.compile:
                 # the graphs are specialized to the cache's size: the AOT packages' buckets (powers of two from 256),
                 # so a longer request recompiles only when it outgrows its bucket, not whenever it is the longest yet
-                from specquant.decode.aot import capacity_for
-
-                capacity = capacity_for(max_seq_len, self.model.config.max_position_embeddings)
+                capacity = aot_packages.capacity_for(max_seq_len, self.model.config.max_position_embeddings)
             self.model.setup_cache(batch, capacity, static=self.compile, **kw)
 
     def __call__(self, tokens: torch.Tensor, start: int, last_only: bool, hidden_layers: tuple[int, ...] = ()):
